@@ -1,0 +1,36 @@
+# Trellis: `make serve` runs the local stack, `make test` runs every test.
+# Both create .venv and install what they need. Without a GPU (no nvidia-smi)
+# the CPU build of torch is pinned; with one, the GPU extra is added.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+comma := ,
+TORCH := $(if $(HAS_GPU),torch>=2.10,torch==2.13.0)
+EXTRAS := $(if $(HAS_GPU),test$(comma)gpu,test)
+MODEL ?= default
+REPLICAS ?= 1
+PORT ?= 8000
+
+.PHONY: install serve test proto clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/python -m deploy.local --model $(MODEL) --replicas $(REPLICAS) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+# Regenerate the gRPC stubs from proto/ (grpcio-tools pinned in pyproject.toml).
+proto: install
+	$(BIN)/python -m tulip.protogen
+
+clean:
+	rm -rf $(VENV) build *.egg-info

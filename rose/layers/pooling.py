@@ -1,0 +1,27 @@
+"""Pooling a ragged batch's hidden states into one vector per sequence."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+POOLING_MODES = ("cls", "mean", "last")
+
+
+def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
+    """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device."""
+    if mode == "cls":
+        return hidden.index_select(0, cu_seqlens[:-1].long())
+    if mode == "last":
+        return hidden.index_select(0, cu_seqlens[1:].long() - 1)
+    if mode == "mean":
+        n = cu_seqlens.shape[0] - 1
+        sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, seq_ids, hidden.float())
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).unsqueeze(1).float()
+        return sums / lens
+    raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x.float(), p=2, dim=-1)

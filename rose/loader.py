@@ -1,0 +1,81 @@
+"""Strict weight loading from safetensors into a model built on the meta device.
+
+Every checkpoint tensor must land in exactly one parameter (after the model's
+name map) with the right shape, and every parameter must be filled: unknown
+or missing keys are errors, not warnings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def _map_name(model: nn.Module, key: str) -> tuple[str, int | None] | None:
+    """Checkpoint key -> (our parameter name, shard index or None); None = ignored."""
+    for prefix in getattr(model, "strip_prefixes", ()):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    ignored = getattr(model, "ignored", None)
+    if ignored is not None and ignored.search(key):
+        return None
+    for src, (dst, shard) in getattr(model, "stacked_params", {}).items():
+        if src in key:
+            return key.replace(src, dst), shard
+    return key, None
+
+
+def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Materialise `model` (built on meta) on `device` in `dtype` from path/*.safetensors."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    shard_counts: dict[str, int] = {}
+    for _, (dst, _) in getattr(model, "stacked_params", {}).items():
+        shard_counts[dst] = shard_counts.get(dst, 0) + 1
+    filled: dict[str, set[int | None]] = {}
+    unknown: list[str] = []
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    mapped = _map_name(model, key)
+                    if mapped is None:
+                        continue
+                    name, shard = mapped
+                    param = params.get(name)
+                    if param is None:
+                        unknown.append(key)
+                        continue
+                    target = param
+                    if shard is not None:
+                        n = next(c for d, c in shard_counts.items() if d in name)
+                        rows = param.shape[0] // n
+                        target = param[shard * rows:(shard + 1) * rows]
+                    tensor = f.get_tensor(key)
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(target.shape)} for {name}"
+                        )
+                    if shard in filled.get(name, set()):
+                        raise ValueError(f"{file.name}: {key} loaded twice")
+                    target.copy_(tensor.to(dtype))
+                    filled.setdefault(name, set()).add(shard)
+    if unknown:
+        raise ValueError(f"checkpoint {path} has unexpected tensors: {sorted(unknown)[:20]}")
+    missing = []
+    for name in params:
+        want = next((c for d, c in shard_counts.items() if d in name), None)
+        got = filled.get(name, set())
+        if (want is None and not got) or (want is not None and len(got) != want):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensors for: {missing[:20]}")
+    return model.eval().requires_grad_(False)

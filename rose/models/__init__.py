@@ -1,0 +1,12 @@
+"""Model families by Hugging Face `model_type`."""
+
+from rose.models.bert import BertModel
+
+MODELS = {"bert": BertModel}
+
+
+def model_class(model_type: str):
+    try:
+        return MODELS[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: {sorted(MODELS)})") from None

@@ -1,0 +1,123 @@
+"""BERT (BertModel, as in all-MiniLM-L6-v2) over a ragged batch.
+
+Parameter names follow Hugging Face's BertModel so checkpoints load with a
+small map; the one change is that query/key/value are stacked into one `qkv`
+GEMM (`stacked_params`). The pooler is not used by embedding models and is
+skipped when loading.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from rose.layers.activation import get_activation
+from rose.layers.attention import AttentionBackend, AttentionMetadata
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.word_embeddings = nn.Embedding(cfg["vocab_size"], h)
+        self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
+        self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
+        self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.head_dim = h // self.num_heads
+        self.qkv = nn.Linear(h, 3 * h)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        return attn(q, k, v, meta).reshape(x.shape[0], -1)
+
+
+class BertDenseLayerNorm(nn.Module):
+    """`dense` then residual add then `LayerNorm` (BertSelfOutput and BertOutput)."""
+
+    def __init__(self, d_in: int, d_out: int, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(d_in, d_out)
+        self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
+        self.self = BertSelfAttention(cfg)
+        self.output = BertDenseLayerNorm(h, h, eps)
+
+    def forward(self, x, meta, attn):
+        return self.output(self.self(x, meta, attn), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.dense = nn.Linear(cfg["hidden_size"], cfg["intermediate_size"])
+        self.act = get_activation(cfg.get("hidden_act", "gelu"))
+
+    def forward(self, x):
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
+
+    def forward(self, x, meta, attn):
+        x = self.attention(x, meta, attn)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+
+
+class BertModel(nn.Module):
+    # Checkpoint names -> ours: strip these prefixes, skip what matches `ignored`,
+    # and stack q/k/v into qkv (shard index along dim 0).
+    strip_prefixes = ("bert.", "model.")
+    ignored = re.compile(r"(^|\.)position_ids$|^pooler\.")
+    stacked_params = {
+        ".attention.self.query.": (".attention.self.qkv.", 0),
+        ".attention.self.key.": (".attention.self.qkv.", 1),
+        ".attention.self.value.": (".attention.self.qkv.", 2),
+    }
+    causal = False
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
+        self.hidden_size = cfg["hidden_size"]
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            x = layer(x, meta, attn)
+        return x

@@ -1,0 +1,1 @@
+"""Shared contracts: the generated gRPC stubs (trellis.tulip.v1) and config plumbing (trellis.cli)."""

@@ -1,0 +1,72 @@
+"""A small asyncio client for Tulip, for Ivy and for internal scorers.
+
+    async with TulipClient("127.0.0.1:50051") as c:
+        info = await c.info()
+        vecs = await c.embed([[101, 7592, 102], [101, 2088, 102]])   # float32 [2, dim]
+
+Sequences are pre-tokenized (token ids); the client packs them as int32 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+
+
+def pack(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[bytes, list[int]]:
+    """Token-id sequences -> (int32 little-endian bytes, lengths)."""
+    lengths = [len(s) for s in seqs]
+    if not seqs:
+        return b"", lengths
+    return np.concatenate([np.asarray(s, dtype="<i4") for s in seqs]).tobytes(), lengths
+
+
+def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
+    """EmbedReply -> float32 array of reply.shape."""
+    return np.frombuffer(reply.embeddings, dtype="<f4").reshape(tuple(reply.shape))
+
+
+class TulipClient:
+    """One channel to one Tulip replica."""
+
+    def __init__(self, target: str, max_message_mb: int = 64):
+        mb = max_message_mb << 20
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", mb),
+            ("grpc.max_send_message_length", mb),
+            ("grpc.keepalive_time_ms", 30_000),
+        ])
+        self.stub = tulip_pb2_grpc.TulipStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> "TulipClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def info(self, timeout: float | None = 5.0) -> tulip_pb2.InfoReply:
+        return await self.stub.Info(tulip_pb2.InfoRequest(), timeout=timeout)
+
+    async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None) -> np.ndarray:
+        ids, lengths = pack(seqs)
+        reply = await self.stub.Embed(
+            tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions), timeout=timeout
+        )
+        return unpack(reply)
+
+    async def healthy(self, timeout: float = 1.0) -> bool:
+        try:
+            r = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING

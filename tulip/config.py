@@ -1,0 +1,42 @@
+"""Tulip's configuration: one frozen dataclass, flags and TULIP_* environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trellis.cli import field, parse
+
+
+@dataclass(frozen=True)
+class TulipConfig:
+    """Tulip: the gRPC inference server for one model on one device."""
+
+    model: str = field("default", "model directory (Hugging Face layout) or 'default' (all-MiniLM-L6-v2)")
+    served_model_name: str = field("", "name reported by Info; defaults to the directory name")
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(50051, "gRPC port (0 picks a free one)")
+    device: str = field("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    attention: str = field("auto", "attention backend", choices=("auto", "sdpa", "varlen"))
+    max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
+    max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
+    drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
+    max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not in 0..65535")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1")
+        if self.max_queued_tokens < self.max_batch_tokens:
+            raise ValueError(
+                f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
+            )
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds {self.drain_seconds} must be >= 0")
+        if self.max_message_mb < 1:
+            raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "TulipConfig":
+        return parse(cls, argv, "TULIP")

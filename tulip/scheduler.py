@@ -1,0 +1,89 @@
+"""First-come-first-served token-budget scheduler (pure Python, no GPU, no asyncio).
+
+Requests wait in arrival order. `next_batch()` takes sequences from the front
+until the next one would exceed the token budget; a request's sequences may be
+spread over several batches, and a later request never overtakes an earlier
+one. Nothing is sorted by length: the cost of a step is close to linear in its
+tokens, so sorting buys nothing and makes short requests wait (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Request:
+    """One caller's sequences, packed: `ids[offsets[i]:offsets[i] + lengths[i]]` is sequence i.
+
+    `rows` receives one output row per sequence as batches complete; `pending`
+    counts those still missing. `cancelled` requests are skipped when batching.
+    """
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    offsets: np.ndarray = field(init=False)
+    rows: list = field(init=False)
+    pending: int = field(init=False)
+    cancelled: bool = False
+
+    def __post_init__(self):
+        self.offsets = np.zeros(len(self.lengths), dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
+        self.rows = [None] * len(self.lengths)
+        self.pending = len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def seq(self, i: int) -> np.ndarray:
+        o = int(self.offsets[i])
+        return self.ids[o:o + int(self.lengths[i])]
+
+
+class Scheduler:
+    """FCFS queue of requests, cut into batches of at most `max_batch_tokens` tokens."""
+
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16):
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self._queue: deque[list] = deque()  # [request, next sequence index]
+        self.queued_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, req: Request) -> None:
+        if int(req.lengths.max()) > self.max_batch_tokens:
+            raise ValueError(
+                f"a sequence of {int(req.lengths.max())} tokens exceeds the batch budget of {self.max_batch_tokens}"
+            )
+        self._queue.append([req, 0])
+        self.queued_tokens += req.num_tokens
+
+    def next_batch(self) -> list[tuple[Request, int]]:
+        """Pop the next batch as (request, sequence index) slots, in arrival order."""
+        slots: list[tuple[Request, int]] = []
+        tokens = 0
+        q = self._queue
+        while q and len(slots) < self.max_batch_seqs:
+            entry = q[0]
+            req, i = entry
+            if req.cancelled:
+                q.popleft()
+                self.queued_tokens -= int(req.lengths[i:].sum())
+                continue
+            n = int(req.lengths[i])
+            if tokens + n > self.max_batch_tokens:
+                break
+            slots.append((req, i))
+            tokens += n
+            self.queued_tokens -= n
+            entry[1] = i + 1
+            if entry[1] == len(req.lengths):
+                q.popleft()
+        return slots

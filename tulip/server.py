@@ -1,0 +1,225 @@
+"""Tulip's gRPC server: validate requests, queue them, step the engine, reply.
+
+One asyncio event loop runs the grpc.aio server and one engine loop. The
+engine loop takes FCFS batches from the `Scheduler`, calls `engine.step()`,
+awaits the `LazyTensor` without blocking the event loop and scatters rows to
+the waiting requests. A bad request is answered INVALID_ARGUMENT before it is
+queued; an engine failure fails only the requests in that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rose.batch import Batch
+from rose.engine import Engine, EngineConfig
+from rose.modeldir import default_served_name
+from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+from tulip.config import TulipConfig
+from tulip.scheduler import Request, Scheduler
+
+log = logging.getLogger("tulip")
+SERVICE_NAME = "trellis.tulip.v1.Tulip"
+
+
+def parse_request(req: tulip_pb2.EmbedRequest, vocab_size: int, max_seq_len: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check an EmbedRequest and unpack it; raise ValueError with a caller-facing message."""
+    if not req.lengths:
+        raise ValueError("request has no sequences (lengths is empty)")
+    if len(req.token_ids) % 4:
+        raise ValueError(f"token_ids has {len(req.token_ids)} bytes, not a multiple of 4 (int32 little-endian)")
+    ids = np.frombuffer(req.token_ids, dtype="<i4")
+    lengths = np.asarray(req.lengths, dtype=np.int64)
+    if int(lengths.sum()) != ids.shape[0]:
+        raise ValueError(f"lengths add up to {int(lengths.sum())} tokens but token_ids holds {ids.shape[0]}")
+    if (lengths == 0).any():
+        raise ValueError(f"sequence {int(np.argmin(lengths))} is empty")
+    longest = int(lengths.max())
+    if longest > max_seq_len:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"sequence {i} has {longest} tokens; this model accepts at most {max_seq_len}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if req.dimensions > dim:
+        raise ValueError(f"dimensions {req.dimensions} exceeds the model's embedding size {dim}")
+    for o in req.outputs:
+        if o not in (tulip_pb2.OUTPUT_UNSPECIFIED, tulip_pb2.OUTPUT_DENSE):
+            raise ValueError(f"output {tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o} is not supported by this model")
+    return ids, lengths
+
+
+def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
+    """Matryoshka truncation to `dims` (0 = keep all), then L2 re-normalisation."""
+    if dims == 0 or dims == vectors.shape[1]:
+        return vectors
+    v = vectors[:, :dims]
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+
+
+class EngineLoop:
+    """Owns the scheduler and the engine; completes each request's future."""
+
+    def __init__(self, engine: Engine, cfg: TulipConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.scheduler = Scheduler(cfg.max_batch_tokens)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        # On CPU the forward runs in the step; keep it off the event loop.
+        self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="tulip-engine-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._executor:
+            self._executor.shutdown(wait=False)
+
+    async def submit(self, req: Request) -> np.ndarray:
+        """Queue `req` and wait for its [n, dim] float32 result."""
+        if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
+            raise OverflowError(
+                f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds {req.num_tokens}, "
+                f"limit {self.cfg.max_queued_tokens}"
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[id(req)] = fut
+        self.scheduler.add(req)
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+        finally:
+            self._futures.pop(id(req), None)
+
+    async def _step(self, batch: Batch) -> np.ndarray:
+        if self._executor is None:
+            lazy = self.engine.step(batch)
+        else:
+            lazy = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch)
+        return (await lazy).numpy()
+
+    async def _run(self) -> None:
+        while True:
+            if not len(self.scheduler):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            slots = self.scheduler.next_batch()
+            if not slots:
+                continue
+            try:
+                out = await self._step(Batch.from_sequences([r.seq(i) for r, i in slots]))
+            except Exception as e:  # an engine failure fails this batch only
+                log.exception("engine step failed for %d sequences", len(slots))
+                for r, _ in slots:
+                    fut = self._futures.get(id(r))
+                    if fut and not fut.done():
+                        fut.set_exception(RuntimeError(f"engine step failed: {e}"))
+                    r.cancelled = True
+                continue
+            for row, (r, i) in enumerate(slots):
+                r.rows[i] = out[row]
+                r.pending -= 1
+                if r.pending == 0:
+                    fut = self._futures.get(id(r))
+                    if fut and not fut.done():
+                        fut.set_result(np.stack(r.rows))
+
+
+class TulipServicer(tulip_pb2_grpc.TulipServicer):
+    def __init__(self, loop: EngineLoop, served_name: str):
+        self.loop = loop
+        e = loop.engine
+        self.info = tulip_pb2.InfoReply(
+            model=served_name,
+            embedding_dim=e.embedding_dim,
+            max_seq_len=e.spec.max_seq_len,
+            vocab_size=e.spec.vocab_size,
+            pooling=e.spec.pooling,
+            normalized=e.spec.normalize,
+            outputs=[tulip_pb2.OUTPUT_DENSE],
+            dtype=str(e.dtype).removeprefix("torch."),
+            device=str(e.device),
+            max_batch_tokens=loop.cfg.max_batch_tokens,
+        )
+
+    async def Info(self, request, context):
+        return self.info
+
+    async def Embed(self, request, context):
+        info = self.info
+        try:
+            ids, lengths = parse_request(request, info.vocab_size, info.max_seq_len, info.embedding_dim)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            vectors = await self.loop.submit(Request(ids, lengths))
+        except OverflowError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        vectors = truncate_dims(vectors, request.dimensions)
+        return tulip_pb2.EmbedReply(
+            embeddings=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
+            shape=vectors.shape,
+            prompt_tokens=int(lengths.sum()),
+        )
+
+
+async def serve(cfg: TulipConfig) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
+    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention))
+    if cfg.max_batch_tokens < engine.spec.max_seq_len:
+        raise ValueError(
+            f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "
+            f"{engine.spec.max_seq_len}"
+        )
+    loop = EngineLoop(engine, cfg)
+    loop.start()
+    mb = cfg.max_message_mb << 20
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", mb),
+        ("grpc.max_send_message_length", mb),
+        ("grpc.so_reuseport", 0),
+    ])
+    servicer = TulipServicer(loop, cfg.served_model_name or default_served_name(cfg.model, engine.spec.path))
+    tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("tulip serving %s on %s:%d", servicer.info.model, cfg.host, port)
+    print(f"TULIP_READY {cfg.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("tulip: draining (up to %.1f s)", cfg.drain_seconds)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=cfg.drain_seconds)
+    await loop.stop()
+    log.info("tulip: stopped")
+    return 0
