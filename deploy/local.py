@@ -1,0 +1,138 @@
+"""python -m deploy.local --model default --replicas 1 --port 8000
+
+Starts N Tulip replicas and one Ivy as child processes on loopback, waits until
+Ivy reports ready, prints the base URL, and on SIGINT/SIGTERM stops them all
+(Ivy first, then the Tulips, each given time to drain) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 1.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except Exception:
+        return 0
+
+
+class Stack:
+    """The child processes of one local deployment."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.url = f"http://{args.host}:{args.port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True)
+        self.procs.append((name, p))
+
+    def start(self) -> None:
+        a = self.args
+        targets = []
+        for i in range(a.replicas):
+            port = free_port()
+            targets.append(f"127.0.0.1:{port}")
+            argv = ["-m", "tulip", "--model", a.model, "--port", str(port), "--device", a.device, "--dtype", a.dtype]
+            if a.device == "cuda" and a.replicas > 1:
+                argv[-3] = f"cuda:{i}"
+            if a.served_model_name:
+                argv += ["--served-model-name", a.served_model_name]
+            self._spawn(f"tulip-{i}", argv)
+        argv = ["-m", "ivy", "--model", a.model, "--host", a.host, "--port", str(a.port)]
+        for t in targets:
+            argv += ["--tulip", t]
+        if a.served_model_name:
+            argv += ["--served-model-name", a.served_model_name]
+        self._spawn("ivy", argv)
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs:
+                if p.poll() is not None:
+                    print(f"deploy.local: {name} exited with code {p.returncode}", file=sys.stderr)
+                    return False
+            if _get(self.url + "/ready") == 200:
+                return True
+            time.sleep(0.25)
+        print(f"deploy.local: not ready after {timeout:.0f} s", file=sys.stderr)
+        return False
+
+    def stop(self, grace: float = 15.0) -> None:
+        # Ivy first so no new work reaches the Tulips, then all Tulips drain together.
+        ivy = [x for x in self.procs if x[0] == "ivy"]
+        for group in (ivy, [x for x in self.procs if x[0] != "ivy"]):
+            for _, p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for name, p in group:
+                try:
+                    p.wait(grace)
+                except subprocess.TimeoutExpired:
+                    print(f"deploy.local: {name} did not stop in {grace:.0f} s; killing it", file=sys.stderr)
+                    p.kill()
+                    p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="model directory or 'default' (all-MiniLM-L6-v2)")
+    ap.add_argument("--replicas", type=int, default=1, help="Tulip processes (one per GPU on a GPU host)")
+    ap.add_argument("--host", default="127.0.0.1", help="Ivy's listen address")
+    ap.add_argument("--port", type=int, default=8000, help="Ivy's HTTP port")
+    ap.add_argument("--device", default="auto", help="Tulip device: auto | cpu | cuda")
+    ap.add_argument("--dtype", default="auto", help="Tulip dtype: auto | float32 | bfloat16 | float16")
+    ap.add_argument("--served-model-name", default="", help="model name clients use")
+    ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error(f"--replicas {args.replicas} must be >= 1")
+
+    stack = Stack(args)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack.start()
+    try:
+        if not stack.wait_ready(args.ready_timeout):
+            return 1
+        print(f"Trellis is ready: {stack.url}  (OpenAI base URL {stack.url}/v1; Ctrl-C stops)", flush=True)
+        while not stopping:
+            for name, p in stack.procs:
+                if p.poll() is not None:
+                    print(f"deploy.local: {name} exited with code {p.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""python -m ivy --port 8000 --tulip HOST:PORT [--tulip ...] --model PATH: serve the HTTP API."""
+
+import logging
+import os
+import sys
+
+import uvicorn
+
+from ivy.config import IvyConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = IvyConfig.from_args(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http="httptools",
+              timeout_graceful_shutdown=10)
+    try:
+        if cfg.workers == 1:
+            from ivy.app import create_app
+
+            uvicorn.run(create_app(cfg), **kw)
+        else:
+            os.environ["IVY_CONFIG_JSON"] = cfg.to_json()
+            uvicorn.run("ivy.app:create_app_from_env", factory=True, workers=cfg.workers, **kw)
+    except ValueError as e:
+        print(f"ivy: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Ivy's FastAPI application: the OpenAI-compatible HTTP API in front of Tulip.
+
+Routes: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health
+(process alive), GET /ready (a Tulip answers its health check), GET /metrics.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+
+import grpc
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.responses import Response
+
+from ivy import errors
+from ivy.balancer import Balancer
+from ivy.config import IvyConfig
+from ivy.errors import APIError
+from ivy.schemas import EmbeddingRequest
+from ivy.tokenizer import TextTokenizer
+from rose.modeldir import ModelSpec, default_served_name, resolve_model_path
+from trellis.tulip.v1 import tulip_pb2
+
+log = logging.getLogger("ivy")
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ivy_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry)
+        self.latency = Histogram(
+            "ivy_request_seconds", "embedding request latency", registry=self.registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.tokens = Counter("ivy_prompt_tokens", "tokens embedded", registry=self.registry)
+
+
+def _json(body: dict, status: int = 200) -> Response:
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
+
+
+ROUTES = {"/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
+EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": EmbeddingRequest.model_json_schema()}}}}
+
+
+class LimitAndCount:
+    """ASGI middleware: 413 for bodies over the limit (by Content-Length), and request counts by status."""
+
+    def __init__(self, app, max_body: int, metrics: Metrics):
+        self.app, self.max_body, self.metrics = app, max_body, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        path = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
+                resp = errors.error_response(
+                    413, f"request body of {int(v)} bytes exceeds the limit of {self.max_body} bytes")
+                self.metrics.requests.labels(path, "413").inc()
+                return await resp(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(cfg: IvyConfig) -> FastAPI:
+    model_path = resolve_model_path(cfg.model)
+    spec = ModelSpec.read(model_path)
+    served = cfg.served_model_name or default_served_name(cfg.model, model_path)
+    tokenizer = TextTokenizer(model_path, spec.max_seq_len, cfg.tokenize_offload_chars)
+    metrics = Metrics()
+    created = int(time.time())
+    balancer: Balancer  # gRPC channels must be made on the server's event loop: see lifespan
+
+    @asynccontextmanager
+    async def lifespan(app):
+        nonlocal balancer
+        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens)
+        app.state.balancer = balancer
+        yield
+        await balancer.close()
+
+    app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(LimitAndCount, max_body=cfg.max_request_mb << 20, metrics=metrics)
+    errors.install(app)
+
+    async def model_info() -> tulip_pb2.InfoReply:
+        info = await balancer.info()
+        if info is None:
+            raise APIError(503, "no inference server is reachable yet; retry shortly", None, "replica_unavailable")
+        return info
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": created, "owned_by": "trellis"}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if await balancer.ready():
+            return {"status": "ready"}
+        return errors.error_response(503, "no inference server answers its health check", None, "not_ready")
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != served:
+            raise APIError(404, f"model '{model_id}' does not exist; this server serves '{served}'", "model", "model_not_found")
+        return model_card()
+
+    @app.post("/v1/embeddings", openapi_extra=EMBEDDINGS_BODY)
+    async def embeddings(request: Request):
+        t0 = time.perf_counter()
+        req = errors.parse_body(EmbeddingRequest, await request.body())
+        if req.model is not None and req.model != served:
+            raise APIError(404, f"model '{req.model}' does not exist; this server serves '{served}'", "model", "model_not_found")
+        info = await model_info()
+        seqs = await _sequences(req, info)
+        dims = 0
+        if req.dimensions is not None:
+            if not 1 <= req.dimensions <= info.embedding_dim:
+                raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}", "dimensions")
+            dims = req.dimensions
+        try:
+            vectors = await balancer.embed(seqs, dims, cfg.request_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_grpc(e) from None
+        tokens = int(sum(len(s) for s in seqs))
+        if req.encoding_format == "base64":
+            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()}
+                    for i, v in enumerate(vectors)]
+        else:
+            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        metrics.latency.observe(time.perf_counter() - t0)
+        metrics.tokens.inc(tokens)
+        return _json({"object": "list", "data": data, "model": served,
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> list[np.ndarray]:
+        inp = req.input
+        if isinstance(inp, str):
+            inp = [inp]
+        if not inp:
+            raise APIError(400, "'input' must not be empty", "input")
+        if len(inp) > cfg.max_inputs:
+            raise APIError(400, f"'input' has {len(inp)} items; at most {cfg.max_inputs} are accepted per request", "input")
+        if isinstance(inp[0], str):
+            for i, s in enumerate(inp):
+                if not s:
+                    raise APIError(400, f"input {i} is an empty string", "input")
+            return await tokenizer.encode(inp, req.truncate)
+        if isinstance(inp[0], int):
+            inp = [inp]
+        seqs = []
+        for i, ids in enumerate(inp):
+            if not ids:
+                raise APIError(400, f"input {i} is an empty token array", "input")
+            a = np.asarray(ids, dtype=np.int64)
+            lo, hi = int(a.min()), int(a.max())
+            if lo < 0 or hi >= info.vocab_size:
+                raise APIError(400, f"input {i} has token id {lo if lo < 0 else hi}, outside the vocabulary [0, {info.vocab_size})", "input")
+            if len(a) > info.max_seq_len:
+                if not req.truncate:
+                    raise APIError(
+                        400, f"input {i} has {len(a)} tokens, more than this model's maximum of {info.max_seq_len}; "
+                        "shorten it or send \"truncate\": true", "input", "context_length_exceeded")
+                a = a[: info.max_seq_len]
+            seqs.append(a.astype(np.int32))
+        return seqs
+
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """uvicorn factory for multi-worker runs: the config travels in IVY_CONFIG_JSON."""
+    return create_app(IvyConfig.from_json(os.environ["IVY_CONFIG_JSON"]))

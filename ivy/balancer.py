@@ -1,0 +1,115 @@
+"""The one balancer: chunks a request on a token budget and sends each chunk to
+the least-loaded Tulip replica (fewest outstanding tokens), retrying a chunk on
+another replica when one is unavailable. Results come back in input order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from tulip.client import TulipClient
+from trellis.tulip.v1 import tulip_pb2
+
+log = logging.getLogger("ivy.balancer")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+DOWN_SECONDS = 2.0
+
+
+class Replica:
+    def __init__(self, target: str):
+        self.client = TulipClient(target)
+        self.target = target
+        self.outstanding = 0  # tokens sent and not yet answered
+        self.down_until = 0.0
+
+
+def chunk(seqs: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
+    """Split [0, len(seqs)) into consecutive (start, end) runs of at most `budget` tokens (>= 1 seq each)."""
+    runs, start, tokens = [], 0, 0
+    for i, s in enumerate(seqs):
+        if i > start and tokens + len(s) > budget:
+            runs.append((start, i))
+            start, tokens = i, 0
+        tokens += len(s)
+    runs.append((start, len(seqs)))
+    return runs
+
+
+class Balancer:
+    def __init__(self, targets: tuple[str, ...], max_chunk_tokens: int):
+        self.replicas = [Replica(t) for t in targets]
+        self.max_chunk_tokens = max_chunk_tokens
+        self._rr = itertools.count()
+        self._info: tulip_pb2.InfoReply | None = None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+
+    def pick(self, exclude: set[Replica]) -> Replica | None:
+        """Least outstanding tokens among replicas not excluded; replicas marked down come last."""
+        now = time.monotonic()
+        candidates = [r for r in self.replicas if r not in exclude]
+        if not candidates:
+            return None
+        turn = next(self._rr)
+        n = len(self.replicas)
+        return min(candidates, key=lambda r: (r.down_until > now, r.outstanding, (self.replicas.index(r) - turn) % n))
+
+    async def info(self) -> tulip_pb2.InfoReply | None:
+        """The served model's Info, from the first replica that answers (cached)."""
+        if self._info is None:
+            for r in self.replicas:
+                try:
+                    self._info = await r.client.info(timeout=2.0)
+                    break
+                except grpc.aio.AioRpcError:
+                    continue
+        return self._info
+
+    async def ready(self) -> bool:
+        checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))
+        return any(checks)
+
+    async def _send(self, seqs: list[np.ndarray], dimensions: int, deadline: float) -> tuple[np.ndarray, int]:
+        tokens = sum(len(s) for s in seqs)
+        tried: set[Replica] = set()
+        last: grpc.aio.AioRpcError | None = None
+        while (r := self.pick(tried)) is not None:
+            tried.add(r)
+            r.outstanding += tokens
+            try:
+                out = await r.client.embed(seqs, dimensions, timeout=max(deadline - time.monotonic(), 0.001))
+                r.down_until = 0.0
+                return out, tokens
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                log.warning("replica %s unavailable (%s); retrying elsewhere", r.target, e.details())
+                r.down_until = time.monotonic() + DOWN_SECONDS
+                last = e
+            finally:
+                r.outstanding -= tokens
+        assert last is not None  # there is always at least one replica
+        raise last
+
+    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float) -> np.ndarray:
+        """Embed all `seqs` (chunked over replicas); float32 [len(seqs), dim] in input order."""
+        deadline = time.monotonic() + timeout
+        runs = chunk(seqs, self.max_chunk_tokens)
+        if len(runs) == 1:
+            return (await self._send(seqs, dimensions, deadline))[0]
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, deadline)) for a, b in runs]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        return np.concatenate([p for p, _ in parts])

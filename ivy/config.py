@@ -1,0 +1,55 @@
+"""Ivy's configuration: one frozen dataclass, flags and IVY_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from trellis.cli import field, parse
+
+
+@dataclass(frozen=True)
+class IvyConfig:
+    """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
+
+    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT (repeat the flag for several)")
+    model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
+    served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(8000, "HTTP port")
+    workers: int = field(1, "uvicorn worker processes")
+    max_chunk_tokens: int = field(8192, "a request is cut into chunks of at most this many tokens, one per replica call")
+    max_inputs: int = field(2048, "most inputs accepted in one request")
+    max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
+    request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
+    tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
+    log_level: str = field("info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug"))
+
+    def __post_init__(self):
+        if not self.tulip:
+            raise ValueError("at least one --tulip HOST:PORT is required")
+        for t in self.tulip:
+            host, sep, port = t.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--tulip {t!r} is not HOST:PORT")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not in 0..65535")
+        for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s {self.request_timeout_s} must be > 0")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "IvyConfig":
+        return parse(cls, argv, "IVY")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> "IvyConfig":
+        d = json.loads(s)
+        d["tulip"] = tuple(d["tulip"])
+        return cls(**d)

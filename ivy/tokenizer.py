@@ -1,0 +1,49 @@
+"""Tokenization with the model's own tokenizer.json (Hugging Face `tokenizers`)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ivy.errors import APIError
+
+
+class TextTokenizer:
+    """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request."""
+
+    def __init__(self, model_path: Path, max_len: int, offload_chars: int):
+        path = Path(model_path) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{model_path} has no tokenizer.json")
+        self.exact = Tokenizer.from_file(str(path))
+        self.exact.no_truncation()
+        self.exact.no_padding()
+        self.truncating = Tokenizer.from_file(str(path))
+        self.truncating.no_padding()
+        self.truncating.enable_truncation(max_len)
+        self.max_len = max_len
+        self.offload_chars = offload_chars
+
+    def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        tok = self.truncating if truncate else self.exact
+        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
+
+    async def encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        """Encode; large batches go to a worker thread (the Rust encoder releases the GIL)."""
+        if sum(map(len, texts)) > self.offload_chars:
+            seqs = await asyncio.to_thread(self._encode, texts, truncate)
+        else:
+            seqs = self._encode(texts, truncate)
+        if not truncate:
+            for i, s in enumerate(seqs):
+                if len(s) > self.max_len:
+                    raise APIError(
+                        400,
+                        f"input {i} has {len(s)} tokens, more than this model's maximum of {self.max_len}; "
+                        "shorten it or send \"truncate\": true",
+                        "input", "context_length_exceeded",
+                    )
+        return seqs
