@@ -1,0 +1,94 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status
+    except Exception:
+        return 0
+
+
+class Proc:
+    """A real child process (python -m ...) with its output captured to a file."""
+
+    def __init__(self, args: list[str], tmp: Path, env: dict | None = None):
+        self.log = tmp / f"{args[1].replace('.', '_')}-{time.monotonic_ns()}.log"
+        e = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {}))
+        self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=e, stdout=self.log.open("w"),
+                                  stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, check, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"process exited {self.p.returncode}:\n{self.output()[-3000:]}")
+            if check():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout}s:\n{self.output()[-3000:]}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from rose.modeldir import resolve_model_path
+
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def st_model(model_path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model_path), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from rose.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="default", device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def tulip_server(tmp_path_factory):
+    """One real Tulip process serving the default model on a free loopback port."""
+    port = free_port()
+    proc = Proc(["-m", "tulip", "--model", "default", "--port", str(port), "--device", "cpu",
+                 "--max-queued-tokens", "20000"], tmp_path_factory.mktemp("tulip"))
+    proc.wait_for(lambda: "TULIP_READY" in proc.output())
+    yield f"127.0.0.1:{port}", proc
+    proc.stop()

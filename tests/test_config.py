@@ -1,0 +1,53 @@
+"""Flags and environment variables map onto the frozen configs in one place, with clear errors."""
+
+import dataclasses
+
+import pytest
+
+from ivy.config import IvyConfig
+from tulip.config import TulipConfig
+
+
+def test_flags_env_and_defaults(monkeypatch):
+    monkeypatch.setenv("TULIP_MAX_BATCH_TOKENS", "4096")
+    monkeypatch.setenv("TULIP_PORT", "6000")
+    cfg = TulipConfig.from_args(["--model", "/m", "--port", "7000", "--dtype", "bfloat16"])
+    assert (cfg.model, cfg.port, cfg.dtype, cfg.max_batch_tokens, cfg.host) == ("/m", 7000, "bfloat16", 4096, "127.0.0.1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.port = 1
+
+
+def test_every_field_is_documented():
+    for cls in (TulipConfig, IvyConfig):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+def test_repeated_and_env_list(monkeypatch):
+    cfg = IvyConfig.from_args(["--tulip", "a:1", "--tulip", "b:2"])
+    assert cfg.tulip == ("a:1", "b:2")
+    monkeypatch.setenv("IVY_TULIP", "c:3,d:4")
+    assert IvyConfig.from_args([]).tulip == ("c:3", "d:4")
+    assert IvyConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("cls, argv, fragment", [
+    (TulipConfig, ["--port", "70000"], "port 70000"),
+    (TulipConfig, ["--max-batch-tokens", "0"], "max_batch_tokens 0"),
+    (TulipConfig, ["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (TulipConfig, ["--port", "abc"], "invalid int value: 'abc'"),
+    (IvyConfig, [], "at least one --tulip"),
+    (IvyConfig, ["--tulip", "nohostport"], "'nohostport' is not HOST:PORT"),
+])
+def test_bad_values_quote_the_value(cls, argv, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        cls.from_args(argv)
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_bad_env_value(monkeypatch, capsys):
+    monkeypatch.setenv("TULIP_DRAIN_SECONDS", "soon")
+    with pytest.raises(SystemExit):
+        TulipConfig.from_args([])
+    assert "TULIP_DRAIN_SECONDS='soon'" in capsys.readouterr().err

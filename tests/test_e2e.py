@@ -1,0 +1,169 @@
+"""The whole path with real processes: deploy.local -> Ivy (HTTP) -> Tulip (gRPC) -> ROSE,
+driven by the official openai client, checked against sentence-transformers."""
+
+import re
+import signal
+import socket
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.conftest import Proc, free_port, http_status
+from tests.sentences import SENTENCES
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    port = free_port()
+    # Two replicas and a small chunk budget so that batched requests are split across both.
+    proc = Proc(["-m", "deploy.local", "--model", "default", "--replicas", "2", "--port", str(port),
+                 "--device", "cpu"], tmp_path_factory.mktemp("stack"), env={"IVY_MAX_CHUNK_TOKENS": "256"})
+    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+    url = f"http://127.0.0.1:{port}"
+    yield url, proc
+    if proc.p.poll() is None:
+        proc.stop(signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def cosines(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_health_ready_models(stack, client):
+    url, _ = stack
+    assert http_status(url + "/health") == 200
+    assert http_status(url + "/ready") == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_parity_with_sentence_transformers(client, st_model):
+    ref = st_model.encode(SENTENCES, batch_size=64)
+    batched = client.embeddings.create(model=MODEL, input=SENTENCES)
+    assert [d.index for d in batched.data] == list(range(len(SENTENCES)))
+    got = np.array([d.embedding for d in batched.data])
+    assert got.shape == (len(SENTENCES), 384)
+    assert cosines(got, ref).min() >= 0.9999
+    singles = np.array([client.embeddings.create(model=MODEL, input=s).data[0].embedding for s in SENTENCES[:20]])
+    assert cosines(singles, ref[:20]).min() >= 0.9999
+
+
+def test_base64_and_float_agree_and_usage(client, st_model):
+    texts = SENTENCES[:7]
+    f = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    # With no encoding_format the official client asks for base64 and decodes it as float32 itself.
+    d = client.embeddings.create(model=MODEL, input=texts)
+    b = client.embeddings.create(model=MODEL, input=texts, encoding_format="base64")
+    ff = np.array([x.embedding for x in f.data])
+    np.testing.assert_allclose(ff, np.array([x.embedding for x in d.data]), atol=1e-7)
+    import base64
+
+    bb = np.array([np.frombuffer(base64.b64decode(x.embedding), dtype="<f4") for x in b.data])
+    np.testing.assert_allclose(ff, bb, atol=1e-7)
+    n_tokens = sum(len(st_model.tokenizer(t)["input_ids"]) for t in texts)
+    assert f.usage.prompt_tokens == f.usage.total_tokens == n_tokens
+    assert f.model == MODEL and f.object == "list"
+
+
+def test_raw_base64_is_float32_little_endian(stack):
+    import base64
+
+    r = httpx.post(stack[0] + "/v1/embeddings", json={"input": "hi", "model": MODEL, "encoding_format": "base64"})
+    v = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    assert v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-5
+
+
+def test_token_inputs_and_dimensions(client, st_model):
+    ids = [st_model.tokenizer(t)["input_ids"] for t in SENTENCES[:3]]
+    by_text = client.embeddings.create(model=MODEL, input=SENTENCES[:3])
+    by_ids = client.embeddings.create(model=MODEL, input=ids)
+    one = client.embeddings.create(model=MODEL, input=ids[0])
+    np.testing.assert_allclose([d.embedding for d in by_ids.data], [d.embedding for d in by_text.data], atol=1e-6)
+    np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, atol=1e-6)
+    short = client.embeddings.create(model=MODEL, input=SENTENCES[:3], dimensions=64)
+    s = np.array([d.embedding for d in short.data])
+    full = np.array([d.embedding for d in by_text.data])[:, :64]
+    assert s.shape == (3, 64)
+    np.testing.assert_allclose(s, full / np.linalg.norm(full, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_truncate_extension(client):
+    long = "word " * 400
+    r = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate": True})
+    assert r.usage.prompt_tokens == 256
+
+
+@pytest.mark.parametrize("kwargs, status, fragment", [
+    (dict(input=[]), 400, "must not be empty"),
+    (dict(input=""), 400, "empty string"),
+    (dict(input=[[]]), 400, "empty token array"),
+    (dict(input="hi", model="no-such-model"), 404, "does not exist"),
+    (dict(input="word " * 300), 400, "302 tokens, more than this model's maximum of 256"),
+    (dict(input=[[101, 50000]]), 400, "outside the vocabulary"),
+    (dict(input="hi", dimensions=0), 400, "dimensions must be between 1 and 384"),
+    (dict(input="hi", dimensions=385), 400, "dimensions must be between 1 and 384"),
+])
+def test_openai_client_errors(client, kwargs, status, fragment):
+    kwargs.setdefault("model", MODEL)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.embeddings.create(**kwargs)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert fragment in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"input": [1, "a"]}, "'input' must be"),
+    ({"input": 3.5}, "'input' must be"),
+    ({"input": [[1.5]]}, "'input' must be"),
+    ({"input": True}, "'input' must be"),
+    ({"model": MODEL}, "'input' is required"),
+    ({"input": "x", "encoding_format": "int"}, "encoding_format"),
+    ({"input": "x", "dimensions": "8"}, "dimensions"),
+    ([1, 2], "JSON object"),
+])
+def test_wrong_types_are_400_not_500(stack, body, fragment):
+    r = httpx.post(stack[0] + "/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_malformed_and_oversized_bodies(stack):
+    url = stack[0] + "/v1/embeddings"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"x" * (33 << 20))
+    assert r.status_code == 413
+    r = httpx.post(url, json={"input": "still fine", "model": MODEL})
+    assert r.status_code == 200
+
+
+def test_metrics_count_requests(stack):
+    text = httpx.get(stack[0] + "/metrics").text
+    assert re.search(r'ivy_requests_total\{route="/v1/embeddings",status="200"\} [1-9]', text)
+    assert re.search(r'ivy_requests_total\{route="/v1/embeddings",status="400"\} [1-9]', text)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sigint_stops_everything(stack):
+    url, proc = stack
+    tulips = [int(p) for p in re.findall(r"TULIP_READY 127\.0\.0\.1:(\d+)", proc.output())]
+    assert len(tulips) == 2
+    assert proc.stop(signal.SIGINT) == 0
+    ivy_port = int(url.rsplit(":", 1)[1])
+    assert not any(_port_open(p) for p in [ivy_port, *tulips])

@@ -1,0 +1,190 @@
+"""ROSE on CPU: BERT parity with transformers / sentence-transformers, batch invariance,
+strict loading, pooling modes, and the LazyTensor contract."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from rose.batch import Batch
+from rose.engine import Engine, EngineConfig
+from rose.lazy import LazyTensor
+from tests.sentences import SENTENCES
+
+
+def hf_reference(hf_model, seqs, pooling):
+    """Padded transformers forward, pooled like sentence-transformers."""
+    n, L = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(n, L, dtype=torch.long)
+    mask = torch.zeros(n, L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    with torch.no_grad():
+        h = hf_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    if pooling == "cls":
+        return h[:, 0]
+    m = mask.unsqueeze(-1).float()
+    return (h * m).sum(1) / m.sum(1)
+
+
+def step(engine, seqs):
+    return engine.step(Batch.from_sequences(seqs)).synchronize()
+
+
+def test_minilm_matches_sentence_transformers(engine, st_model):
+    seqs = [st_model.tokenizer(t, truncation=True, max_length=256)["input_ids"] for t in SENTENCES]
+    ours = step(engine, seqs)
+    ref = st_model.encode(SENTENCES, convert_to_tensor=True, batch_size=64)
+    cos = F.cosine_similarity(ours, ref)
+    assert cos.min().item() >= 0.9999, cos
+    assert torch.allclose(ours.norm(dim=1), torch.ones(len(seqs)), atol=1e-5)
+
+
+def test_minilm_matches_transformers_mixed_lengths(engine, model_path):
+    from transformers import BertModel
+
+    hf = BertModel.from_pretrained(str(model_path), attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    max_len = engine.spec.max_seq_len
+    seqs = [[101, 102], [101], [101] + torch.randint(1000, 30000, (max_len - 2,), generator=g).tolist() + [102],
+            torch.randint(1000, 30000, (37,), generator=g).tolist(), [7592]]
+    ref = F.normalize(hf_reference(hf, seqs, "mean"), dim=-1)
+    cos = F.cosine_similarity(step(engine, seqs), ref)
+    assert cos.min().item() >= 0.9999, cos
+
+
+def test_batch_invariance(engine):
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1000, 30000, (n,), generator=g).tolist() for n in (1, 5, 64, 200, 256, 13)]
+    together = step(engine, seqs)
+    for i, s in enumerate(seqs):
+        alone = step(engine, [s])[0]
+        assert F.cosine_similarity(alone, together[i], dim=0).item() >= 0.99999
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A small random BERT saved by transformers (no sentence-transformers files: CLS pooling)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=96)
+    model = BertModel(cfg, add_pooling_layer=True).eval()
+    path = tmp_path_factory.mktemp("tiny-bert")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def test_tiny_random_bert_cls_pooling(tiny_bert):
+    path, hf = tiny_bert
+    e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert (e.spec.pooling, e.spec.normalize, e.spec.max_seq_len) == ("cls", False, 96)
+    seqs = [[1, 2, 3], [5] * 96, [9], list(range(10, 60))]
+    ours = step(e, seqs)
+    ref = hf_reference(hf, seqs, "cls")
+    assert F.cosine_similarity(ours, ref).min().item() >= 0.9999
+    assert torch.allclose(ours, ref, atol=1e-4)
+
+
+def _edit_checkpoint(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"encoder.layer.0.extra.weight": torch.zeros(2)}), "unexpected tensors"),
+    (lambda t: t.pop("encoder.layer.1.output.dense.bias"), "missing tensors"),
+    (lambda t: t.pop("encoder.layer.0.attention.self.key.weight"), "missing tensors"),
+    (lambda t: t.update({"embeddings.word_embeddings.weight": torch.zeros(3, 64)}), "has shape"),
+])
+def test_loading_is_strict(tiny_bert, tmp_path, edit, message):
+    path = _edit_checkpoint(tiny_bert[0], tmp_path / "edited", edit)
+    with pytest.raises(ValueError, match=message):
+        Engine(EngineConfig(model=str(path), device="cpu"))
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(EngineConfig(model=str(tmp_path / "nope")))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt9", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt9'"):
+        Engine(EngineConfig(model=str(tmp_path)))
+    with pytest.raises(ValueError, match="dtype 'fp8'"):
+        EngineConfig(dtype="fp8")
+
+
+def test_batch_packing():
+    b = Batch.from_sequences([[5, 6, 7], np.array([8]), [9, 10]])
+    assert b.input_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert b.positions.tolist() == [0, 1, 2, 0, 0, 1]
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 6] and b.cu_seqlens.dtype == torch.int32
+    assert b.seq_ids.tolist() == [0, 0, 0, 1, 2, 2]
+    assert (b.max_seqlen, b.seq_lens, b.num_seqs, b.num_tokens) == (3, (3, 1, 2), 3, 6)
+    with pytest.raises(ValueError, match="empty sequence at index 1"):
+        Batch.from_sequences([[1], []])
+
+
+def test_lazy_tensor_contract_on_cpu():
+    t = torch.arange(6.0).reshape(2, 3)
+    lazy = LazyTensor.from_device(t)
+    assert lazy.ready()
+    assert lazy.synchronize() is t
+
+    async def wait():
+        return await LazyTensor.from_device(t)
+
+    assert torch.equal(asyncio.run(wait()), t)
+
+
+class _SlowEvent:
+    """Stands in for a CUDA event (no GPU here): completes after `delay` seconds."""
+
+    def __init__(self, delay):
+        import time
+
+        self.t = time.monotonic() + delay
+
+    def query(self):
+        import time
+
+        return time.monotonic() >= self.t
+
+    def synchronize(self):
+        import time
+
+        time.sleep(max(0.0, self.t - time.monotonic()))
+
+
+def test_lazy_tensor_await_does_not_block_the_loop():
+    lazy = LazyTensor(torch.ones(2), _SlowEvent(0.3))
+    assert not lazy.ready()
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        out = await lazy
+        task.cancel()
+        return out, ticks
+
+    out, ticks = asyncio.run(main())
+    assert torch.equal(out, torch.ones(2)) and ticks >= 10  # the loop kept running while we waited
+    assert lazy.ready()

@@ -1,0 +1,59 @@
+"""FCFS token-budget scheduler: order, budget, spanning, cancellation (pure Python)."""
+
+import numpy as np
+import pytest
+
+from tulip.scheduler import Request, Scheduler
+
+
+def req(*lens):
+    lengths = np.array(lens, dtype=np.int64)
+    return Request(np.arange(int(lengths.sum()), dtype=np.int32), lengths)
+
+
+def test_budget_and_fcfs_order():
+    s = Scheduler(max_batch_tokens=100)
+    a, b, c = req(40, 40), req(30), req(10)
+    for r in (a, b, c):
+        s.add(r)
+    assert s.queued_tokens == 120
+    first = s.next_batch()
+    assert [(r is a, i) for r, i in first] == [(True, 0), (True, 1)]  # 80 tokens; b (30) would exceed 100
+    second = s.next_batch()
+    assert [r for r, _ in second] == [b, c]
+    assert s.next_batch() == [] and s.queued_tokens == 0
+
+
+def test_request_spans_batches_and_never_overtaken():
+    s = Scheduler(max_batch_tokens=64)
+    bulk, later = req(*[32] * 5), req(9)
+    s.add(bulk)
+    s.add(later)
+    batches = []
+    while len(s):
+        batches.append([(r, i) for r, i in s.next_batch()])
+    assert [len(b) for b in batches] == [2, 2, 2]
+    assert batches[-1] == [(bulk, 4), (later, 0)]  # the later query fills the last bulk batch's room
+
+
+def test_nine_token_query_first_leaves_in_next_batch():
+    s = Scheduler(max_batch_tokens=512)
+    query, bulk = req(9), req(*[500] * 10)
+    s.add(query)
+    s.add(bulk)
+    batch = s.next_batch()
+    assert batch[0] == (query, 0)
+    assert sum(int(r.lengths[i]) for r, i in batch) <= 512
+
+
+def test_oversize_sequence_rejected_and_cancelled_skipped():
+    s = Scheduler(max_batch_tokens=16)
+    with pytest.raises(ValueError, match="exceeds the batch budget"):
+        s.add(req(17))
+    a, b = req(8, 8, 8), req(4)
+    s.add(a)
+    s.add(b)
+    assert len(s.next_batch()) == 2
+    a.cancelled = True
+    assert s.next_batch() == [(b, 0)]
+    assert s.queued_tokens == 0 and len(s) == 0

@@ -1,0 +1,181 @@
+"""Tulip as a real process on loopback: Info, Embed, validation, backpressure, drain, health."""
+
+import asyncio
+import signal
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from ivy.balancer import Balancer, chunk
+from rose.batch import Batch
+from tests.conftest import Proc, free_port
+from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+from tulip.client import TulipClient, pack
+
+rng = np.random.default_rng(0)
+
+
+def rand_seqs(*lens):
+    return [rng.integers(1000, 30000, n).astype(np.int32) for n in lens]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_info_and_health(tulip_server):
+    target, _ = tulip_server
+
+    async def main():
+        async with TulipClient(target) as c:
+            return await c.info(), await c.healthy()
+
+    info, healthy = run(main())
+    assert healthy
+    assert (info.model, info.embedding_dim, info.max_seq_len, info.vocab_size) == ("all-MiniLM-L6-v2", 384, 256, 30522)
+    assert (info.pooling, info.normalized, list(info.outputs)) == ("mean", True, [tulip_pb2.OUTPUT_DENSE])
+
+
+def test_embed_matches_engine_and_dimensions(tulip_server, engine):
+    target, _ = tulip_server
+    seqs = rand_seqs(3, 256, 1, 40)
+
+    async def main():
+        async with TulipClient(target) as c:
+            return await c.embed(seqs), await c.embed(seqs, dimensions=32)
+
+    full, short = run(main())
+    ref = engine.step(Batch.from_sequences(seqs)).synchronize().numpy()
+    assert full.shape == (4, 384) and full.dtype == np.float32
+    np.testing.assert_allclose(full, ref, atol=1e-5)
+    assert short.shape == (4, 32)
+    np.testing.assert_allclose(np.linalg.norm(short, axis=1), 1.0, atol=1e-5)
+    cut = ref[:, :32] / np.linalg.norm(ref[:, :32], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, cut, atol=1e-5)
+
+
+BAD = [
+    (dict(token_ids=b"", lengths=[]), "no sequences"),
+    (dict(token_ids=b"\x01\x00\x00", lengths=[1]), "not a multiple of 4"),
+    (dict(token_ids=pack([[5, 6]])[0], lengths=[3]), "add up to 3"),
+    (dict(token_ids=pack([[5, 6]])[0], lengths=[2, 0]), "sequence 1 is empty"),
+    (dict(token_ids=pack([[5, 99999]])[0], lengths=[2]), "token id 99999 is outside"),
+    (dict(token_ids=pack([[5, -3]])[0], lengths=[2]), "token id -3 is outside"),
+    (dict(token_ids=pack([[5] * 257])[0], lengths=[257]), "257 tokens; this model accepts at most 256"),
+    (dict(token_ids=pack([[5]])[0], lengths=[1], dimensions=385), "dimensions 385 exceeds"),
+    (dict(token_ids=pack([[5]])[0], lengths=[1], outputs=[7]), "not supported"),
+]
+
+
+def test_bad_requests_rejected_while_others_are_served(tulip_server, engine):
+    target, _ = tulip_server
+    good = rand_seqs(100, 7, 256)
+    ref = engine.step(Batch.from_sequences(good)).synchronize().numpy()
+
+    async def main():
+        async with TulipClient(target) as c:
+            async def bad(kw):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.stub.Embed(tulip_pb2.EmbedRequest(**kw))
+                return e.value
+
+            goods = [c.embed(good) for _ in range(4)]
+            bads = [bad(kw) for kw, _ in BAD]
+            return await asyncio.gather(*goods, *bads)
+
+    out = run(main())
+    for got in out[:4]:
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    for err, (_, message) in zip(out[4:], BAD):
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in err.details()
+
+
+def test_backpressure_resource_exhausted(tulip_server):
+    target, _ = tulip_server  # started with --max-queued-tokens 20000
+
+    async def main():
+        async with TulipClient(target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.embed(rand_seqs(*[256] * 100))
+            ok = await c.embed(rand_seqs(5))
+            return e.value, ok
+
+    err, ok = run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue full" in err.details() and "limit 20000" in err.details()
+    assert ok.shape == (1, 384)
+
+
+def test_deadline_cancels_and_server_keeps_serving(tulip_server):
+    target, _ = tulip_server
+
+    async def main():
+        async with TulipClient(target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.embed(rand_seqs(*[256] * 60), timeout=0.01)
+            return e.value, await c.embed(rand_seqs(9))
+
+    err, ok = run(main())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ok.shape == (1, 384)
+
+
+def test_balancer_retries_on_another_replica_and_keeps_order(tulip_server, engine):
+    target, _ = tulip_server
+    seqs = rand_seqs(*(int(n) for n in rng.integers(1, 120, 30)))
+    ref = engine.step(Batch.from_sequences(seqs)).synchronize().numpy()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def main():
+        b = Balancer((dead, target), max_chunk_tokens=200)
+        try:
+            return await b.embed(seqs, 0, timeout=30), b.replicas[0].down_until > 0
+        finally:
+            await b.close()
+
+    out, marked_down = run(main())
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    assert marked_down
+
+
+def test_chunking_on_token_budget():
+    seqs = [np.zeros(n) for n in (50, 50, 10, 200, 1, 1)]
+    assert chunk(seqs, 100) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+    assert chunk(seqs, 10_000) == [(0, 6)]
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    port = free_port()
+    proc = Proc(["-m", "tulip", "--port", str(port), "--device", "cpu", "--max-batch-tokens", "512"], tmp_path)
+    proc.wait_for(lambda: "TULIP_READY" in proc.output())
+    seqs = rand_seqs(*[256] * 64)
+
+    async def main():
+        async with TulipClient(f"127.0.0.1:{port}") as c:
+            task = asyncio.create_task(c.embed(seqs))
+            await asyncio.sleep(0.2)  # the request is queued and stepping
+            assert not task.done()
+            proc.p.send_signal(signal.SIGTERM)
+            return await task
+
+    out = run(main())
+    assert out.shape == (64, 384)
+    assert proc.p.wait(30) == 0
+    assert "draining" in proc.output()
+
+
+def test_unary_stub_directly(tulip_server):
+    """Internal scorers can use the generated stub without the helper."""
+    target, _ = tulip_server
+
+    async def main():
+        async with grpc.aio.insecure_channel(target) as ch:
+            ids, lengths = pack([[101, 7592, 102]])
+            return await tulip_pb2_grpc.TulipStub(ch).Embed(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths))
+
+    r = run(main())
+    assert list(r.shape) == [1, 384] and r.prompt_tokens == 3
+    assert torch.frombuffer(bytearray(r.embeddings), dtype=torch.float32).norm().item() == pytest.approx(1, abs=1e-5)
