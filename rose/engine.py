@@ -19,9 +19,10 @@ from rose.batch import Batch
 from rose.layers.attention import AttentionMetadata, select_backend
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
-from rose.loader import load_weights
+from rose.loader import load_weights, random_weights
 from rose.modeldir import ModelSpec, resolve_model_path
 from rose.models import model_class
+from rose.presets import RANDOM_WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,11 @@ class Engine:
         cls = model_class(self.spec.model_type)
         with torch.device("meta"):
             model = cls(self.spec.config)
-        self.model = load_weights(model, self.spec.path, self.device, self.dtype)
+        if (self.spec.path / RANDOM_WEIGHTS).is_file():
+            log.warning("engine: %s is a preset: RANDOM WEIGHTS, embeddings are meaningless", self.spec.path.name)
+            self.model = random_weights(model, self.device, self.dtype)
+        else:
+            self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(cls, "causal", False))
         self.attention = select_backend(cfg.attention, self.device, self.dtype)
         log.info(

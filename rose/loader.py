@@ -29,6 +29,21 @@ def _map_name(model: nn.Module, key: str) -> tuple[str, int | None] | None:
     return key, None
 
 
+def random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Materialise `model` with seeded random weights (presets only: real shapes, meaningless outputs)."""
+    model = model.to_empty(device=device).to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("LayerNorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval().requires_grad_(False)
+
+
 def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Materialise `model` (built on meta) on `device` in `dtype` from path/*.safetensors."""
     files = sorted(Path(path).glob("*.safetensors"))

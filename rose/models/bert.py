@@ -27,6 +27,7 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # `positions` already include the family's offset (BertModel.position_offset).
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
@@ -107,6 +108,7 @@ class BertModel(nn.Module):
         ".attention.self.value.": (".attention.self.qkv.", 2),
     }
     causal = False
+    position_offset = 0  # added to 0-based positions (XLM-RoBERTa numbers from pad_token_id + 1)
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -117,6 +119,8 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(cfg)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.embeddings(input_ids, positions)
         for layer in self.encoder.layer:
             x = layer(x, meta, attn)

@@ -1,0 +1,74 @@
+"""Real-shape presets with random weights, for benchmarking where weights cannot be downloaded.
+
+`--model bge-m3` (for example) materialises a model directory under the
+cache (config.json, the sentence-transformers files, a stand-in byte-level
+tokenizer.json and a RANDOM_WEIGHTS marker) and the engine fills the weights
+with seeded random values, logging loudly that it did. A preset has the real
+architecture, shapes and cost; its embeddings mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
+
+PRESETS: dict[str, dict] = {
+    # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
+    "bge-m3": {
+        "config": {
+            "model_type": "xlm-roberta", "architectures": ["XLMRobertaModel"], "vocab_size": 250002,
+            "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "intermediate_size": 4096, "hidden_act": "gelu", "max_position_embeddings": 8194,
+            "type_vocab_size": 1, "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0,
+            "eos_token_id": 2, "position_embedding_type": "absolute",
+        },
+        "pooling": "cls", "normalize": True, "max_seq_length": 8192,
+        "specials": {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}, "wrap": ("<s>", "</s>"),
+    },
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
+
+
+def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str, str], path: Path) -> None:
+    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in <s> ... </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = dict(specials)
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    first, last = wrap
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}", special_tokens=[(first, specials[first]), (last, specials[last])])
+    tok.save(str(path))
+
+
+def materialize(name: str) -> Path:
+    """Write (once) and return the directory of preset `name`."""
+    p = PRESETS[name]
+    d = cache_dir() / name
+    marker = d / RANDOM_WEIGHTS
+    if marker.is_file():
+        return d
+    (d / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(p["config"], indent=2))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if p["normalize"]:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (d / "modules.json").write_text(json.dumps(modules, indent=2))
+    mode = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
+    (d / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": p["config"]["hidden_size"], mode[p["pooling"]]: True}))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
+    _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
+    marker.write_text(f"preset {name}: random weights, stand-in tokenizer; embeddings are meaningless\n")
+    return d
