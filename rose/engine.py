@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rose.batch import Batch
+from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
@@ -37,16 +38,25 @@ class EngineConfig:
     device:    "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
     dtype:     "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16".
     attention: attention backend: "auto", "sdpa" or "varlen".
+    graphs:    CUDA graphs: "lazy" (capture a bucket on its second hit), "eager-all" (on its
+               first) or "off". Only on CUDA with a capturable attention backend.
+    max_graph_tokens: largest token bucket captured; bigger batches run eagerly.
+    max_graph_seqs:   largest sequence-count bucket captured.
     """
 
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
     attention: str = "auto"
+    graphs: str = "lazy"
+    max_graph_tokens: int = 16384
+    max_graph_seqs: int = 256
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.graphs not in ("lazy", "eager-all", "off"):
+            raise ValueError(f"graphs {self.graphs!r} is not one of lazy, eager-all, off")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
@@ -82,6 +92,10 @@ class Engine:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(cls, "causal", False))
         self.attention = select_backend(cfg.attention, self.device, self.dtype)
+        self.runner: GraphRunner | None = None
+        if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
+            gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
+            self.runner = GraphRunner(self._forward, self.embedding_dim, self.device, gcfg)
         log.info(
             "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s",
             self.spec.path, self.spec.model_type, self.device, self.dtype,
@@ -92,18 +106,31 @@ class Engine:
     def embedding_dim(self) -> int:
         return self.spec.hidden_size
 
+    def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
+        """Device tensors in, float32 [N, dim] pooled (and normalised) embeddings out."""
+        meta = AttentionMetadata(cu, max_seqlen, seq_lens, self.causal)
+        hidden = self.model(ids, positions, meta, self.attention)
+        out = pool(hidden, cu, seq_ids, self.spec.pooling)
+        return normalize(out) if self.spec.normalize else out.float()
+
     @torch.inference_mode()
     def step(self, batch: Batch) -> LazyTensor:
-        """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings."""
+        """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings.
+
+        On CUDA the batch goes through the GraphRunner (padded to its bucket, graph
+        replayed); a batch bigger than every bucket, or any batch on CPU, runs eagerly.
+        """
+        if self.runner is not None:
+            lazy = self.runner.step(batch)
+            if lazy is not None:
+                return lazy
         dev = self.device
-        cu = batch.cu_seqlens.to(dev, non_blocking=True)
-        meta = AttentionMetadata(cu, batch.max_seqlen, batch.seq_lens, self.causal)
-        hidden = self.model(
+        out = self._forward(
             batch.input_ids.to(dev, non_blocking=True),
             batch.positions.to(dev, non_blocking=True),
-            meta,
-            self.attention,
+            batch.seq_ids.to(dev, non_blocking=True),
+            batch.cu_seqlens.to(dev, non_blocking=True),
+            batch.max_seqlen,
+            batch.seq_lens,
         )
-        out = pool(hidden, cu, batch.seq_ids.to(dev, non_blocking=True), self.spec.pooling)
-        out = normalize(out) if self.spec.normalize else out.float()
         return LazyTensor.from_device(out)

@@ -112,7 +112,8 @@ class EngineLoop:
             lazy = self.engine.step(batch)
         else:
             lazy = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch)
-        return (await lazy).numpy()
+        # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
+        return (await lazy).numpy().copy()
 
     async def _run(self) -> None:
         while True:

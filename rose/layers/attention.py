@@ -28,14 +28,15 @@ class AttentionMetadata:
     """What attention needs to know about a ragged batch.
 
     cu_seqlens: int32 [N+1] on the compute device.
-    max_seqlen: longest sequence (host int; a launch parameter, never read from the device).
-    seq_lens:   the N lengths on the host.
+    max_seqlen: longest sequence (host int; a launch parameter, never read from the device;
+                inside a CUDA graph, the token bucket).
+    seq_lens:   the N lengths on the host (None inside a graph: capturable backends ignore it).
     causal:     causal (decoder-style) rather than bidirectional attention.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    seq_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...] | None
     causal: bool = False
 
 
@@ -43,6 +44,7 @@ class AttentionBackend(abc.ABC):
     """q, k, v [T, heads, head_dim] (kv heads may be fewer: GQA) -> [T, heads, head_dim]."""
 
     name: str
+    capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
 
     @abc.abstractmethod
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
@@ -72,6 +74,7 @@ class VarlenBackend(AttentionBackend):
     """FlashAttention varlen from torch.nn.attention.varlen (CUDA only)."""
 
     name = "varlen"
+    capturable = True
 
     def __init__(self):
         from torch.nn.attention.varlen import varlen_attn

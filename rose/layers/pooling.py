@@ -9,17 +9,21 @@ POOLING_MODES = ("cls", "mean", "last")
 
 
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
-    """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device."""
+    """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device.
+
+    Tokens with seq_id == N (padding) are pooled into a row that is dropped; empty
+    sequences (padding to a sequence bucket) give garbage rows the caller drops.
+    """
     if mode == "cls":
         return hidden.index_select(0, cu_seqlens[:-1].long())
     if mode == "last":
         return hidden.index_select(0, cu_seqlens[1:].long() - 1)
     if mode == "mean":
         n = cu_seqlens.shape[0] - 1
-        sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_ids, hidden.float())
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).unsqueeze(1).float()
-        return sums / lens
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=1).unsqueeze(1).float()
+        return sums[:n] / lens
     raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
 
 

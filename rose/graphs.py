@@ -1,0 +1,227 @@
+"""`GraphRunner`: the one owner of CUDA-graph state, staging buffers and the engine stream.
+
+A step is keyed by (sequence bucket, token bucket): sequence counts round up to
+a power of two, token counts to multiples of `small_step` up to `small_max`,
+then of `large_step`. Each key walks cold -> eager (first hit: kernels are
+selected, workspaces allocated) -> captured (second hit) -> replayed (every later
+hit). All graphs share one memory pool and read one set of static input
+buffers; the host pads the batch to its bucket in page-locked memory and copies
+it in before replay. Padding tokens belong to no sequence (attention never sees
+them; mean pooling sends them to a discarded row), so they cannot change a real
+sequence's output. A batch larger than the biggest bucket runs eagerly.
+
+Results leave through a ring of page-locked output buffers: the device-to-host
+copy is queued behind the forward on the engine's stream and an event is
+recorded after it (`LazyTensor`). A result's host memory is reused `ring` steps
+later, so callers copy what they keep (Tulip does).
+
+Everything CUDA-specific goes through `ops` (`CudaOps`), so the state machine
+runs on CPU in tests with a fake.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rose.batch import Batch
+from rose.lazy import LazyTensor
+
+log = logging.getLogger(__name__)
+
+# forward(ids, positions, seq_ids, cu_seqlens, max_seqlen) -> float32 [num_seqs, dim]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA-graph policy.
+
+    mode:       "lazy" (capture a key on its second hit), "eager-all" (capture on the first hit),
+                or "off" (never capture; still padded to buckets and staged).
+    small_step: token bucket step up to small_max.
+    small_max:  where the bucket step grows to large_step.
+    large_step: token bucket step above small_max.
+    max_tokens: largest token bucket; bigger batches run eagerly.
+    max_seqs:   largest sequence bucket; more sequences run eagerly.
+    ring:       page-locked staging/output buffers in rotation (steps in flight + results held).
+    """
+
+    mode: str = "lazy"
+    small_step: int = 64
+    small_max: int = 1024
+    large_step: int = 256
+    max_tokens: int = 16384
+    max_seqs: int = 256
+    ring: int = 4
+
+    def __post_init__(self):
+        if self.mode not in ("lazy", "eager-all", "off"):
+            raise ValueError(f"graph mode {self.mode!r} is not one of lazy, eager-all, off")
+        for name in ("small_step", "small_max", "large_step", "max_tokens", "max_seqs", "ring"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.small_max % self.small_step or (
+                self.max_tokens > self.small_max and (self.max_tokens - self.small_max) % self.large_step):
+            raise ValueError(
+                f"buckets must tile: small_max {self.small_max} % small_step {self.small_step}, "
+                f"(max_tokens {self.max_tokens} - small_max) % large_step {self.large_step}")
+
+    def token_bucket(self, n: int) -> int | None:
+        if n <= self.small_max:
+            b = -(-n // self.small_step) * self.small_step
+        else:
+            b = self.small_max + -(-(n - self.small_max) // self.large_step) * self.large_step
+        return b if b <= self.max_tokens else None
+
+    def seq_bucket(self, n: int) -> int | None:
+        b = 1 << (n - 1).bit_length()
+        return b if b <= self.max_seqs else None
+
+
+@dataclass
+class GraphStats:
+    keys: int = 0
+    eager: int = 0
+    captures: int = 0
+    replays: int = 0
+    oversize: int = 0
+    capture_ms: float = 0.0
+    capture_ms_by_key: dict = field(default_factory=dict)
+
+
+class CudaOps:
+    """The CUDA calls GraphRunner makes (replaced by a fake in CPU tests)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def pinned(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def stream_ctx(self):
+        return torch.cuda.stream(self.stream)
+
+    def capture(self, fn: Callable[[], torch.Tensor]):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+            out = fn()
+        return g, out
+
+
+class GraphRunner:
+    def __init__(self, forward: Forward, dim: int, device: torch.device, cfg: GraphConfig, ops=None):
+        self.forward = forward
+        self.cfg = cfg
+        self.dim = dim
+        self.device = device
+        self.ops = ops or CudaOps(device)
+        self.stats = GraphStats()
+        T, N, R = cfg.max_tokens, cfg.max_seqs, cfg.ring
+        # Static device inputs: [ids | positions | seq_ids] packed at the front for each bucket.
+        self._tokens = torch.zeros(3 * T, dtype=torch.int64, device=device)
+        self._cu = torch.zeros(N + 1, dtype=torch.int32, device=device)
+        # Page-locked rings: staging for inputs, landing for outputs.
+        self._in_tok = self.ops.pinned((R, 3 * T), torch.int64)
+        self._in_cu = self.ops.pinned((R, N + 1), torch.int32)
+        self._out = self.ops.pinned((R, N, dim), torch.float32)
+        self._in_tok_np, self._in_cu_np = self._in_tok.numpy(), self._in_cu.numpy()
+        self._slot_events = [None] * R
+        self._slot = 0
+        self._hits: dict[tuple[int, int], int] = {}
+        self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+
+    def key(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        n, t = self.cfg.seq_bucket(num_seqs), self.cfg.token_bucket(num_tokens)
+        return None if n is None or t is None else (n, t)
+
+    def state(self, key: tuple[int, int]) -> str:
+        if key in self._graphs:
+            return "captured"
+        return "warm" if self._hits.get(key) else "cold"
+
+    def _next_slot(self) -> int:
+        s = self._slot
+        self._slot = (s + 1) % self.cfg.ring
+        ev = self._slot_events[s]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # only when more than `ring` steps are in flight
+        return s
+
+    def _stage(self, batch: Batch, slot: int, nb: int, tb: int) -> None:
+        """Pad `batch` to (nb sequences, tb tokens) in page-locked slot `slot`."""
+        T, N = batch.num_tokens, batch.num_seqs
+        tok = self._in_tok_np[slot]
+        tok[0:T] = batch.input_ids.numpy()
+        tok[T:tb] = 0
+        tok[tb:tb + T] = batch.positions.numpy()
+        tok[tb + T:2 * tb] = 0
+        tok[2 * tb:2 * tb + T] = batch.seq_ids.numpy()
+        tok[2 * tb + T:3 * tb] = nb  # padding tokens pool into a discarded row
+        cu = self._in_cu_np[slot]
+        cu[: N + 1] = batch.cu_seqlens.numpy()
+        cu[N + 1: nb + 1] = T  # empty dummy sequences
+
+    def _run_key(self, key: tuple[int, int]) -> torch.Tensor:
+        nb, tb = key
+        tok, cu = self._tokens, self._cu
+
+        def fwd() -> torch.Tensor:
+            return self.forward(tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], tb)
+
+        if key in self._graphs:
+            g, out = self._graphs[key]
+            g.replay()
+            self.stats.replays += 1
+            return out
+        hits = self._hits.get(key, 0)
+        self._hits[key] = hits + 1
+        if hits == 0:
+            self.stats.keys += 1
+        capture = self.cfg.mode == "eager-all" or (self.cfg.mode == "lazy" and hits >= 1)
+        if not capture:
+            self.stats.eager += 1
+            return fwd()
+        if hits == 0:
+            fwd()  # eager-all: warm up (kernel selection, workspaces) before capturing
+        t0 = time.perf_counter()
+        g, out = self.ops.capture(fwd)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.captures += 1
+        self.stats.capture_ms += ms
+        self.stats.capture_ms_by_key[key] = ms
+        self._graphs[key] = (g, out)
+        log.info("graph captured for %d seqs x %d tokens in %.1f ms", nb, tb, ms)
+        g.replay()
+        self.stats.replays += 1
+        return out
+
+    def step(self, batch: Batch) -> LazyTensor | None:
+        """Run `batch` through its bucket's graph; None if it is bigger than every bucket."""
+        key = self.key(batch.num_seqs, batch.num_tokens)
+        if key is None:
+            self.stats.oversize += 1
+            return None
+        nb, tb = key
+        slot = self._next_slot()
+        self._stage(batch, slot, nb, tb)
+        with self.ops.stream_ctx():
+            self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
+            self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)
+            out = self._run_key(key)
+            host = self._out[slot, : batch.num_seqs]
+            host.copy_(out[: batch.num_seqs], non_blocking=True)
+            ev = self.ops.event()
+            ev.record()
+        self._slot_events[slot] = ev
+        return LazyTensor(host, ev)
