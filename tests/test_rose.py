@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.lazy import LazyTensor
+from tests.checkpoints import save_checkpoint
 from tests.sentences import SENTENCES
 
 
@@ -67,29 +68,14 @@ def test_batch_invariance(engine):
         assert F.cosine_similarity(alone, together[i], dim=0).item() >= 0.99999
 
 
-def save_tiny(family, path):
-    """A small random checkpoint saved by transformers (no sentence-transformers files: CLS pooling)."""
-    import transformers
-
-    torch.manual_seed(0)
-    kw = dict(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
-    if family == "bert":
-        model = transformers.BertModel(transformers.BertConfig(max_position_embeddings=96, **kw))
-    else:  # XLM-RoBERTa numbers positions from pad_token_id + 1 = 2, so 98 positions serve 96 tokens
-        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(
-            max_position_embeddings=98, type_vocab_size=1, pad_token_id=1, **kw))
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return path, model
-
-
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
-    return save_tiny("bert", tmp_path_factory.mktemp("tiny-bert"))
+    return save_checkpoint("bert", tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_tiny_random_checkpoint_matches_transformers(family, tmp_path):
-    path, hf = save_tiny(family, tmp_path / family)
+    path, hf = save_checkpoint(family, tmp_path / family)
     e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
     assert (e.spec.model_type, e.spec.pooling, e.spec.normalize, e.spec.max_seq_len) == (family, "cls", False, 96)
     # No real token may equal the pad id (1): transformers derives XLM-R positions from it.

@@ -1,0 +1,82 @@
+"""Shared benchmark plumbing: environment facts, percentiles, JSON lines, published numbers."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# ../shared/DESIGN.md: one H200, end to end through each stack (client in another process).
+PUBLISHED = {
+    "bge-m3": {
+        "online_p50_ms": {128: {"vllm-0.22": 4.60, "tulip-rust": 1.53}, 512: {"vllm-0.22": 4.65, "tulip-rust": 2.03},
+                          4096: {"vllm-0.22": 11.71, "tulip-rust": 9.57}},
+        "bulk_emb_per_s": {512: {"vllm-0.22": 1342, "tulip-rust": 1499}, 1024: {"vllm-0.22": 622.5, "tulip-rust": 691.5},
+                           4096: {"vllm-0.22": 116.6, "tulip-rust": 125.4}},
+    },
+}
+# Issue targets for the in-process engine step (BGE-M3 shape, bf16).
+ENGINE_TARGETS = {"bge-m3": {"step_p50_ms": {128: 0.55, 512: 0.9, 4096: 8.0}, "emb_per_s_100x512": 1900,
+                             "emb_per_s_mixed": 3000}}
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "python": sys.version.split()[0],
+        "git": os.environ.get("TRELLIS_GIT_REV") or _git_rev(),
+    }
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except Exception:
+        pass
+    return env
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def percentiles(samples_ms: list[float]) -> dict:
+    a = np.asarray(samples_ms)
+    return {"n": len(a), "p50_ms": round(float(np.percentile(a, 50)), 4), "p99_ms": round(float(np.percentile(a, 99)), 4),
+            "mean_ms": round(float(a.mean()), 4)}
+
+
+class Recorder:
+    """Prints one JSON object per measurement and keeps them for the summary and charts."""
+
+    def __init__(self, out: Path | None, name: str):
+        self.rows: list[dict] = []
+        self.env = environment()
+        self.path = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            self.path = out / f"{name}.jsonl"
+            self.path.write_text("")
+
+    def emit(self, **row) -> dict:
+        row = {**row, **self.env}
+        self.rows.append(row)
+        line = json.dumps(row)
+        print(line, flush=True)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+        return row

@@ -1,0 +1,207 @@
+"""Engine benchmark: `Engine.step()` in-process (no gRPC), the issue's table as JSON lines + a PNG.
+
+    python -m benchmarks.engine --model bge-m3 --out benchmarks/results [--iters 200] [--hf-baseline]
+
+Cells: step p50/p99 at 1 x 128 / 512 / 4096 tokens (step + copy + sync, wall clock) with the device
+time of the same step (CUDA events) and the host share; throughput for 100 x 512 and for 100 mixed
+lengths 32..512 (batched on a 16384-token budget like Tulip, steps pipelined); graph capture time per
+key and graph memory. `--hf-baseline` adds Hugging Face transformers eager (bf16, SDPA, padded) on
+the same shapes and random weights of the same architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED, Recorder, percentiles
+from rose.batch import Batch
+from rose.engine import Engine, EngineConfig
+
+BUDGET = 16384
+
+
+def budget_batches(seqs, budget=BUDGET):
+    out, cur, tokens = [], [], 0
+    for s in seqs:
+        if cur and tokens + len(s) > budget:
+            out.append(Batch.from_sequences(cur))
+            cur, tokens = [], 0
+        cur.append(s)
+        tokens += len(s)
+    out.append(Batch.from_sequences(cur))
+    return out
+
+
+def rand_seqs(lens, vocab, seed=0):
+    g = np.random.default_rng(seed)
+    return [g.integers(5, vocab - 1, n) for n in lens]
+
+
+def time_online(engine: Engine, L: int, iters: int) -> dict:
+    batch = Batch.from_sequences(rand_seqs([L], engine.spec.vocab_size))
+    for _ in range(5):  # eager hit, capture, replays
+        engine.step(batch).synchronize()
+    stream = engine.runner.ops.stream if engine.runner else torch.cuda.current_stream()
+    wall, dev = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        t0 = time.perf_counter()
+        lazy = engine.step(batch)
+        end.record(stream)
+        lazy.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        end.synchronize()
+        dev.append(start.elapsed_time(end))
+    p = percentiles(wall)
+    d = float(np.median(dev))
+    return {**p, "device_p50_ms": round(d, 4), "host_share": round(max(0.0, 1 - d / p["p50_ms"]), 3)}
+
+
+def time_throughput(engine: Engine, lens, repeats: int) -> dict:
+    batches = budget_batches(rand_seqs(lens, engine.spec.vocab_size, seed=1))
+    for _ in range(3):
+        for b in batches:
+            engine.step(b).synchronize()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        lazies = [engine.step(b) for b in batches]  # pipelined: launch all, then wait
+        for lz in lazies:
+            lz.synchronize()
+    dt = time.perf_counter() - t0
+    return {"emb_per_s": round(len(lens) * repeats / dt, 1), "repeats": repeats, "steps": len(batches)}
+
+
+def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
+    import transformers
+
+    cfg_cls = transformers.XLMRobertaConfig if spec.model_type == "xlm-roberta" else transformers.BertConfig
+    cfg = cfg_cls(**{k: v for k, v in spec.config.items() if k not in ("architectures", "model_type")})
+    cls = transformers.XLMRobertaModel if spec.model_type == "xlm-roberta" else transformers.BertModel
+    model = cls(cfg, add_pooling_layer=False).to("cuda", torch.bfloat16).eval()
+    model.config._attn_implementation = "sdpa"
+    for L in L_list:
+        ids = torch.randint(5, spec.vocab_size - 1, (1, L), device="cuda")
+        with torch.inference_mode():
+            for _ in range(3):
+                model(input_ids=ids)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                out = model(input_ids=ids).last_hidden_state[:, 0].float().cpu()
+                ts.append((time.perf_counter() - t0) * 1e3)
+        rec.emit(bench="engine", cell=f"step 1x{L}", model=model_name, backend="hf-eager-sdpa", seqs=1, tokens=L,
+                 **percentiles(ts))
+    ids = torch.randint(5, spec.vocab_size - 1, (32, 512), device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            model(input_ids=ids)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        reps = 5
+        for _ in range(reps):
+            for n in (32, 32, 32, 4):
+                model(input_ids=ids[:n]).last_hidden_state[:, 0].float().cpu()
+        dt = time.perf_counter() - t0
+    rec.emit(bench="engine", cell="100x512 throughput", model=model_name, backend="hf-eager-sdpa", seqs=100, tokens=512,
+             emb_per_s=round(100 * reps / dt, 1))
+    del model
+    torch.cuda.empty_cache()
+
+
+def chart(rows, model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = {r["tokens"]: r for r in rows if r.get("backend", "").startswith("rose") and r["cell"].startswith("step")}
+    hf = {r["tokens"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r["cell"].startswith("step")}
+    Ls = sorted(ours)
+    pub = PUBLISHED.get(model, {}).get("online_p50_ms", {})
+    tgt = ENGINE_TARGETS.get(model, {}).get("step_p50_ms", {})
+    series = [("ROSE step (in-process)", [ours[L]["p50_ms"] for L in Ls]),
+              ("ROSE device time", [ours[L]["device_p50_ms"] for L in Ls])]
+    if hf:
+        series.append(("HF eager bf16 (in-process)", [hf.get(L, {}).get("p50_ms", np.nan) for L in Ls]))
+    if pub:
+        series += [("published Tulip (end to end)", [pub.get(L, {}).get("tulip-rust", np.nan) for L in Ls]),
+                   ("published vLLM 0.22 (end to end)", [pub.get(L, {}).get("vllm-0.22", np.nan) for L in Ls])]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    w = 0.8 / len(series)
+    x = np.arange(len(Ls))
+    for i, (name, vals) in enumerate(series):
+        bars = ax.bar(x + i * w, vals, w, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    for j, L in enumerate(Ls):
+        if L in tgt:
+            ax.hlines(tgt[L], j - 0.1, j + 0.9, colors="red", linestyles="dashed",
+                      label="target" if j == 0 else None)
+    ax.set_xticks(x + 0.4 - w / 2, [f"1 x {L}" for L in Ls])
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 latency, ms (log)")
+    env = rows[0]
+    ax.set_title(f"{model}: engine step, {env['gpu']}, torch {env['torch']}, {env['when'][:10]}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--graphs", default="lazy", choices=("lazy", "eager-all", "off"))
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--lengths", default="128,512,4096")
+    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("the engine benchmark needs a CUDA GPU")
+
+    name = args.model.replace("/", "_")
+    rec = Recorder(args.out, f"engine_{name}_{args.graphs}")
+    mem0 = torch.cuda.memory_allocated()
+    engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention,
+                                 graphs=args.graphs))
+    weights_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+    backend = f"rose-{engine.attention.name}-graphs-{args.graphs}"
+    Ls = [int(x) for x in args.lengths.split(",")]
+    Ls = [L for L in Ls if L <= engine.spec.max_seq_len]
+    for L in Ls:
+        rec.emit(bench="engine", cell=f"step 1x{L}", model=args.model, backend=backend, seqs=1, tokens=L,
+                 **time_online(engine, L, args.iters))
+    L = min(512, engine.spec.max_seq_len)
+    rec.emit(bench="engine", cell=f"100x{L} throughput", model=args.model, backend=backend, seqs=100, tokens=L,
+             **time_throughput(engine, [L] * 100, args.repeats))
+    mixed = np.random.default_rng(2).integers(32, L + 1, 100).tolist()
+    rec.emit(bench="engine", cell=f"100 mixed 32..{L} throughput", model=args.model, backend=backend, seqs=100,
+             tokens=int(sum(mixed)), **time_throughput(engine, mixed, args.repeats))
+    if engine.runner is not None:
+        s = engine.runner.stats
+        rec.emit(bench="engine", cell="graph stats", model=args.model, backend=backend, keys=s.keys, eager=s.eager,
+                 captures=s.captures, replays=s.replays, oversize=s.oversize, capture_ms_total=round(s.capture_ms, 1),
+                 capture_ms_by_key={f"{k[0]}x{k[1]}": round(v, 1) for k, v in s.capture_ms_by_key.items()},
+                 weights_mb=round(weights_mb, 1),
+                 other_mb=round((torch.cuda.memory_allocated() - mem0) / 2**20 - weights_mb, 1))
+    spec = engine.spec
+    del engine
+    torch.cuda.empty_cache()
+    if args.hf_baseline:
+        hf_baseline(spec, Ls, min(args.iters, 50), rec, args.model)
+    if args.out is not None:
+        chart(rec.rows, args.model, args.out / f"engine_{name}_{args.graphs}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
