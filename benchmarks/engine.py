@@ -169,7 +169,8 @@ def main(argv=None) -> int:
         ap.error("the engine benchmark needs a CUDA GPU")
 
     name = args.model.replace("/", "_")
-    rec = Recorder(args.out, f"engine_{name}_{args.graphs}")
+    tag = f"{name}_{args.attention}_{args.graphs}"
+    rec = Recorder(args.out, f"engine_{tag}")
     mem0 = torch.cuda.memory_allocated()
     engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention,
                                  graphs=args.graphs))
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         s = engine.runner.stats
         rec.emit(bench="engine", cell="graph stats", model=args.model, backend=backend, keys=s.keys, eager=s.eager,
                  captures=s.captures, replays=s.replays, oversize=s.oversize, capture_ms_total=round(s.capture_ms, 1),
-                 capture_ms_by_key={f"{k[0]}x{k[1]}": round(v, 1) for k, v in s.capture_ms_by_key.items()},
+                 capture_ms_by_key={"x".join(map(str, k)): round(v, 1) for k, v in s.capture_ms_by_key.items()},
                  weights_mb=round(weights_mb, 1),
                  other_mb=round((torch.cuda.memory_allocated() - mem0) / 2**20 - weights_mb, 1))
     spec = engine.spec
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
     if args.hf_baseline:
         hf_baseline(spec, Ls, min(args.iters, 50), rec, args.model)
     if args.out is not None:
-        chart(rec.rows, args.model, args.out / f"engine_{name}_{args.graphs}.png")
+        chart(rec.rows, args.model, args.out / f"engine_{tag}.png")
     return 0
 
 

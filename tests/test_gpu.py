@@ -30,12 +30,25 @@ def engine(path, **kw):
     return Engine(EngineConfig(model=str(path), device="cuda", **kw))
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def installed_backends():
+    out = ["varlen"]
+    try:
+        import flashinfer  # noqa: F401
+
+        out += ["flashinfer-fa2", "flashinfer-fa3"]
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module", params=[(f, b) for f in ("bert", "xlm-roberta") for b in installed_backends()],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def family_engines(request, tmp_path_factory):
-    path, _ = save_checkpoint(request.param, tmp_path_factory.mktemp(request.param), **MINILM)
+    family, backend = request.param
+    path, _ = save_checkpoint(family, tmp_path_factory.mktemp(family), **MINILM)
     ref = engine(path, dtype="float32", attention="sdpa", graphs="off")
-    fast = engine(path, dtype="bfloat16", graphs="lazy")
-    eager16 = engine(path, dtype="bfloat16", graphs="off")
+    fast = engine(path, dtype="bfloat16", attention=backend, graphs="lazy")
+    eager16 = engine(path, dtype="bfloat16", attention=backend, graphs="off")
     return ref, fast, eager16
 
 
@@ -56,11 +69,12 @@ def test_graph_replay_equals_eager_and_bf16_matches_fp32(family_engines, lens):
         assert F.cosine_similarity(got, want).min().item() >= 0.999
 
 
-def test_varlen_equals_sdpa(tmp_path):
+@pytest.mark.parametrize("backend", installed_backends())
+def test_backend_equals_sdpa(tmp_path, backend):
     path, _ = save_checkpoint("bert", tmp_path, **MINILM)
-    batch = Batch.from_sequences(seqs_of((100, 3, 256, 17)))
+    batch = Batch.from_sequences(seqs_of((100, 3, 256, 17, 1)))
     a = engine(path, dtype="float16", attention="sdpa", graphs="off").step(batch).synchronize()
-    b = engine(path, dtype="float16", attention="varlen", graphs="off").step(batch).synchronize()
+    b = engine(path, dtype="float16", attention=backend, graphs="off").step(batch).synchronize()
     assert F.cosine_similarity(a, b).min().item() >= 0.9999
 
 

@@ -79,8 +79,12 @@ def make_runner(engine, **kw):
         finally:
             engine.attention = saved
 
+    plans = []
     cfg = GraphConfig(**{"max_tokens": 2048, "max_seqs": 16, "ring": 3, **kw})
-    return GraphRunner(forward, engine.embedding_dim, torch.device("cpu"), cfg, ops=FakeOps())
+    runner = GraphRunner(forward, lambda key, cu, n: plans.append((key, cu.tolist(), n)), engine.embedding_dim,
+                         torch.device("cpu"), cfg, ops=FakeOps())
+    runner.plans = plans
+    return runner
 
 
 def test_buckets():
@@ -88,6 +92,8 @@ def test_buckets():
     assert [c.token_bucket(n) for n in (1, 64, 65, 1000, 1024, 1025, 1280, 1281, 2048, 2049)] == [
         64, 64, 128, 1024, 1024, 1280, 1280, 1536, 2048, None]
     assert [c.seq_bucket(n) for n in (1, 2, 3, 5, 256, 257)] == [1, 2, 4, 8, 256, None]
+    assert [c.len_bucket(n, 1024) for n in (1, 64, 65, 500, 1000)] == [64, 64, 128, 512, 1024]
+    assert c.len_bucket(300, 320) == 320
     with pytest.raises(ValueError, match="graph mode 'sometimes'"):
         GraphConfig(mode="sometimes")
     with pytest.raises(ValueError, match="buckets must tile"):
@@ -103,8 +109,8 @@ def test_state_machine_and_padding_equals_eager(engine):
     e = engine
     r = make_runner(e)
     batch = Batch.from_sequences(seqs_of(3, 9, 1))  # 13 real tokens in a 64-token, 4-sequence bucket
-    key = r.key(3, 13)
-    assert key == (4, 64) and r.state(key) == "cold"
+    key = r.key(batch)
+    assert key == (4, 64, 64) and r.state(key) == "cold"
     ref = e.step(batch).synchronize()
     outs = []
     for expected_state in ("warm", "captured", "captured"):
@@ -113,6 +119,8 @@ def test_state_machine_and_padding_equals_eager(engine):
     s = r.stats
     assert (s.keys, s.eager, s.captures, s.replays) == (1, 1, 1, 2)
     assert s.capture_ms >= 0 and key in s.capture_ms_by_key
+    # The backend plans before every run with the padded host metadata (a dummy empty sequence).
+    assert r.plans == [((4, 64, 64), [0, 3, 12, 13, 13], 64)] * 3
     for o in outs:
         assert o.shape == (3, 384)
         assert F.cosine_similarity(o, ref).min().item() >= 0.9999

@@ -17,7 +17,10 @@ class TulipConfig:
     port: int = field(50051, "gRPC port (0 picks a free one)")
     device: str = field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    attention: str = field("auto", "attention backend", choices=("auto", "sdpa", "varlen"))
+    attention: str = field("auto", "attention backend",
+                           choices=("auto", "sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3"))
+    graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
+                        "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")

@@ -185,7 +185,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
-    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention))
+    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs))
     if cfg.max_batch_tokens < engine.spec.max_seq_len:
         raise ValueError(
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "

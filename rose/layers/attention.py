@@ -17,6 +17,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +46,14 @@ class AttentionBackend(abc.ABC):
 
     name: str
     capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
+
+    def prepare(self, key: tuple | None, cu_host: np.ndarray, num_tokens: int) -> None:
+        """Host-side planning before a forward (outside any graph).
+
+        key:        the graph key being run or captured (None for an eager step).
+        cu_host:    int32 cumulative lengths on the host, padded with empty dummy sequences.
+        num_tokens: rows of q/k/v (the token bucket; tokens past cu_host[-1] are padding).
+        """
 
     @abc.abstractmethod
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
@@ -99,14 +108,77 @@ class VarlenBackend(AttentionBackend):
         return self._fn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kw)
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` picks varlen on CUDA with half precision where available, else SDPA."""
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer ragged prefill (`fa2` or `fa3`), planned on the host before each step.
+
+    One wrapper per graph key, in CUDA-graph mode, so a captured graph keeps pointing at its
+    wrapper's buffers and `prepare()` re-plans them before every replay. Padding tokens past
+    the last real sequence form one extra sequence of their own, so every plan of a key has
+    the same number of rows (a CUDA-graph requirement) and padding never meets a real token.
+    """
+
+    name = "flashinfer"
+    capturable = True
+
+    def __init__(self, backend: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype):
+        import flashinfer
+
+        self._fi = flashinfer
+        self.name = f"flashinfer-{backend}"
+        self.backend = backend
+        self.device = device
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        self._wrappers: dict = {}
+        self._current = None
+        self.causal = False
+
+    def _wrapper(self, key, batch: int):
+        w = self._wrappers.get(key)
+        if w is None:
+            if key is None:
+                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=self.backend)
+            else:
+                buf = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf, kv_indptr_buf=buf,
+                    backend=self.backend)
+                self._wrappers[key] = w
+        return w
+
+    def prepare(self, key, cu_host, num_tokens):
+        # Always one more sequence holding the padding tokens (maybe none), so a key's batch
+        # size and row count never change between plans.
+        indptr = torch.from_numpy(np.append(np.asarray(cu_host, dtype=np.int32), np.int32(num_tokens)))
+        w = self._wrapper(key, len(indptr) - 1)
+        h, hk, d = self.shape
+        w.plan(indptr, indptr, h, hk, d, causal=self.causal, q_data_type=self.dtype)
+        self._current = w
+
+    def __call__(self, q, k, v, meta):
+        return self._current.run(q, k, v)
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),
+                   causal: bool = False) -> AttentionBackend:
+    """`auto` picks varlen on CUDA with half precision where available, else SDPA.
+
+    name: auto | sdpa | varlen | flashinfer-fa2 | flashinfer-fa3; heads: (q heads, kv heads, head dim).
+    """
     if name == "sdpa":
         return SdpaBackend()
     if name == "varlen":
         return VarlenBackend()
+    if name in ("flashinfer-fa2", "flashinfer-fa3"):
+        if device.type != "cuda":
+            raise ValueError(f"attention {name!r} needs a CUDA device")
+        b = FlashInferBackend(name.split("-")[1], device, *heads, dtype)
+        b.causal = causal
+        return b
     if name != "auto":
-        raise ValueError(f"unknown attention backend {name!r} (choose auto, sdpa, varlen)")
+        raise ValueError(f"unknown attention backend {name!r} (choose auto, sdpa, varlen, flashinfer-fa2, flashinfer-fa3)")
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
             return VarlenBackend()

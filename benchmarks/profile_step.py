@@ -1,0 +1,45 @@
+"""Where a step's device time goes: the kernels of one eager step under torch.profiler.
+
+    python -m benchmarks.profile_step --model bge-m3 --tokens 128 [--attention varlen]
+
+Prints the top kernels by total CUDA time and the kernel count. Eager, not graph replay,
+because the profiler sees a replayed graph as one launch; the kernels are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rose.batch import Batch
+from rose.engine import Engine, EngineConfig
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args(argv)
+    e = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention, graphs="off"))
+    g = np.random.default_rng(0)
+    batch = Batch.from_sequences([g.integers(5, 1000, args.tokens) for _ in range(args.seqs)])
+    for _ in range(3):
+        e.step(batch).synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e.step(batch).synchronize()
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(ev.device_time for ev in events) / 1e3
+    print(f"{args.model} {args.seqs}x{args.tokens} attention={e.attention.name}: {len(events)} kernels, "
+          f"{total:.3f} ms of kernel time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
