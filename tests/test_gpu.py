@@ -73,8 +73,8 @@ def test_graph_replay_equals_eager_and_bf16_matches_fp32(family_engines, lens):
 def test_backend_equals_sdpa(tmp_path, backend):
     path, _ = save_checkpoint("bert", tmp_path, **MINILM)
     batch = Batch.from_sequences(seqs_of((100, 3, 256, 17, 1)))
-    a = engine(path, dtype="float16", attention="sdpa", graphs="off").step(batch).synchronize()
-    b = engine(path, dtype="float16", attention=backend, graphs="off").step(batch).synchronize()
+    a = engine(path, dtype="bfloat16", attention="sdpa", graphs="off").step(batch).synchronize()
+    b = engine(path, dtype="bfloat16", attention=backend, graphs="off").step(batch).synchronize()
     assert F.cosine_similarity(a, b).min().item() >= 0.9999
 
 
