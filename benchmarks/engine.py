@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--graphs", default="lazy", choices=("lazy", "eager-all", "off"))
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--compile", action="store_true", help="fuse post-attention work with torch.compile")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--lengths", default="128,512,4096")
@@ -169,13 +170,13 @@ def main(argv=None) -> int:
         ap.error("the engine benchmark needs a CUDA GPU")
 
     name = args.model.replace("/", "_")
-    tag = f"{name}_{args.attention}_{args.graphs}"
+    tag = f"{name}_{args.attention}_{args.graphs}" + ("_compiled" if args.compile else "")
     rec = Recorder(args.out, f"engine_{tag}")
     mem0 = torch.cuda.memory_allocated()
     engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention,
-                                 graphs=args.graphs))
+                                 graphs=args.graphs, compile=args.compile))
     weights_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
-    backend = f"rose-{engine.attention.name}-graphs-{args.graphs}"
+    backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "")
     Ls = [int(x) for x in args.lengths.split(",")]
     Ls = [L for L in Ls if L <= engine.spec.max_seq_len]
     for L in Ls:

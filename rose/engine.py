@@ -42,6 +42,8 @@ class EngineConfig:
                first) or "off". Only on CUDA with a capturable attention backend.
     max_graph_tokens: largest token bucket captured; bigger batches run eagerly.
     max_graph_seqs:   largest sequence-count bucket captured.
+    compile:   fuse the post-attention elementwise work of each layer with torch.compile
+               (Inductor); compiled on first use of each shape, so warm up before serving.
     """
 
     model: str = "default"
@@ -51,6 +53,7 @@ class EngineConfig:
     graphs: str = "lazy"
     max_graph_tokens: int = 16384
     max_graph_seqs: int = 256
+    compile: bool = False
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -91,6 +94,8 @@ class Engine:
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(cls, "causal", False))
+        if cfg.compile:
+            self.model.compile_feed_forward()
         c = self.spec.config
         heads = c["num_attention_heads"]
         heads = (heads, c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads))

@@ -16,8 +16,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine"),
 ]
 
-# MiniLM-L6 shapes (hidden 384, 12 heads of 64, 6 layers), random weights.
-MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+# MiniLM-L6-like shapes with head dim 64 (FlashInfer's smallest), random weights.
+MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
               intermediate_size=1536, max_position_embeddings=512)
 
 
@@ -89,3 +89,23 @@ def test_no_sync_on_the_step_path(family_engines):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert lazy.synchronize().shape == (2, 384)
+
+
+def test_compiled_feed_forward_equals_eager(tmp_path):
+    path, _ = save_checkpoint("xlm-roberta", tmp_path, **MINILM)
+    plain = engine(path, dtype="bfloat16", graphs="off")
+    fused = engine(path, dtype="bfloat16", graphs="lazy", compile=True)
+    for lens in [(5,), (128, 3), (300, 200, 1)]:
+        batch = Batch.from_sequences(seqs_of(lens))
+        want = plain.step(batch).synchronize().clone()
+        for _ in range(3):
+            got = fused.step(batch).synchronize().clone()
+            assert F.cosine_similarity(got, want).min().item() >= 0.9999
+
+
+def test_flashinfer_refuses_head_dim_32(tmp_path):
+    if "flashinfer-fa2" not in installed_backends():
+        pytest.skip("flashinfer is not installed")
+    path, _ = save_checkpoint("bert", tmp_path, **{**MINILM, "num_attention_heads": 12})
+    with pytest.raises(ValueError, match="head_dim 64, 128 or 256; this model has 32"):
+        engine(path, attention="flashinfer-fa2")

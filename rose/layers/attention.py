@@ -122,6 +122,8 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, backend: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype):
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"FlashInfer ragged prefill needs head_dim 64, 128 or 256; this model has {head_dim}")
         import flashinfer
 
         self._fi = flashinfer

@@ -8,6 +8,7 @@ skipped when loading.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -58,14 +59,13 @@ class BertDenseLayerNorm(nn.Module):
 
 
 class BertAttention(nn.Module):
+    """Holds `self` (q/k/v and attention) and `output`; BertLayer calls them separately."""
+
     def __init__(self, cfg: dict):
         super().__init__()
         h, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
         self.self = BertSelfAttention(cfg)
         self.output = BertDenseLayerNorm(h, h, eps)
-
-    def forward(self, x, meta, attn):
-        return self.output(self.self(x, meta, attn), x)
 
 
 class BertIntermediate(nn.Module):
@@ -87,7 +87,12 @@ class BertLayer(nn.Module):
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
 
     def forward(self, x, meta, attn):
-        x = self.attention(x, meta, attn)
+        return self.feed_forward(self.attention.self(x, meta, attn), x)
+
+    def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Everything after attention (projection, residual + LayerNorm, FFN, residual +
+        LayerNorm): the elementwise work `BertModel.compile_feed_forward` fuses."""
+        x = self.attention.output(a, x)
         return self.output(self.intermediate(x), x)
 
 
@@ -117,6 +122,16 @@ class BertModel(nn.Module):
         self.hidden_size = cfg["hidden_size"]
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
+
+    def compile_feed_forward(self) -> None:
+        """Fuse each layer's post-attention elementwise work with torch.compile (Inductor).
+
+        One compiled function (dynamic in the token count) serves every layer; attention
+        stays outside it, so any backend works. The uncompiled path is the reference.
+        """
+        fused = torch.compile(BertLayer.feed_forward, dynamic=True, fullgraph=True)
+        for layer in self.encoder.layer:
+            layer.feed_forward = functools.partial(fused, layer)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if self.position_offset:
