@@ -12,6 +12,7 @@ the same shapes and random weights of the same architecture.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,14 @@ from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 
 BUDGET = 16384
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def budget_batches(seqs, budget=BUDGET):
@@ -117,8 +126,11 @@ def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
 
 
 def chart(rows, model: str, path: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no chart", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -225,8 +225,9 @@ class GraphRunner:
         nb, tb, _ = key
         slot = self._next_slot()
         self._stage(batch, slot, nb, tb)
-        self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
         with self.ops.stream_ctx():
+            # The backend's plan copies (FlashInfer) must be ordered with the replay: same stream.
+            self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
             self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
             self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)
             out = self._run_key(key)

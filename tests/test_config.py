@@ -13,6 +13,9 @@ def test_flags_env_and_defaults(monkeypatch):
     monkeypatch.setenv("TULIP_PORT", "6000")
     cfg = TulipConfig.from_args(["--model", "/m", "--port", "7000", "--dtype", "bfloat16"])
     assert (cfg.model, cfg.port, cfg.dtype, cfg.max_batch_tokens, cfg.host) == ("/m", 7000, "bfloat16", 4096, "127.0.0.1")
+    assert TulipConfig.from_args(["--compile"]).compile is True
+    assert TulipConfig.from_args(["--compile", "false"]).compile is False
+    assert TulipConfig.from_args(["--warmup", "1x128", "--warmup", "4x512"]).warmup == ("1x128", "4x512")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.port = 1
 
@@ -36,6 +39,7 @@ def test_repeated_and_env_list(monkeypatch):
     (TulipConfig, ["--max-batch-tokens", "0"], "max_batch_tokens 0"),
     (TulipConfig, ["--dtype", "fp8"], "invalid choice: 'fp8'"),
     (TulipConfig, ["--port", "abc"], "invalid int value: 'abc'"),
+    (TulipConfig, ["--warmup", "128"], "warmup shape '128' is not NxL"),
     (IvyConfig, [], "at least one --tulip"),
     (IvyConfig, ["--tulip", "nohostport"], "'nohostport' is not HOST:PORT"),
 ])

@@ -54,6 +54,8 @@ def parse(cls: type[T], argv: list[str] | None, env_prefix: str, description: st
             kw["choices"] = f.metadata["choices"]
         if is_tuple:
             ap.add_argument(f"--{f.name.replace('_', '-')}", action="append", type=_scalar(inner), **kw)
+        elif inner is bool:  # `--flag` alone means true; `--flag false` also works
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=_parse_bool, nargs="?", const=True, **kw)
         else:
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=_scalar(inner), **kw)
     ns = ap.parse_args(argv)

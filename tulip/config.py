@@ -21,6 +21,9 @@ class TulipConfig:
                            choices=("auto", "sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3"))
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
+    compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
+    warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512")
+    max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs")
     max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
@@ -35,6 +38,12 @@ class TulipConfig:
             raise ValueError(
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
             )
+        for w in self.warmup:
+            n, x, length = w.partition("x")
+            if not (x and n.isdigit() and length.isdigit() and int(n) > 0 and int(length) > 0):
+                raise ValueError(f"warmup shape {w!r} is not NxL (e.g. 1x128)")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight {self.max_inflight} must be >= 1")
         if self.drain_seconds < 0:
             raise ValueError(f"drain_seconds {self.drain_seconds} must be >= 0")
         if self.max_message_mb < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -65,6 +66,18 @@ def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
 
 
+def warm_up(engine: Engine, shapes: tuple[str, ...]) -> None:
+    """Run each "NxL" shape (N sequences of L tokens) three times: eager, capture, replay."""
+    for shape in shapes:
+        n, _, length = shape.partition("x")
+        n, length = int(n), min(int(length), engine.spec.max_seq_len)
+        batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            engine.step(batch).synchronize()
+        log.info("warmed up %dx%d in %.0f ms", n, length, (time.perf_counter() - t0) * 1e3)
+
+
 class EngineLoop:
     """Owns the scheduler and the engine; completes each request's future."""
 
@@ -107,40 +120,64 @@ class EngineLoop:
         finally:
             self._futures.pop(id(req), None)
 
-    async def _step(self, batch: Batch) -> np.ndarray:
+    async def _launch(self, batch: Batch):
+        """Start a step. On CUDA this only queues work (graph replay + copy); on CPU the
+        forward runs here, in the step thread."""
         if self._executor is None:
-            lazy = self.engine.step(batch)
-        else:
-            lazy = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch)
-        # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
-        return (await lazy).numpy().copy()
+            return self.engine.step(batch)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch)
+
+    def _fail(self, slots, e: Exception) -> None:
+        for r, _ in slots:
+            fut = self._futures.get(id(r))
+            if fut and not fut.done():
+                fut.set_exception(RuntimeError(f"engine step failed: {e}"))
+            r.cancelled = True
+
+    async def _finish(self, slots, lazy, inflight: asyncio.Semaphore) -> None:
+        """Wait for a launched step and scatter its rows to the requests."""
+        try:
+            # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
+            out = (await lazy).numpy().copy()
+        except Exception as e:
+            log.exception("engine step failed for %d sequences", len(slots))
+            self._fail(slots, e)
+            return
+        finally:
+            inflight.release()
+        for row, (r, i) in enumerate(slots):
+            r.rows[i] = out[row]
+            r.pending -= 1
+            if r.pending == 0:
+                fut = self._futures.get(id(r))
+                if fut and not fut.done():
+                    fut.set_result(np.stack(r.rows))
 
     async def _run(self) -> None:
+        """Form and launch batch N+1 while batch N runs (at most `max_inflight` at once).
+
+        The next batch is taken from the scheduler only when a step slot is free, so it
+        holds everything that arrived meanwhile; results complete in launch order.
+        """
+        inflight = asyncio.Semaphore(self.cfg.max_inflight)
         while True:
             if not len(self.scheduler):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await inflight.acquire()
             slots = self.scheduler.next_batch()
             if not slots:
+                inflight.release()
                 continue
             try:
-                out = await self._step(Batch.from_sequences([r.seq(i) for r, i in slots]))
+                lazy = await self._launch(Batch.from_sequences([r.seq(i) for r, i in slots]))
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
-                for r, _ in slots:
-                    fut = self._futures.get(id(r))
-                    if fut and not fut.done():
-                        fut.set_exception(RuntimeError(f"engine step failed: {e}"))
-                    r.cancelled = True
+                self._fail(slots, e)
+                inflight.release()
                 continue
-            for row, (r, i) in enumerate(slots):
-                r.rows[i] = out[row]
-                r.pending -= 1
-                if r.pending == 0:
-                    fut = self._futures.get(id(r))
-                    if fut and not fut.done():
-                        fut.set_result(np.stack(r.rows))
+            asyncio.create_task(self._finish(slots, lazy, inflight))
 
 
 class TulipServicer(tulip_pb2_grpc.TulipServicer):
@@ -185,12 +222,13 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
-    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs))
+    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile))
     if cfg.max_batch_tokens < engine.spec.max_seq_len:
         raise ValueError(
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "
             f"{engine.spec.max_seq_len}"
         )
+    warm_up(engine, cfg.warmup)
     loop = EngineLoop(engine, cfg)
     loop.start()
     mb = cfg.max_message_mb << 20

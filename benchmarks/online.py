@@ -1,0 +1,237 @@
+"""Tulip over gRPC, client in another process: the published online, scoring and bulk workloads.
+
+    python -m benchmarks.online --model bge-m3 --out benchmarks/results \\
+        --tulip-args "--compile --warmup 1x128" [--n 2000] [--target HOST:PORT]
+
+Starts a Tulip (unless --target names a running one), checks correctness first (the served
+vectors against this process's float32 eager engine on the same weights: cosine divergence
+under 0.1%, or the run aborts), then measures, as published in ../shared/DESIGN.md:
+1. online: pre-tokenized batch 1, sequential, L = 128 / 512 / 4096 (p50, p99 ms);
+2. scoring: batch 5 / 25 / 50 at L = 512, sequential (p50, p99 ms);
+3. bulk: batch 100, 4 concurrent client processes, L = 512 / 1024 / 4096 (emb/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import PUBLISHED, Recorder, percentiles
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _stub(target):
+    import grpc
+
+    from trellis.tulip.v1 import tulip_pb2_grpc
+
+    ch = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                ("grpc.max_send_message_length", 256 << 20)])
+    return ch, tulip_pb2_grpc.TulipStub(ch)
+
+
+def _request(seqs):
+    from trellis.tulip.v1 import tulip_pb2
+    from tulip.client import pack
+
+    ids, lengths = pack(seqs)
+    return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
+
+
+def rand_seqs(n, L, vocab, seed):
+    g = np.random.default_rng(seed)
+    return [g.integers(5, vocab - 1, L).astype(np.int32) for _ in range(n)]
+
+
+def spawn_tulip(model: str, extra: str, port: int, log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "tulip", "--model", model, "--port", str(port), *shlex.split(extra)]
+    p = subprocess.Popen(args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"tulip exited {p.returncode}:\n{log.read_text()[-3000:]}")
+        if "TULIP_READY" in log.read_text():
+            return p
+        time.sleep(0.5)
+    p.kill()
+    raise TimeoutError("tulip did not start")
+
+
+def correctness_gate(stub, model: str, vocab: int) -> float:
+    """Served vectors vs a float32 eager engine on the same weights; returns the worst cosine."""
+    import torch
+
+    from rose.batch import Batch
+    from rose.engine import Engine, EngineConfig
+    from tulip.client import unpack
+
+    seqs = [s for L in (1, 7, 128, 512, 3000) for s in rand_seqs(2, L, vocab, seed=L)]
+    ref_engine = Engine(EngineConfig(model=model, device="cuda" if torch.cuda.is_available() else "cpu",
+                                     dtype="float32", attention="sdpa", graphs="off"))
+    seqs = [s[: ref_engine.spec.max_seq_len] for s in seqs]
+    served = unpack(stub.Embed(_request(seqs)))
+    ref = ref_engine.step(Batch.from_sequences(seqs)).synchronize().numpy()
+    del ref_engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    cos = (served * ref).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(ref, axis=1)
+    return float(cos.min())
+
+
+def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int) -> dict:
+    reqs = [_request(rand_seqs(n_seqs, L, vocab, seed=i)) for i in range(8)]
+    for r in reqs:  # warm every graph key this cell uses
+        stub.Embed(r)
+    ts = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        stub.Embed(reqs[i % len(reqs)])
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ts)
+
+
+def _bulk_client(target, L, n_req, vocab, seed, barrier, q):
+    ch, stub = _stub(target)
+    req = _request(rand_seqs(100, L, vocab, seed))
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(n_req):
+        stub.Embed(req, timeout=600)
+    q.put((t0, time.perf_counter(), 100 * n_req))
+    ch.close()
+
+
+def time_bulk(target, L: int, n_req: int, vocab: int, clients: int = 4) -> dict:
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=_bulk_client, args=(target, L, n_req, vocab, i, barrier, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=1200) for _ in procs]
+    for p in procs:
+        p.join()
+    start, end = min(r[0] for r in res), max(r[1] for r in res)
+    return {"emb_per_s": round(sum(r[2] for r in res) / (end - start), 1), "clients": clients,
+            "requests_per_client": n_req}
+
+
+def chart(rows, model: str, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no chart", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pub = PUBLISHED.get(model, {})
+    lat = [r for r in rows if "p50_ms" in r]
+    bulk = [r for r in rows if "emb_per_s" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    ax = axes[0]
+    names = [r["cell"] for r in lat]
+    x = np.arange(len(lat))
+    ours = [r["p50_ms"] for r in lat]
+    tul = [pub.get("online_p50_ms", {}).get(r["tokens"], {}).get("tulip-rust", np.nan) if r["seqs"] == 1 else
+           {5: 6.17, 25: 22.43, 50: 40.45}.get(r["seqs"], np.nan) for r in lat]
+    vll = [pub.get("online_p50_ms", {}).get(r["tokens"], {}).get("vllm-0.22", np.nan) if r["seqs"] == 1 else
+           {5: 9.60, 25: 26.59, 50: 47.29}.get(r["seqs"], np.nan) for r in lat]
+    for i, (lab, vals) in enumerate([("Trellis (this run)", ours), ("published Tulip", tul), ("published vLLM 0.22", vll)]):
+        bars = ax.bar(x + i * 0.27, vals, 0.27, label=lab)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(x + 0.27, names, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 ms (log)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    x = np.arange(len(bulk))
+    ours = [r["emb_per_s"] for r in bulk]
+    pb = pub.get("bulk_emb_per_s", {})
+    for i, (lab, vals) in enumerate([("Trellis (this run)", ours),
+                                     ("published Tulip", [pb.get(r["tokens"], {}).get("tulip-rust", np.nan) for r in bulk]),
+                                     ("published vLLM 0.22", [pb.get(r["tokens"], {}).get("vllm-0.22", np.nan) for r in bulk])]):
+        bars = ax.bar(x + i * 0.27, vals, 0.27, label=lab)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(x + 0.27, [r["cell"] for r in bulk], fontsize=8)
+    ax.set_ylabel("embeddings / s")
+    env = rows[0]
+    fig.suptitle(f"{model} through Tulip gRPC: {env['gpu']}, torch {env['torch']}, {env['when'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--target", default="", help="a running Tulip HOST:PORT (default: start one)")
+    ap.add_argument("--tulip-args", default="", help="extra flags for the Tulip this starts")
+    ap.add_argument("--n", type=int, default=2000, help="requests per online cell")
+    ap.add_argument("--n-scoring", type=int, default=500, help="requests per scoring cell")
+    ap.add_argument("--bulk-requests", default="10,5,2", help="requests per client at L=512,1024,4096")
+    ap.add_argument("--suites", default="online,scoring,bulk")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from benchmarks.engine import free_port
+
+    proc = None
+    target = args.target
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out or Path("/tmp")) / "tulip.log"
+    if not target:
+        port = free_port()
+        proc = spawn_tulip(args.model, args.tulip_args, port, log)
+        target = f"127.0.0.1:{port}"
+    name = args.model.replace("/", "_")
+    rec = Recorder(args.out, f"online_{name}")
+    try:
+        ch, stub = _stub(target)
+        from trellis.tulip.v1 import tulip_pb2
+
+        info = stub.Info(tulip_pb2.InfoRequest())
+        vocab = info.vocab_size
+        common = dict(model=args.model, backend=f"trellis-tulip {args.tulip_args}".strip(), transport="grpc-unary")
+        cos = correctness_gate(stub, args.model, vocab)
+        rec.emit(bench="gate", min_cosine=round(cos, 6), passed=cos >= 0.999, **common)
+        if cos < 0.999:
+            print(f"correctness gate FAILED: min cosine {cos:.6f} < 0.999; no timings taken", file=sys.stderr)
+            return 1
+        suites = args.suites.split(",")
+        if "online" in suites:
+            for L in (128, 512, 4096):
+                if L <= info.max_seq_len:
+                    rec.emit(bench="online", cell=f"1x{L}", seqs=1, tokens=L, **common,
+                             **time_sequential(stub, 1, L, args.n, vocab))
+        if "scoring" in suites:
+            L = min(512, info.max_seq_len)
+            for b in (5, 25, 50):
+                rec.emit(bench="scoring", cell=f"{b}x{L}", seqs=b, tokens=L, **common,
+                         **time_sequential(stub, b, L, args.n_scoring, vocab))
+        if "bulk" in suites:
+            for L, n_req in zip((512, 1024, 4096), map(int, args.bulk_requests.split(","))):
+                if L <= info.max_seq_len:
+                    rec.emit(bench="bulk", cell=f"100x{L} x4 clients", seqs=100, tokens=L, **common,
+                             **time_bulk(target, L, n_req, vocab))
+        ch.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    if args.out is not None:
+        chart([r for r in rec.rows if r["bench"] != "gate"], args.model, args.out / f"online_{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
