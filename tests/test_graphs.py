@@ -100,9 +100,9 @@ def test_buckets():
         GraphConfig(max_tokens=1100)
 
 
-def seqs_of(*lens, seed=0):
+def seqs_of(*lens, seed=0, vocab=30000):
     g = np.random.default_rng(seed)
-    return [g.integers(1000, 30000, n) for n in lens]
+    return [g.integers(min(1000, vocab // 2), vocab, n) for n in lens]
 
 
 def test_state_machine_and_padding_equals_eager(engine):
@@ -148,3 +148,19 @@ def test_oversize_falls_back(engine):
     assert r.step(Batch.from_sequences(seqs_of(*[256] * 9))) is None  # 2304 tokens > 2048
     assert r.step(Batch.from_sequences(seqs_of(*[1] * 17))) is None  # 17 sequences > 16
     assert r.stats.oversize == 2 and r.stats.keys == 0
+
+
+def test_batch_that_fills_its_bucket_with_cls_pooling(tmp_path):
+    """Dummy sequences of a full bucket start at row T: CLS pooling must not index past it."""
+    from rose.engine import Engine, EngineConfig
+    from tests.checkpoints import save_checkpoint
+
+    path, _ = save_checkpoint("xlm-roberta", tmp_path)
+    e = Engine(EngineConfig(model=str(path), device="cpu"))
+    assert e.spec.pooling == "cls"
+    r = make_runner(e)
+    batch = Batch.from_sequences(seqs_of(32, 16, 16, seed=3, vocab=500))  # 64 tokens: 3 sequences in a (4, 64) bucket
+    assert r.key(batch)[:2] == (4, 64)
+    ref = e.step(batch).synchronize()
+    got = r.step(batch).synchronize()
+    assert F.cosine_similarity(got, ref).min().item() >= 0.9999

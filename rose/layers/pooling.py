@@ -14,10 +14,11 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
     Tokens with seq_id == N (padding) are pooled into a row that is dropped; empty
     sequences (padding to a sequence bucket) give garbage rows the caller drops.
     """
+    # Empty dummy sequences may start at T (a batch that fills its bucket): clamp to a valid row.
     if mode == "cls":
-        return hidden.index_select(0, cu_seqlens[:-1].long())
+        return hidden.index_select(0, cu_seqlens[:-1].long().clamp_(max=hidden.shape[0] - 1))
     if mode == "last":
-        return hidden.index_select(0, cu_seqlens[1:].long() - 1)
+        return hidden.index_select(0, (cu_seqlens[1:].long() - 1).clamp_(min=0))
     if mode == "mean":
         n = cu_seqlens.shape[0] - 1
         sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
