@@ -50,6 +50,13 @@ class Batch:
         """Pack token-id sequences (lists or int arrays) into one ragged batch."""
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
+        if len(seqs) == 1:  # the online case: skip the ragged bookkeeping
+            ids = np.asarray(seqs[0], dtype=np.int64)
+            n = ids.shape[0]
+            if n == 0:
+                raise ValueError("empty sequence at index 0")
+            return cls(torch.from_numpy(ids), torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n, (n,),
+                       torch.zeros(n, dtype=torch.int64))
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         if (lens <= 0).any():
             raise ValueError(f"empty sequence at index {int(np.argmin(lens))}")

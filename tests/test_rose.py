@@ -145,6 +145,11 @@ def test_batch_packing():
     assert (b.max_seqlen, b.seq_lens, b.num_seqs, b.num_tokens) == (3, (3, 1, 2), 3, 6)
     with pytest.raises(ValueError, match="empty sequence at index 1"):
         Batch.from_sequences([[1], []])
+    one = Batch.from_sequences([np.array([4, 5, 6], dtype=np.int32)])  # the single-sequence fast path
+    assert one.input_ids.tolist() == [4, 5, 6] and one.input_ids.dtype == torch.int64
+    assert one.positions.tolist() == [0, 1, 2] and one.seq_ids.tolist() == [0, 0, 0]
+    assert one.cu_seqlens.tolist() == [0, 3] and one.cu_seqlens.dtype == torch.int32
+    assert (one.max_seqlen, one.seq_lens) == (3, (3,))
 
 
 def test_lazy_tensor_contract_on_cpu():
