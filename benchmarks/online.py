@@ -137,6 +137,9 @@ def chart(rows, model: str, path: Path) -> None:
     pub = PUBLISHED.get(model, {})
     lat = [r for r in rows if "p50_ms" in r]
     bulk = [r for r in rows if "emb_per_s" in r]
+    if not lat or not bulk:
+        print("chart needs both latency and bulk cells; see benchmarks.summary", file=sys.stderr)
+        return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     ax = axes[0]
     names = [r["cell"] for r in lat]

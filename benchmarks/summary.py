@@ -1,0 +1,164 @@
+"""Summarise committed results: a Markdown table beside the published numbers, and a chart.
+
+    python -m benchmarks.summary benchmarks/results
+
+Reads every *.jsonl there, writes SUMMARY.md and summary_<model>.png. For each published cell it
+takes the best Trellis measurement (naming its configuration) and says whether it beats, ties
+(within 2 %) or misses the published Rust Tulip and vLLM 0.22 figures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED
+
+SCORING = {5: {"vllm-0.22": 9.60, "tulip-rust": 6.17}, 25: {"vllm-0.22": 26.59, "tulip-rust": 22.43},
+           50: {"vllm-0.22": 47.29, "tulip-rust": 40.45}}
+
+
+def verdict(ours: float, theirs: float, higher_is_better: bool) -> str:
+    ratio = ours / theirs if higher_is_better else theirs / ours
+    if ratio > 1.02:
+        return f"beats ({ratio:.2f}x)"
+    if ratio >= 0.98:
+        return "ties"
+    return f"**misses** ({ratio:.2f}x)"
+
+
+def load(d: Path) -> list[dict]:
+    rows = []
+    for f in sorted(d.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                rows.append({**json.loads(line), "_file": f.name})
+    return rows
+
+
+def _config(r: dict) -> str:
+    words = r.get("backend", "").split()
+    attn = words[words.index("--attention") + 1] if "--attention" in words else "auto"
+    return attn + (" + compile" if "--compile" in words else "")
+
+
+def tulip_table(rows: list[dict], model: str) -> tuple[list[str], list[tuple]]:
+    pub = PUBLISHED[model]
+    out = ["| workload | Trellis (best run) | config | published Tulip | vs Tulip | published vLLM 0.22 | vs vLLM |",
+           "|---|---|---|---|---|---|---|"]
+    chart = []
+    cells = [("online", L, 1, pub["online_p50_ms"][L]) for L in (128, 512, 4096)]
+    cells += [("scoring", 512, b, SCORING[b]) for b in (5, 25, 50)]
+    cells += [("bulk", L, 100, pub["bulk_emb_per_s"][L]) for L in (512, 1024, 4096)]
+    for bench, L, n, ref in cells:
+        cand = [r for r in rows if r.get("bench") == bench and r.get("tokens") == L and r.get("seqs") == n
+                and r.get("model") == model]
+        if not cand:
+            continue
+        hib = bench == "bulk"
+        key = "emb_per_s" if hib else "p50_ms"
+        best = max(cand, key=lambda r: r[key]) if hib else min(cand, key=lambda r: r[key])
+        v = best[key]
+        unit = "emb/s" if hib else f"ms p50 (p99 {best['p99_ms']:.2f})"
+        name = f"{bench} {n}x{L}" + (", 4 clients" if hib else "")
+        out.append(f"| {name} | {v:.2f} {unit} | {_config(best)} | {ref['tulip-rust']} | "
+                   f"{verdict(v, ref['tulip-rust'], hib)} | {ref['vllm-0.22']} | {verdict(v, ref['vllm-0.22'], hib)} |")
+        chart.append((name, v, ref["tulip-rust"], ref["vllm-0.22"], hib))
+    return out, chart
+
+
+def engine_table(rows: list[dict], model: str) -> list[str]:
+    tgt = ENGINE_TARGETS.get(model, {})
+    eng = [r for r in rows if r.get("bench") == "engine" and r.get("model") == model
+           and r.get("backend", "").startswith("rose") and "first-run" not in r["_file"]]
+    backends = sorted({r["backend"] for r in eng})
+    out = ["| engine config | 1x128 p50 (device) | 1x512 | 1x4096 | 100x512 emb/s | 100 mixed emb/s |",
+           "|---|---|---|---|---|---|"]
+    for b in backends:
+        cell = {r["cell"]: r for r in eng if r["backend"] == b}
+
+        def lat(L):
+            r = cell.get(f"step 1x{L}")
+            return f"{r['p50_ms']:.2f} ({r['device_p50_ms']:.2f})" if r else "-"
+
+        thr = cell.get("100x512 throughput", {}).get("emb_per_s", "-")
+        mix = next((r["emb_per_s"] for c, r in cell.items() if c.startswith("100 mixed")), "-")
+        out.append(f"| {b} | {lat(128)} | {lat(512)} | {lat(4096)} | {thr} | {mix} |")
+    if tgt:
+        s = tgt["step_p50_ms"]
+        out.append(f"| *target* | *{s[128]}* | *{s[512]}* | *{s[4096]}* | *{tgt['emb_per_s_100x512']}* | "
+                   f"*{tgt['emb_per_s_mixed']}* |")
+    hf = {r["cell"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r.get("model") == model}
+    if hf:
+        out.append(f"| HF transformers eager bf16 SDPA (padded, same shapes) | {hf['step 1x128']['p50_ms']:.2f} | "
+                   f"{hf['step 1x512']['p50_ms']:.2f} | {hf['step 1x4096']['p50_ms']:.2f} | "
+                   f"{hf['100x512 throughput']['emb_per_s']} | - |")
+    return out
+
+
+def draw(chart: list[tuple], model: str, env: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for ax, hib in zip(axes, (False, True)):
+        cells = [c for c in chart if c[4] == hib]
+        x = np.arange(len(cells))
+        for i, (label, idx) in enumerate([("Trellis (measured)", 1), ("published Tulip (Rust)", 2),
+                                          ("published vLLM 0.22", 3)]):
+            bars = ax.bar(x + (i - 1) * 0.27, [c[idx] for c in cells], 0.27, label=label)
+            ax.bar_label(bars, fmt="%.0f" if hib else "%.2f", fontsize=7)
+        ax.set_xticks(x, [c[0] for c in cells], fontsize=8, rotation=10)
+        if hib:
+            ax.set_ylabel("embeddings / s (higher is better)")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("p50 latency, ms, log (lower is better)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{model} through Tulip gRPC (client in another process), {env.get('gpu')}, "
+                 f"torch {env.get('torch')}, {env.get('when', '')[:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    d = Path((argv or sys.argv[1:] or ["benchmarks/results"])[0])
+    rows = load(d)
+    lines = ["# Benchmark summary", "",
+             "Generated by `python -m benchmarks.summary` from the JSON lines in this folder; every row there",
+             "says when, on what GPU, torch and git revision it was measured. Random-weight preset (real",
+             "shapes), bf16, one H200. Published figures: ../shared/DESIGN.md (end to end, client in another",
+             "process). `ties` means within 2 %.", ""]
+    for model in PUBLISHED:
+        t, chart = tulip_table(rows, model)
+        if len(t) > 2:
+            gates = [r for r in rows if r.get("bench") == "gate" and r.get("model") == model]
+            n = {b: sorted({r["n"] for r in rows if r.get("model") == model and r.get("bench") == b})
+                 for b in ("online", "scoring")}
+            lines += [f"## {model}: through Tulip over gRPC", "",
+                      f"Correctness gate before timing: min cosine {min(g['min_cosine'] for g in gates):.6f} against "
+                      f"the float32 eager engine (threshold 0.999). Requests per latency cell: {n['online']} online, "
+                      f"{n['scoring']} scoring (published: 10,000). Bulk: 4 client processes.",
+                      "", *t, ""]
+            env = next(r for r in rows if r.get("bench") in ("online", "bulk") and r.get("model") == model)
+            png = d / f"summary_{model}.png"
+            try:
+                draw(chart, model, env, png)
+                lines += [f"![{model} through Tulip]({png.name})", ""]
+            except ImportError:
+                pass
+        e = engine_table(rows, model)
+        if len(e) > 3:
+            lines += [f"## {model}: engine step in-process (no gRPC)", "",
+                      "Wall clock of `step()` + copy + sync, p50 ms, device time in brackets.", "", *e, ""]
+    (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
