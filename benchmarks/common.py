@@ -80,3 +80,24 @@ class Recorder:
             with self.path.open("a") as f:
                 f.write(line + "\n")
         return row
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no chart", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

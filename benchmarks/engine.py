@@ -12,26 +12,17 @@ the same shapes and random weights of the same architecture.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import ENGINE_TARGETS, PUBLISHED, Recorder, percentiles
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED, Recorder, percentiles, pyplot
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 
 BUDGET = 16384
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def budget_batches(seqs, budget=BUDGET):
@@ -104,7 +95,7 @@ def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
             ts = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                out = model(input_ids=ids).last_hidden_state[:, 0].float().cpu()
+                model(input_ids=ids).last_hidden_state[:, 0].float().cpu()
                 ts.append((time.perf_counter() - t0) * 1e3)
         rec.emit(bench="engine", cell=f"step 1x{L}", model=model_name, backend="hf-eager-sdpa", seqs=1, tokens=L,
                  **percentiles(ts))
@@ -126,13 +117,9 @@ def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
 
 
 def chart(rows, model: str, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     ours = {r["tokens"]: r for r in rows if r.get("backend", "").startswith("rose") and r["cell"].startswith("step")}
     hf = {r["tokens"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r["cell"].startswith("step")}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PUBLISHED, Recorder, percentiles
+from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,13 +126,9 @@ def time_bulk(target, L: int, n_req: int, vocab: int, clients: int = 4) -> dict:
 
 
 def chart(rows, model: str, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no chart", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     pub = PUBLISHED.get(model, {})
     lat = [r for r in rows if "p50_ms" in r]
@@ -185,7 +181,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from benchmarks.engine import free_port
 
     proc = None
     target = args.target

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import ENGINE_TARGETS, PUBLISHED
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED, pyplot
 
 SCORING = {5: {"vllm-0.22": 9.60, "tulip-rust": 6.17}, 25: {"vllm-0.22": 26.59, "tulip-rust": 22.43},
            50: {"vllm-0.22": 47.29, "tulip-rust": 40.45}}
@@ -98,11 +98,11 @@ def engine_table(rows: list[dict], model: str) -> list[str]:
 
 
 def draw(chart: list[tuple], model: str, env: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     for ax, hib in zip(axes, (False, True)):
@@ -146,11 +146,9 @@ def main(argv=None) -> int:
                       "", *t, ""]
             env = next(r for r in rows if r.get("bench") in ("online", "bulk") and r.get("model") == model)
             png = d / f"summary_{model}.png"
-            try:
-                draw(chart, model, env, png)
+            draw(chart, model, env, png)
+            if png.is_file():
                 lines += [f"![{model} through Tulip]({png.name})", ""]
-            except ImportError:
-                pass
         e = engine_table(rows, model)
         if len(e) > 3:
             lines += [f"## {model}: engine step in-process (no gRPC)", "",

@@ -13,8 +13,8 @@ import time
 import grpc
 import numpy as np
 
-from tulip.client import TulipClient
 from trellis.tulip.v1 import tulip_pb2
+from tulip.client import TulipClient
 
 log = logging.getLogger("ivy.balancer")
 

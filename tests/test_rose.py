@@ -89,9 +89,10 @@ def test_tiny_random_checkpoint_matches_transformers(family, tmp_path):
 
 
 def test_preset_directory(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
     from rose.modeldir import ModelSpec, resolve_model_path
     from rose.presets import RANDOM_WEIGHTS
-    from tokenizers import Tokenizer
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path("bge-m3")
