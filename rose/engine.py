@@ -93,12 +93,12 @@ class Engine:
             self.model = random_weights(model, self.device, self.dtype)
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
-        self.causal = bool(getattr(cls, "causal", False))
+        self.causal = bool(getattr(self.model, "causal", False))
         if cfg.compile:
             self.model.compile_feed_forward()
         c = self.spec.config
         heads = c["num_attention_heads"]
-        heads = (heads, c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads))
+        heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:

@@ -29,6 +29,25 @@ def _map_name(model: nn.Module, key: str) -> tuple[str, int | None] | None:
     return key, None
 
 
+def _shard_rows(model: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    """Row counts of the checkpoint tensors stacked into `name` (equal unless the model says)."""
+    if hasattr(model, "stacked_rows"):
+        return tuple(model.stacked_rows(name))
+    dsts = [d for d, _ in getattr(model, "stacked_params", {}).values()]
+    n = sum(1 for d in dsts if d == next(d for d in dsts if d in name))
+    return (param.shape[0] // n,) * n
+
+
+def _stacked_dst(model: nn.Module, name: str) -> bool:
+    return any(d in name for d, _ in getattr(model, "stacked_params", {}).values())
+
+
+def _finish(model: nn.Module, device: torch.device) -> nn.Module:
+    if hasattr(model, "materialize"):  # non-persistent buffers (e.g. rotary tables) are not in checkpoints
+        model.materialize(device)
+    return model.eval().requires_grad_(False)
+
+
 def random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """Materialise `model` with seeded random weights (presets only: real shapes, meaningless outputs)."""
     model = model.to_empty(device=device).to(dtype)
@@ -41,7 +60,7 @@ def random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, s
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    return model.eval().requires_grad_(False)
+    return _finish(model, device)
 
 
 def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -51,9 +70,6 @@ def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torc
         raise ValueError(f"no *.safetensors files in {path}")
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
-    shard_counts: dict[str, int] = {}
-    for _, (dst, _) in getattr(model, "stacked_params", {}).items():
-        shard_counts[dst] = shard_counts.get(dst, 0) + 1
     filled: dict[str, set[int | None]] = {}
     unknown: list[str] = []
     with torch.no_grad():
@@ -70,9 +86,9 @@ def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torc
                         continue
                     target = param
                     if shard is not None:
-                        n = next(c for d, c in shard_counts.items() if d in name)
-                        rows = param.shape[0] // n
-                        target = param[shard * rows:(shard + 1) * rows]
+                        rows = _shard_rows(model, name, param)
+                        start = sum(rows[:shard])
+                        target = param[start:start + rows[shard]]
                     tensor = f.get_tensor(key)
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(
@@ -86,11 +102,11 @@ def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torc
     if unknown:
         raise ValueError(f"checkpoint {path} has unexpected tensors: {sorted(unknown)[:20]}")
     missing = []
-    for name in params:
-        want = next((c for d, c in shard_counts.items() if d in name), None)
+    for name, param in params.items():
         got = filled.get(name, set())
+        want = len(_shard_rows(model, name, param)) if _stacked_dst(model, name) else None
         if (want is None and not got) or (want is not None and len(got) != want):
             missing.append(name)
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensors for: {missing[:20]}")
-    return model.eval().requires_grad_(False)
+    return _finish(model, device)

@@ -56,7 +56,7 @@ class ModelSpec:
     path:        the directory.
     config:      config.json as a dict (the architecture's hyper-parameters).
     model_type:  config["model_type"], e.g. "bert".
-    pooling:     "cls" | "mean" | "last" (1_Pooling/config.json; "cls" if absent).
+    pooling:     "cls" | "mean" | "last" (1_Pooling/config.json; if absent, the family's default).
     normalize:   whether a Normalize module follows pooling (modules.json).
     max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's
                  max_seq_length when present (what sentence-transformers
@@ -86,7 +86,7 @@ class ModelSpec:
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
         modules = _read_json(path / "modules.json") or []
-        pooling, normalize = "cls", False
+        pooling, normalize = _default_pooling(config), False
         for m in modules:
             kind = m.get("type", "")
             if kind.endswith("models.Normalize"):
@@ -98,6 +98,15 @@ class ModelSpec:
         max_len = min(int(st.get("max_seq_length") or positions), positions)
         prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
         return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts))
+
+
+def _default_pooling(config: dict) -> str:
+    """Without sentence-transformers files: CLS for encoders, last token for causal Qwen3, mean for
+    bidirectional Qwen3."""
+    if config["model_type"] == "qwen3":
+        bidirectional = config.get("is_causal") is False or config.get("use_bidirectional_attention", False)
+        return "mean" if bidirectional else "last"
+    return "cls"
 
 
 def _position_offset(config: dict) -> int:

@@ -30,13 +30,35 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+_QWEN3_0_6B = {
+    "model_type": "qwen3", "architectures": ["Qwen3Model"], "vocab_size": 151669, "hidden_size": 1024,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 3072, "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "attention_bias": False, "tie_word_embeddings": True,
+}
+_QWEN3_SPECIALS = {"specials": {"<|endoftext|>": 0, "<unk>": 1}, "wrap": (None, "<|endoftext|>")}
+PRESETS.update({
+    # perplexity-ai/pplx-embed-1-0.6b: Qwen3-0.6B blocks, bidirectional, mean pooling.
+    "pplx-embed-1-0.6b": {"config": {**_QWEN3_0_6B, "is_causal": False}, "pooling": "mean", "normalize": False,
+                          "max_seq_length": 32768, **_QWEN3_SPECIALS},
+    # perplexity-ai/pplx-embed-1-4b: Qwen3-4B blocks, bidirectional, mean pooling.
+    "pplx-embed-1-4b": {"config": {**_QWEN3_0_6B, "vocab_size": 151936, "hidden_size": 2560, "num_hidden_layers": 36,
+                                   "num_attention_heads": 32, "intermediate_size": 9728, "is_causal": False},
+                        "pooling": "mean", "normalize": False, "max_seq_length": 32768, **_QWEN3_SPECIALS},
+    # Qwen/Qwen3-Embedding-0.6B: causal, last-token pooling, normalised, instruction prompt for queries.
+    "qwen3-embedding-0.6b": {"config": _QWEN3_0_6B, "pooling": "last", "normalize": True, "max_seq_length": 32768,
+                             "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages "
+                                                  "that answer the query\nQuery:", "document": ""},
+                             **_QWEN3_SPECIALS},
+})
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
 
 
-def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str, str], path: Path) -> None:
-    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in <s> ... </s>."""
+def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path) -> None:
+    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = dict(specials)
@@ -46,8 +68,9 @@ def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str, str], path: P
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     first, last = wrap
+    single = f"{first} $A {last}" if first else f"$A {last}"
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{first} $A {last}", special_tokens=[(first, specials[first]), (last, specials[last])])
+        single=single, special_tokens=[(t, specials[t]) for t in (first, last) if t])
     tok.save(str(path))
 
 
@@ -69,6 +92,8 @@ def materialize(name: str) -> Path:
     (d / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": p["config"]["hidden_size"], mode[p["pooling"]]: True}))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
+    if p.get("prompts"):
+        (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
     _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
     marker.write_text(f"preset {name}: random weights, stand-in tokenizer; embeddings are meaningless\n")
     return d

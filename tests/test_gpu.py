@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
-from tests.checkpoints import save_checkpoint
+from tests.checkpoints import save_checkpoint, save_qwen3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,11 +41,23 @@ def installed_backends():
     return out
 
 
-@pytest.fixture(scope="module", params=[(f, b) for f in ("bert", "xlm-roberta") for b in installed_backends()],
+# Qwen3 with GQA (4 query heads over 2 kv heads) and head dim 128.
+QWEN3 = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=128, intermediate_size=768, max_position_embeddings=2048)
+FAMILIES = ("bert", "xlm-roberta", "qwen3-causal", "qwen3-bidirectional")
+
+
+def save_family(family, path):
+    if family.startswith("qwen3"):
+        return save_qwen3(path, bidirectional=family.endswith("bidirectional"), **QWEN3)
+    return save_checkpoint(family, path, **MINILM)
+
+
+@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in installed_backends()],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def family_engines(request, tmp_path_factory):
     family, backend = request.param
-    path, _ = save_checkpoint(family, tmp_path_factory.mktemp(family), **MINILM)
+    path, _ = save_family(family, tmp_path_factory.mktemp(family))
     ref = engine(path, dtype="float32", attention="sdpa", graphs="off")
     fast = engine(path, dtype="bfloat16", attention=backend, graphs="lazy")
     eager16 = engine(path, dtype="bfloat16", attention=backend, graphs="off")
@@ -88,7 +100,7 @@ def test_no_sync_on_the_step_path(family_engines):
         lazy = fast.step(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert lazy.synchronize().shape == (2, 384)
+    assert lazy.synchronize().shape == (2, fast.embedding_dim)
 
 
 def test_compiled_feed_forward_equals_eager(tmp_path):

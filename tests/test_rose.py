@@ -88,6 +88,46 @@ def test_tiny_random_checkpoint_matches_transformers(family, tmp_path):
         assert F.cosine_similarity(step(e, [s])[0], ours[i], dim=0).item() >= 0.99999
 
 
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["causal-last", "bidirectional-mean"])
+def test_tiny_random_qwen3_matches_transformers(tmp_path, bidirectional):
+    from tests.checkpoints import qwen3_reference, save_qwen3
+
+    path, hf = save_qwen3(tmp_path, bidirectional=bidirectional)
+    hf.config._attn_implementation = "eager"
+    e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert (e.spec.pooling, e.causal) == (("mean", False) if bidirectional else ("last", True))
+    seqs = [[5, 6, 7], [9], list(range(10, 256)), [3, 4], list(range(100, 140))]
+    ours = step(e, seqs)
+    for i, s in enumerate(seqs):
+        h = qwen3_reference(hf, s, bidirectional)
+        ref = h.mean(0) if bidirectional else h[-1]
+        assert F.cosine_similarity(ours[i], ref, dim=0).item() >= 0.9999
+        assert torch.allclose(ours[i], ref, atol=1e-4)
+        assert F.cosine_similarity(step(e, [s])[0], ours[i], dim=0).item() >= 0.99999  # batch invariance
+    # The two attention modes really differ (same weights, same mean over tokens).
+    if bidirectional:
+        causal_mean = qwen3_reference(hf, seqs[4], False).mean(0)
+        assert F.cosine_similarity(ours[4], causal_mean, dim=0).item() < 0.999
+
+
+@pytest.mark.parametrize("name, pooling, normalize, dim", [
+    ("pplx-embed-1-0.6b", "mean", False, 1024), ("pplx-embed-1-4b", "mean", False, 2560),
+    ("qwen3-embedding-0.6b", "last", True, 1024)])
+def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
+    from tokenizers import Tokenizer
+
+    from rose.modeldir import ModelSpec, resolve_model_path
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
+    path = resolve_model_path(name)
+    spec = ModelSpec.read(path)
+    assert (spec.model_type, spec.pooling, spec.normalize, spec.hidden_size) == ("qwen3", pooling, normalize, dim)
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode("hi").ids
+    assert len(ids) == 3 and ids[-1] == 0  # two bytes, then <|endoftext|>
+    if name.startswith("qwen3-embedding"):
+        assert spec.prompts["query"].startswith("Instruct: ")
+
+
 def test_preset_directory(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 

@@ -1,9 +1,10 @@
 """Model families by Hugging Face `model_type`."""
 
 from rose.models.bert import BertModel
+from rose.models.qwen3 import Qwen3Model
 from rose.models.xlm_roberta import XLMRobertaModel
 
-MODELS = {"bert": BertModel, "xlm-roberta": XLMRobertaModel}
+MODELS = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model}
 
 
 def model_class(model_type: str):

@@ -1,0 +1,105 @@
+"""Qwen3 over a ragged batch: causal (Qwen3-Embedding, last-token pooling) or bidirectional
+(pplx-embed-1, mean pooling, selected by `is_causal: false` or `use_bidirectional_attention: true`
+in config.json). Parameter names follow Hugging Face's Qwen3Model; q/k/v are stacked into one
+`qkv_proj` GEMM and gate/up into `gate_up_proj`."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.norm import RMSNorm
+from rose.layers.rotary import Rotary, rope_theta
+
+
+def _heads(cfg: dict) -> tuple[int, int, int]:
+    h = cfg["num_attention_heads"]
+    return h, cfg.get("num_key_value_heads", h), cfg.get("head_dim") or cfg["hidden_size"] // h
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.h, self.hk, self.d = _heads(cfg)
+        bias, eps = cfg.get("attention_bias", False), cfg.get("rms_norm_eps", 1e-6)
+        self.qkv_proj = nn.Linear(cfg["hidden_size"], (self.h + 2 * self.hk) * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg["hidden_size"], bias=bias)
+        self.q_norm = RMSNorm(self.d, eps)
+        self.k_norm = RMSNorm(self.d, eps)
+
+    def forward(self, x, positions, rotary: Rotary, meta: AttentionMetadata, attn: AttentionBackend):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q = self.q_norm(q.view(T, self.h, self.d))
+        k = self.k_norm(k.view(T, self.hk, self.d))
+        q, k = rotary(q, k, positions)
+        return self.o_proj(attn(q, k, v.view(T, self.hk, self.d), meta).reshape(T, -1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for qwen3 (silu)")
+        self.gate_up_proj = nn.Linear(cfg["hidden_size"], 2 * cfg["intermediate_size"], bias=False)
+        self.down_proj = nn.Linear(cfg["intermediate_size"], cfg["hidden_size"], bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = Qwen3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = Qwen3MLP(cfg)
+
+    def forward(self, x, positions, rotary, meta, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    strip_prefixes = ("model.",)
+    ignored = re.compile(r"^lm_head\.|(^|\.)rotary_emb\.")
+    stacked_params = {
+        ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
+        ".self_attn.k_proj.": (".self_attn.qkv_proj.", 1),
+        ".self_attn.v_proj.": (".self_attn.qkv_proj.", 2),
+        ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+        ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        self.causal = not (cfg.get("is_causal") is False or cfg.get("use_bidirectional_attention", False))
+        h, hk, d = _heads(cfg)
+        self._rows = {"qkv_proj": (h * d, hk * d, hk * d),
+                      "gate_up_proj": (cfg["intermediate_size"], cfg["intermediate_size"])}
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.rotary = Rotary(d, cfg.get("max_position_embeddings", 32768), rope_theta(cfg))
+
+    def stacked_rows(self, name: str) -> tuple[int, ...]:
+        """Row counts of the shards stacked into parameter `name` (unequal for GQA q/k/v)."""
+        return self._rows[name.rsplit(".", 2)[-2]]
+
+    def materialize(self, device: torch.device) -> None:
+        self.rotary.materialize(device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, meta, attn)
+        return self.norm(x)
