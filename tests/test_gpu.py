@@ -103,8 +103,9 @@ def test_no_sync_on_the_step_path(family_engines):
     assert lazy.synchronize().shape == (2, fast.embedding_dim)
 
 
-def test_compiled_feed_forward_equals_eager(tmp_path):
-    path, _ = save_checkpoint("xlm-roberta", tmp_path, **MINILM)
+@pytest.mark.parametrize("family", ["xlm-roberta", "qwen3-bidirectional"])
+def test_compiled_feed_forward_equals_eager(tmp_path, family):
+    path, _ = save_family(family, tmp_path)
     plain = engine(path, dtype="bfloat16", graphs="off")
     fused = engine(path, dtype="bfloat16", graphs="lazy", compile=True)
     for lens in [(5,), (128, 3), (300, 200, 1)]:

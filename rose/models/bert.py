@@ -8,7 +8,6 @@ skipped when loading.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -91,7 +90,7 @@ class BertLayer(nn.Module):
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
-        LayerNorm): the elementwise work `BertModel.compile_feed_forward` fuses."""
+        LayerNorm): the elementwise work `Engine(compile=True)` fuses."""
         x = self.attention.output(a, x)
         return self.output(self.intermediate(x), x)
 
@@ -123,15 +122,9 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 
-    def compile_feed_forward(self) -> None:
-        """Fuse each layer's post-attention elementwise work with torch.compile (Inductor).
-
-        One compiled function (dynamic in the token count) serves every layer; attention
-        stays outside it, so any backend works. The uncompiled path is the reference.
-        """
-        fused = torch.compile(BertLayer.feed_forward, dynamic=True, fullgraph=True)
-        for layer in self.encoder.layer:
-            layer.feed_forward = functools.partial(fused, layer)
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layer
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if self.position_offset:

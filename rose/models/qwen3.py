@@ -63,7 +63,10 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(cfg)
 
     def forward(self, x, positions, rotary, meta, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, attn)
+        return self.feed_forward(x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, attn))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm, SwiGLU MLP, residual: the work `Engine(compile=True)` fuses."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -90,6 +93,10 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.rotary = Rotary(d, cfg.get("max_position_embeddings", 32768), rope_theta(cfg))
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
 
     def stacked_rows(self, name: str) -> tuple[int, ...]:
         """Row counts of the shards stacked into parameter `name` (unequal for GQA q/k/v)."""
