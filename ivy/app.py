@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,6 +25,7 @@ from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.errors import APIError
 from ivy.schemas import EmbeddingRequest
+from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
 from rose.modeldir import ModelSpec, default_served_name, resolve_model_path
 from trellis.tulip.v1 import tulip_pb2
@@ -47,6 +49,8 @@ def _json(body: dict, status: int = 200) -> Response:
 
 
 ROUTES = {"/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
+ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
+             "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
 EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": EmbeddingRequest.model_json_schema()}}}}
 
@@ -82,6 +86,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     spec = ModelSpec.read(model_path)
     served = cfg.served_model_name or default_served_name(cfg.model, model_path)
     tokenizer = TextTokenizer(model_path, spec.max_seq_len, cfg.tokenize_offload_chars)
+    templates = Templates(spec.prompts, Path(cfg.prompts_file) if cfg.prompts_file else None)
     metrics = Metrics()
     created = int(time.time())
     balancer: Balancer  # gRPC channels must be made on the server's event loop: see lifespan
@@ -144,13 +149,17 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if not 1 <= req.dimensions <= info.embedding_dim:
                 raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}", "dimensions")
             dims = req.dimensions
+        encoding = ENCODINGS[req.encoding_format]
+        if encoding not in info.encodings:
+            raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
+                           "encoding_format")
         try:
-            vectors = await balancer.embed(seqs, dims, cfg.request_timeout_s)
+            vectors = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         tokens = int(sum(len(s) for s in seqs))
-        if req.encoding_format == "base64":
-            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()}
+        if req.encoding_format != "float":  # rows are already float32 LE, int8 or packed bits
+            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
                     for i, v in enumerate(vectors)]
         else:
             data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
@@ -171,7 +180,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            return await tokenizer.encode(inp, req.truncate)
+            return await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate)
+        if req.input_type is not None or req.instruction is not None:
+            raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
         if isinstance(inp[0], int):
             inp = [inp]
         seqs = []

@@ -77,7 +77,7 @@ class Balancer:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))
         return any(checks)
 
-    async def _send(self, seqs: list[np.ndarray], dimensions: int, deadline: float) -> tuple[np.ndarray, int]:
+    async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, deadline: float) -> tuple[np.ndarray, int]:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -85,7 +85,8 @@ class Balancer:
             tried.add(r)
             r.outstanding += tokens
             try:
-                out = await r.client.embed(seqs, dimensions, timeout=max(deadline - time.monotonic(), 0.001))
+                out = await r.client.embed(seqs, dimensions, timeout=max(deadline - time.monotonic(), 0.001),
+                                           encoding=encoding)
                 r.down_until = 0.0
                 return out, tokens
             except grpc.aio.AioRpcError as e:
@@ -99,13 +100,13 @@ class Balancer:
         assert last is not None  # there is always at least one replica
         raise last
 
-    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float) -> np.ndarray:
-        """Embed all `seqs` (chunked over replicas); float32 [len(seqs), dim] in input order."""
+    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0) -> np.ndarray:
+        """Embed all `seqs` (chunked over replicas); one row per sequence, in input order."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return (await self._send(seqs, dimensions, deadline))[0]
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, deadline)) for a, b in runs]
+            return (await self._send(seqs, dimensions, encoding, deadline))[0]
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, deadline)) for a, b in runs]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:

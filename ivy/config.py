@@ -16,6 +16,7 @@ class IvyConfig:
     tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT (repeat the flag for several)")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
+    prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
     workers: int = field(1, "uvicorn worker processes")

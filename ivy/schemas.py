@@ -13,14 +13,20 @@ class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings, as OpenAI's API plus documented extensions.
 
     Extensions (ignored by OpenAI clients, sent via `extra_body`):
-    truncate: cut inputs longer than the model's maximum instead of answering 400.
+    truncate:        cut inputs longer than the model's maximum instead of answering 400.
+    input_type:      "query" or "document": prefix text inputs with the model's prompt for it.
+    instruction:     a task for instruction-tuned models ("Instruct: {instruction}\nQuery:{text}").
+    encoding_format: also "base64_int8" (clamp(round(tanh(x) * 127)) as int8) and "base64_binary"
+                     (sign bits, packed MSB first) where the model supports quantised outputs.
     """
 
     model_config = ConfigDict(extra="ignore")
 
     input: EmbeddingInput
     model: StrictStr | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64", "base64_int8", "base64_binary"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
     truncate: bool = False
+    input_type: Literal["query", "document"] | None = None
+    instruction: StrictStr | None = None

@@ -80,6 +80,11 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    @property
+    def quantized_outputs(self) -> bool:
+        """int8 / binary outputs: the pplx-embed-1 family (bidirectional Qwen3) is trained for them."""
+        return self.model_type == "qwen3" and _default_pooling(self.config) == "mean"
+
     @classmethod
     def read(cls, path: Path) -> "ModelSpec":
         config = _read_json(path / "config.json")

@@ -92,3 +92,14 @@ def tulip_server(tmp_path_factory):
     proc.wait_for(lambda: "TULIP_READY" in proc.output())
     yield f"127.0.0.1:{port}", proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_default(tmp_path_factory):
+    """deploy.local serving the default model with one replica; yields the base URL."""
+    port = free_port()
+    proc = Proc(["-m", "deploy.local", "--model", "default", "--port", str(port), "--device", "cpu"],
+                tmp_path_factory.mktemp("stack-default"))
+    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+    yield f"http://127.0.0.1:{port}"
+    proc.stop(signal.SIGINT)

@@ -36,6 +36,7 @@ def test_info_and_health(tulip_server):
     assert healthy
     assert (info.model, info.embedding_dim, info.max_seq_len, info.vocab_size) == ("all-MiniLM-L6-v2", 384, 256, 30522)
     assert (info.pooling, info.normalized, list(info.outputs)) == ("mean", True, [tulip_pb2.OUTPUT_DENSE])
+    assert list(info.encodings) == [tulip_pb2.ENCODING_FLOAT32]
 
 
 def test_embed_matches_engine_and_dimensions(tulip_server, engine):
@@ -66,6 +67,7 @@ BAD = [
     (dict(token_ids=pack([[5] * 257])[0], lengths=[257]), "257 tokens; this model accepts at most 256"),
     (dict(token_ids=pack([[5]])[0], lengths=[1], dimensions=385), "dimensions 385 exceeds"),
     (dict(token_ids=pack([[5]])[0], lengths=[1], outputs=[7]), "not supported"),
+    (dict(token_ids=pack([[5]])[0], lengths=[1], encoding=1), "ENCODING_INT8 is not supported"),
 ]
 
 

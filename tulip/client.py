@@ -27,8 +27,13 @@ def pack(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[bytes, list[int]]:
 
 
 def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
-    """EmbedReply -> float32 array of reply.shape."""
-    return np.frombuffer(reply.embeddings, dtype="<f4").reshape(tuple(reply.shape))
+    """EmbedReply -> float32 [n, dim], int8 [n, dim], or packed sign bits uint8 [n, ceil(dim / 8)]."""
+    n, dim = tuple(reply.shape)
+    if reply.encoding == tulip_pb2.ENCODING_INT8:
+        return np.frombuffer(reply.embeddings, dtype=np.int8).reshape(n, dim)
+    if reply.encoding == tulip_pb2.ENCODING_BINARY:
+        return np.frombuffer(reply.embeddings, dtype=np.uint8).reshape(n, (dim + 7) // 8)
+    return np.frombuffer(reply.embeddings, dtype="<f4").reshape(n, dim)
 
 
 class TulipClient:
@@ -57,10 +62,13 @@ class TulipClient:
     async def info(self, timeout: float | None = 5.0) -> tulip_pb2.InfoReply:
         return await self.stub.Info(tulip_pb2.InfoRequest(), timeout=timeout)
 
-    async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None) -> np.ndarray:
+    async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
+                    encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
+        """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
         ids, lengths = pack(seqs)
         reply = await self.stub.Embed(
-            tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions), timeout=timeout
+            tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding),
+            timeout=timeout,
         )
         return unpack(reply)
 

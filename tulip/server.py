@@ -30,8 +30,10 @@ log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
 
 
-def parse_request(req: tulip_pb2.EmbedRequest, vocab_size: int, max_seq_len: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check an EmbedRequest and unpack it; raise ValueError with a caller-facing message."""
+def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tuple[np.ndarray, np.ndarray]:
+    """Check an EmbedRequest against the served model and unpack it; raise ValueError with a
+    caller-facing message."""
+    vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
     if not req.lengths:
         raise ValueError("request has no sequences (lengths is empty)")
     if len(req.token_ids) % 4:
@@ -52,6 +54,10 @@ def parse_request(req: tulip_pb2.EmbedRequest, vocab_size: int, max_seq_len: int
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if req.dimensions > dim:
         raise ValueError(f"dimensions {req.dimensions} exceeds the model's embedding size {dim}")
+    if req.encoding not in info.encodings:
+        name = tulip_pb2.Encoding.Name(req.encoding) if req.encoding in tulip_pb2.Encoding.values() else req.encoding
+        raise ValueError(f"encoding {name} is not supported by this model "
+                         f"(supported: {', '.join(tulip_pb2.Encoding.Name(e) for e in info.encodings)})")
     for o in req.outputs:
         if o not in (tulip_pb2.OUTPUT_UNSPECIFIED, tulip_pb2.OUTPUT_DENSE):
             raise ValueError(f"output {tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o} is not supported by this model")
@@ -76,6 +82,15 @@ def warm_up(engine: Engine, shapes: tuple[str, ...]) -> None:
         for _ in range(3):
             engine.step(batch).synchronize()
         log.info("warmed up %dx%d in %.0f ms", n, length, (time.perf_counter() - t0) * 1e3)
+
+
+def encode(vectors: np.ndarray, encoding: int) -> bytes:
+    """float32 [n, dim] -> the reply's bytes in `encoding` (see tulip.proto)."""
+    if encoding == tulip_pb2.ENCODING_INT8:
+        return np.clip(np.rint(np.tanh(vectors) * 127), -127, 127).astype(np.int8).tobytes()
+    if encoding == tulip_pb2.ENCODING_BINARY:
+        return np.packbits(vectors > 0, axis=1).tobytes()
+    return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
 class EngineLoop:
@@ -195,6 +210,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             dtype=str(e.dtype).removeprefix("torch."),
             device=str(e.device),
             max_batch_tokens=loop.cfg.max_batch_tokens,
+            encodings=[tulip_pb2.ENCODING_FLOAT32] + (
+                [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
         )
 
     async def Info(self, request, context):
@@ -203,7 +220,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
     async def Embed(self, request, context):
         info = self.info
         try:
-            ids, lengths = parse_request(request, info.vocab_size, info.max_seq_len, info.embedding_dim)
+            ids, lengths = parse_request(request, info)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -214,9 +231,10 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         vectors = truncate_dims(vectors, request.dimensions)
         return tulip_pb2.EmbedReply(
-            embeddings=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
+            embeddings=encode(vectors, request.encoding),
             shape=vectors.shape,
             prompt_tokens=int(lengths.sum()),
+            encoding=request.encoding,
         )
 
 

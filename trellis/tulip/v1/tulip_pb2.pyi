@@ -11,39 +11,52 @@ class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTPUT_UNSPECIFIED: _ClassVar[Output]
     OUTPUT_DENSE: _ClassVar[Output]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_FLOAT32: _ClassVar[Encoding]
+    ENCODING_INT8: _ClassVar[Encoding]
+    ENCODING_BINARY: _ClassVar[Encoding]
 OUTPUT_UNSPECIFIED: Output
 OUTPUT_DENSE: Output
+ENCODING_FLOAT32: Encoding
+ENCODING_INT8: Encoding
+ENCODING_BINARY: Encoding
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id")
+    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
     outputs: _containers.RepeatedScalarFieldContainer[Output]
     request_id: str
-    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    encoding: Encoding
+    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
-    __slots__ = ("embeddings", "shape", "prompt_tokens")
+    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    encoding: Encoding
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens")
+    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +67,7 @@ class InfoReply(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     embedding_dim: int
     max_seq_len: int
@@ -64,4 +78,5 @@ class InfoReply(_message.Message):
     dtype: str
     device: str
     max_batch_tokens: int
-    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ...) -> None: ...
+    encodings: _containers.RepeatedScalarFieldContainer[Encoding]
+    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ...) -> None: ...

@@ -1,0 +1,56 @@
+"""Input templating: per-model prompts for queries and documents, and instructions.
+
+Prompts come from the model directory's config_sentence_transformers.json (`prompts`, e.g.
+{"query": "Instruct: ...\\nQuery:", "document": ""}); an Ivy prompts file (JSON of the same
+shape, `--prompts-file`) overrides them and is re-read whenever it changes, so templates can
+change without restarting any Tulip (or Ivy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ivy.errors import APIError
+
+ALIASES = {"document": ("document", "passage", "doc"), "query": ("query",)}
+
+
+class Templates:
+    def __init__(self, model_prompts: dict[str, str], override: Path | None):
+        self.model_prompts = dict(model_prompts)
+        self.override = Path(override) if override else None
+        self._mtime = None
+        self._override_prompts: dict[str, str] = {}
+
+    def prompts(self) -> dict[str, str]:
+        if self.override is not None:
+            try:
+                m = os.stat(self.override).st_mtime_ns
+            except FileNotFoundError:
+                m = None
+            if m != self._mtime:
+                self._override_prompts = json.loads(self.override.read_text()) if m is not None else {}
+                if not isinstance(self._override_prompts, dict):
+                    raise APIError(503, f"prompts file {self.override} must hold a JSON object")
+                self._mtime = m
+        return {**self.model_prompts, **self._override_prompts}
+
+    def instruction_tuned(self) -> bool:
+        return self.prompts().get("query", "").startswith("Instruct:")
+
+    def apply(self, texts: list[str], input_type: str | None, instruction: str | None) -> list[str]:
+        """Prefix `texts` with the prompt for `input_type`, or with `instruction` (queries only)."""
+        if instruction is not None:
+            if not self.instruction_tuned():
+                raise APIError(400, "'instruction' is only accepted by instruction-tuned models", "instruction")
+            if input_type == "document":
+                raise APIError(400, "'instruction' applies to queries; documents take none", "instruction")
+            prefix = f"Instruct: {instruction}\nQuery:"
+        elif input_type is None:
+            return texts
+        else:
+            prompts = self.prompts()
+            prefix = next((prompts[k] for k in ALIASES[input_type] if k in prompts), "")
+        return [prefix + t for t in texts] if prefix else texts

@@ -1,0 +1,88 @@
+"""Model extras through the whole stack: quantised outputs (pplx-embed style bidirectional Qwen3)
+and prompt / instruction templating, on a small random Qwen3 with all-MiniLM's tokenizer."""
+
+import base64
+import json
+import shutil
+import signal
+
+import httpx
+import numpy as np
+import pytest
+
+from ivy.errors import APIError
+from ivy.templates import Templates
+from tests.checkpoints import save_qwen3
+from tests.conftest import Proc, free_port
+
+PROMPTS = {"query": "Instruct: Given a question, find passages\nQuery:", "document": ""}
+
+
+@pytest.fixture(scope="module")
+def qwen_stack(tmp_path_factory, model_path):
+    d = tmp_path_factory.mktemp("tiny-qwen3")
+    save_qwen3(d, bidirectional=True, vocab_size=30522)
+    shutil.copy(model_path / "tokenizer.json", d / "tokenizer.json")
+    (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
+    port = free_port()
+    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
+                tmp_path_factory.mktemp("qwen-stack"))
+    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+    yield f"http://127.0.0.1:{port}", d.name
+    proc.stop(signal.SIGINT)
+
+
+def post(url, **body):
+    return httpx.post(url + "/v1/embeddings", json=body, timeout=60)
+
+
+def test_int8_and_binary_match_the_float_vectors(qwen_stack):
+    url, name = qwen_stack
+    texts = ["what is a tulip", "Tulips are spring-blooming perennial herbaceous bulbiferous geophytes."]
+    f = np.array([d["embedding"] for d in post(url, model=name, input=texts).json()["data"]], dtype=np.float32)
+    i8 = [np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.int8)
+          for d in post(url, model=name, input=texts, encoding_format="base64_int8").json()["data"]]
+    bits = [np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.uint8)
+            for d in post(url, model=name, input=texts, encoding_format="base64_binary").json()["data"]]
+    want8 = np.clip(np.rint(np.tanh(f) * 127), -127, 127)
+    assert np.abs(np.array(i8).astype(int) - want8).max() <= 1  # float32 rounding at .5 boundaries
+    assert np.array_equal(np.array(bits), np.packbits(f > 0, axis=1))
+    assert bits[0].shape == (64 // 8,)
+    short = post(url, model=name, input=texts, encoding_format="base64_binary", dimensions=12).json()["data"]
+    assert np.frombuffer(base64.b64decode(short[0]["embedding"]), dtype=np.uint8).shape == (2,)
+
+
+def test_models_without_quantised_outputs_refuse_them(stack_default):
+    r = post(stack_default, input="hi", encoding_format="base64_int8")
+    assert r.status_code == 400 and "base64_int8" in r.json()["error"]["message"]
+
+
+def test_input_type_and_instruction_templates(qwen_stack):
+    url, name = qwen_stack
+    q = "what is a tulip"
+
+    def vec(**kw):
+        return np.array(post(url, model=name, **kw).json()["data"][0]["embedding"])
+
+    np.testing.assert_allclose(vec(input=q, input_type="query"), vec(input=PROMPTS["query"] + q), atol=1e-6)
+    np.testing.assert_allclose(vec(input=q, input_type="document"), vec(input=q), atol=1e-6)
+    np.testing.assert_allclose(vec(input=q, instruction="Find recipes"),
+                               vec(input="Instruct: Find recipes\nQuery:" + q), atol=1e-6)
+    r = post(url, model=name, input=[[101, 102]], input_type="query")
+    assert r.status_code == 400 and "text inputs" in r.json()["error"]["message"]
+    r = post(url, model=name, input=q, input_type="question")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_type"
+
+
+def test_templates_unit(tmp_path):
+    t = Templates({"query": "q: ", "passage": "p: "}, tmp_path / "prompts.json")
+    assert t.apply(["a"], "query", None) == ["q: a"]
+    assert t.apply(["a"], "document", None) == ["p: a"]  # "passage" is an alias of document
+    assert t.apply(["a"], None, None) == ["a"]
+    with pytest.raises(APIError, match="instruction-tuned"):
+        t.apply(["a"], None, "task")
+    (tmp_path / "prompts.json").write_text(json.dumps({"query": "Instruct: search\nQuery:"}))
+    assert t.apply(["a"], "query", None) == ["Instruct: search\nQuery:a"]  # re-read without restart
+    assert t.apply(["a"], None, "find") == ["Instruct: find\nQuery:a"]
+    with pytest.raises(APIError, match="documents take none"):
+        t.apply(["a"], "document", "find")
