@@ -78,15 +78,20 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
-def compile_feed_forward(blocks) -> None:
-    """Fuse each block's post-attention work (`feed_forward`) with torch.compile (Inductor).
+def compile_blocks(blocks) -> None:
+    """Fuse each block's work around attention (`pre_attention` where a family has one, and
+    `feed_forward`) with torch.compile (Inductor).
 
-    One compiled function, dynamic in the token count, serves every block; attention stays
-    outside it so any backend works. The uncompiled method is the reference path.
+    One compiled function per method, dynamic in the token count, serves every block;
+    attention stays outside so any backend works. The uncompiled methods are the reference.
     """
-    fused = torch.compile(type(blocks[0]).feed_forward, dynamic=True, fullgraph=True)
-    for block in blocks:
-        block.feed_forward = functools.partial(fused, block)
+    for method in ("pre_attention", "feed_forward"):
+        fn = getattr(type(blocks[0]), method, None)
+        if fn is None:
+            continue
+        fused = torch.compile(fn, dynamic=True, fullgraph=True)
+        for block in blocks:
+            setattr(block, method, functools.partial(fused, block))
 
 
 class Engine:
@@ -107,7 +112,7 @@ class Engine:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(self.model, "causal", False))
         if cfg.compile:
-            compile_feed_forward(self.model.blocks)
+            compile_blocks(self.model.blocks)
         c = self.spec.config
         heads = c["num_attention_heads"]
         heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)

@@ -30,10 +30,15 @@ class Rotary(nn.Module):
         """Recompute the table on `device` (models are built on meta and the buffer is not in checkpoints)."""
         self.cos_sin = self._table(device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q [T, H, D], k [T, Hk, D], positions [T] -> rotated q, k (in q's dtype)."""
-        cos, sin = self.cos_sin[:, positions].unsqueeze(2).to(q.dtype).unbind(0)  # [T, 1, D] each
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[2, T, 1, D] cos/sin for these positions, once per step (shared by every layer)."""
+        return self.cos_sin[:, positions].unsqueeze(2).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """q [T, H, D], k [T, Hk, D], cos_sin from `Rotary.lookup` -> rotated q, k."""
+    cos, sin = cos_sin.unbind(0)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
-from rose.layers.rotary import Rotary, rope_theta
+from rose.layers.rotary import Rotary, apply_rotary, rope_theta
 
 
 def _heads(cfg: dict) -> tuple[int, int, int]:
@@ -31,13 +31,13 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.d, eps)
         self.k_norm = RMSNorm(self.d, eps)
 
-    def forward(self, x, positions, rotary: Rotary, meta: AttentionMetadata, attn: AttentionBackend):
+    def qkv(self, x: torch.Tensor, cos_sin: torch.Tensor):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
         q = self.q_norm(q.view(T, self.h, self.d))
         k = self.k_norm(k.view(T, self.hk, self.d))
-        q, k = rotary(q, k, positions)
-        return self.o_proj(attn(q, k, v.view(T, self.hk, self.d), meta).reshape(T, -1))
+        q, k = apply_rotary(q, k, cos_sin)
+        return q, k, v.view(T, self.hk, self.d)
 
 
 class Qwen3MLP(nn.Module):
@@ -62,11 +62,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = Qwen3MLP(cfg)
 
-    def forward(self, x, positions, rotary, meta, attn):
-        return self.feed_forward(x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, attn))
+    def forward(self, x, cos_sin, meta, attn):
+        q, k, v = self.pre_attention(x, cos_sin)
+        return self.feed_forward(attn(q, k, v, meta).reshape(x.shape[0], -1), x)
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm, SwiGLU MLP, residual: the work `Engine(compile=True)` fuses."""
+    def pre_attention(self, x: torch.Tensor, cos_sin: torch.Tensor):
+        """RMSNorm, q/k/v projection, q/k RMSNorm, rotary: fused by `Engine(compile=True)`."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos_sin)
+
+    def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, RMSNorm, SwiGLU MLP, residual: fused by `Engine(compile=True)`."""
+        x = x + self.self_attn.o_proj(a)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,6 +113,7 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, meta, attn)
+            x = layer(x, cos_sin, meta, attn)
         return self.norm(x)
