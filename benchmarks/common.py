@@ -19,6 +19,12 @@ PUBLISHED = {
         "bulk_emb_per_s": {512: {"vllm-0.22": 1342, "tulip-rust": 1499}, 1024: {"vllm-0.22": 622.5, "tulip-rust": 691.5},
                            4096: {"vllm-0.22": 116.6, "tulip-rust": 125.4}},
     },
+    "pplx-embed-1-0.6b": {
+        "online_p50_ms": {128: {"vllm-0.22": 4.94, "tulip-rust": 1.88}, 512: {"vllm-0.22": 4.98, "tulip-rust": 2.75},
+                          4096: {"vllm-0.22": 16.15, "tulip-rust": 15.41}},
+        "bulk_emb_per_s": {512: {"vllm-0.22": 902, "tulip-rust": 927}, 1024: {"vllm-0.22": 423, "tulip-rust": 423},
+                           4096: {"vllm-0.22": 73.5, "tulip-rust": 72.2}},
+    },
 }
 # Issue targets for the in-process engine step (BGE-M3 shape, bf16).
 ENGINE_TARGETS = {"bge-m3": {"step_p50_ms": {128: 0.55, 512: 0.9, 4096: 8.0}, "emb_per_s_100x512": 1900,
