@@ -153,16 +153,26 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         if encoding not in info.encodings:
             raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
                            "encoding_format")
+        outputs = tuple(o for o, asked in ((tulip_pb2.OUTPUT_SPARSE, req.return_sparse),
+                                           (tulip_pb2.OUTPUT_COLBERT, req.return_colbert)) if asked)
+        for o in outputs:
+            if o not in info.outputs:
+                name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
+                raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
         try:
-            vectors = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding)
+            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         tokens = int(sum(len(s) for s in seqs))
-        if req.encoding_format != "float":  # rows are already float32 LE, int8 or packed bits
-            data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode()}
-                    for i, v in enumerate(vectors)]
-        else:
-            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        b64 = req.encoding_format != "float"  # rows are already float32 LE, int8 or packed bits
+        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode() if b64 else v}
+                for i, v in enumerate(result.vectors)]
+        for item, (ids, weights) in zip(data, result.sparse):
+            keys = [str(t) for t in ids.tolist()]
+            item["sparse_embedding"] = dict(zip(keys, weights.tolist()))
+            item["sparse_tokens"] = {k: tokenizer.token(int(k)) for k in keys}
+        for item, vecs in zip(data, result.colbert):
+            item["colbert_embedding"] = base64.b64encode(vecs.astype("<f4").tobytes()).decode() if b64 else vecs
         metrics.latency.observe(time.perf_counter() - t0)
         metrics.tokens.inc(tokens)
         return _json({"object": "list", "data": data, "model": served,

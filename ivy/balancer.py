@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import TulipClient
+from tulip.client import EmbedResult, TulipClient
 
 log = logging.getLogger("ivy.balancer")
 
@@ -77,7 +77,8 @@ class Balancer:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))
         return any(checks)
 
-    async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, deadline: float) -> tuple[np.ndarray, int]:
+    async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
+                    deadline: float) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -85,10 +86,10 @@ class Balancer:
             tried.add(r)
             r.outstanding += tokens
             try:
-                out = await r.client.embed(seqs, dimensions, timeout=max(deadline - time.monotonic(), 0.001),
-                                           encoding=encoding)
+                out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
+                                                  encoding, outputs)
                 r.down_until = 0.0
-                return out, tokens
+                return out
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise
@@ -100,17 +101,20 @@ class Balancer:
         assert last is not None  # there is always at least one replica
         raise last
 
-    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0) -> np.ndarray:
-        """Embed all `seqs` (chunked over replicas); one row per sequence, in input order."""
+    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
+                    outputs: tuple = ()) -> EmbedResult:
+        """Embed all `seqs` (chunked over replicas); results per sequence, in input order."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return (await self._send(seqs, dimensions, encoding, deadline))[0]
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, deadline)) for a, b in runs]
+            return await self._send(seqs, dimensions, encoding, outputs, deadline)
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline))
+                 for a, b in runs]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             raise
-        return np.concatenate([p for p, _ in parts])
+        return EmbedResult(np.concatenate([p.vectors for p in parts]),
+                           [s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert])

@@ -18,6 +18,10 @@ class EmbeddingRequest(BaseModel):
     instruction:     a task for instruction-tuned models ("Instruct: {instruction}\nQuery:{text}").
     encoding_format: also "base64_int8" (clamp(round(tanh(x) * 127)) as int8) and "base64_binary"
                      (sign bits, packed MSB first) where the model supports quantised outputs.
+    return_sparse:   also return BGE-M3 lexical weights: "sparse_embedding" {token id: weight} and
+                     "sparse_tokens" {token id: token string}.
+    return_colbert:  also return BGE-M3 ColBERT vectors, "colbert_embedding": one vector per token
+                     after the first (a list of lists, or base64 float32 with encoding_format base64).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -30,3 +34,5 @@ class EmbeddingRequest(BaseModel):
     truncate: bool = False
     input_type: Literal["query", "document"] | None = None
     instruction: StrictStr | None = None
+    return_sparse: bool = False
+    return_colbert: bool = False

@@ -27,6 +27,9 @@ class TextTokenizer:
         self.max_len = max_len
         self.offload_chars = offload_chars
 
+    def token(self, token_id: int) -> str:
+        return self.exact.id_to_token(token_id) or ""
+
     def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         tok = self.truncating if truncate else self.exact
         return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]

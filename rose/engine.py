@@ -19,6 +19,7 @@ import torch
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
+from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
@@ -111,6 +112,7 @@ class Engine:
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(self.model, "causal", False))
+        self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
         if cfg.compile:
             compile_blocks(self.model.blocks)
         c = self.spec.config
@@ -131,32 +133,49 @@ class Engine:
     def embedding_dim(self) -> int:
         return self.spec.hidden_size
 
-    def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
-        """Device tensors in, float32 [N, dim] pooled (and normalised) embeddings out."""
-        meta = AttentionMetadata(cu, max_seqlen, seq_lens, self.causal)
-        hidden = self.model(ids, positions, meta, self.attention)
+    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
+        """Device tensors in, token states [T, hidden] out."""
+        return self.model(ids, positions, AttentionMetadata(cu, max_seqlen, seq_lens, self.causal), self.attention)
+
+    def _pooled(self, hidden, cu, seq_ids) -> torch.Tensor:
         out = pool(hidden, cu, seq_ids, self.spec.pooling)
         return normalize(out) if self.spec.normalize else out.float()
 
+    def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
+        """Device tensors in, float32 [N, dim] pooled (and normalised) embeddings out."""
+        return self._pooled(self._encode(ids, positions, cu, max_seqlen, seq_lens), cu, seq_ids)
+
+    @property
+    def extra_outputs(self) -> tuple[str, ...]:
+        """Token-level outputs this model has heads for: "sparse", "colbert"."""
+        h = self.heads
+        return tuple(n for n, m in (("sparse", h and h.sparse), ("colbert", h and h.colbert)) if m is not None)
+
     @torch.inference_mode()
-    def step(self, batch: Batch) -> LazyTensor:
+    def step(self, batch: Batch, extras: frozenset = frozenset()) -> LazyTensor:
         """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings.
 
-        On CUDA the batch goes through the GraphRunner (padded to its bucket, graph
-        replayed); a batch bigger than every bucket, or any batch on CPU, runs eagerly.
+        With `extras` ("sparse" and/or "colbert"), the LazyTensor holds a tuple (dense,
+        token weights [T], token vectors [T, colbert_dim]); absent ones are empty tensors.
+        On CUDA a dense-only batch goes through the GraphRunner (padded to its bucket, graph
+        replayed); bigger batches, batches with extras, and any batch on CPU run eagerly.
         """
-        if self.runner is not None:
+        if self.runner is not None and not extras:
             lazy = self.runner.step(batch)
             if lazy is not None:
                 return lazy
         dev = self.device
         self.attention.prepare(None, batch.cu_seqlens.numpy(), batch.num_tokens)
-        out = self._forward(
-            batch.input_ids.to(dev, non_blocking=True),
-            batch.positions.to(dev, non_blocking=True),
-            batch.seq_ids.to(dev, non_blocking=True),
-            batch.cu_seqlens.to(dev, non_blocking=True),
-            batch.max_seqlen,
-            batch.seq_lens,
-        )
-        return LazyTensor.from_device(out)
+        cu = batch.cu_seqlens.to(dev, non_blocking=True)
+        hidden = self._encode(batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
+                              cu, batch.max_seqlen, batch.seq_lens)
+        out = self._pooled(hidden, cu, batch.seq_ids.to(dev, non_blocking=True))
+        if not extras:
+            return LazyTensor.from_device(out)
+        unknown = set(extras) - set(self.extra_outputs)
+        if unknown:
+            raise ValueError(f"this model has no {sorted(unknown)} output")
+        empty = torch.empty(0, device=dev)
+        weights = self.heads.token_weights(hidden) if "sparse" in extras else empty
+        vectors = self.heads.token_vectors(hidden) if "colbert" in extras else empty
+        return LazyTensor.from_device((out, weights, vectors))

@@ -20,7 +20,7 @@ _WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rose-lazy-wait")
 
 
 class LazyTensor:
-    """A host tensor that becomes valid once `event` (if any) has completed."""
+    """A host tensor (or tuple of them) that becomes valid once `event` (if any) has completed."""
 
     __slots__ = ("_host", "_event")
 
@@ -29,15 +29,18 @@ class LazyTensor:
         self._event = event
 
     @classmethod
-    def from_device(cls, t: torch.Tensor) -> "LazyTensor":
-        """Queue a copy of `t` to the host; on CPU this is `t` itself."""
-        if t.device.type != "cuda":
+    def from_device(cls, t: "torch.Tensor | tuple[torch.Tensor, ...]") -> "LazyTensor":
+        """Queue a copy of `t` (a tensor or a tuple of them) to the host; on CPU this is `t` itself."""
+        first = t[0] if isinstance(t, tuple) else t
+        if first.device.type != "cuda":
             return cls(t)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        ts = t if isinstance(t, tuple) else (t,)
+        hosts = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in ts)
+        for h, x in zip(hosts, ts):
+            h.copy_(x, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(host, event)
+        return cls(hosts if isinstance(t, tuple) else hosts[0], event)
 
     def ready(self) -> bool:
         """True once the data is on the host (never blocks)."""

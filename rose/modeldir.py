@@ -62,6 +62,7 @@ class ModelSpec:
                  max_seq_length when present (what sentence-transformers
                  truncates to), else the position table's size.
     prompts:     named prompts from config_sentence_transformers.json.
+    special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
     """
 
     path: Path
@@ -71,6 +72,7 @@ class ModelSpec:
     normalize: bool
     max_seq_len: int
     prompts: dict[str, str] = field(default_factory=dict)
+    special_token_ids: tuple[int, ...] = ()
 
     @property
     def hidden_size(self) -> int:
@@ -102,7 +104,9 @@ class ModelSpec:
         positions = int(config.get("max_position_embeddings", 512)) - _position_offset(config)
         max_len = min(int(st.get("max_seq_length") or positions), positions)
         prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
-        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts))
+        tok = _read_json(path / "tokenizer.json") or {}
+        special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
+        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special)
 
 
 def _default_pooling(config: dict) -> str:

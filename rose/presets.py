@@ -65,6 +65,7 @@ def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], 
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(list(specials))  # listed as special in tokenizer.json, as real tokenizers do
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     first, last = wrap

@@ -9,6 +9,7 @@ Sequences are pre-tokenized (token ids); the client packs them as int32 bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import grpc
@@ -34,6 +35,28 @@ def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
     if reply.encoding == tulip_pb2.ENCODING_BINARY:
         return np.frombuffer(reply.embeddings, dtype=np.uint8).reshape(n, (dim + 7) // 8)
     return np.frombuffer(reply.embeddings, dtype="<f4").reshape(n, dim)
+
+
+@dataclass
+class EmbedResult:
+    """Everything one Embed call returned, per sequence in request order.
+
+    vectors: dense rows (see `unpack`); sparse: (token ids, weights) when OUTPUT_SPARSE was asked;
+    colbert: float32 [tokens after the first, colbert_dim] when OUTPUT_COLBERT was asked.
+    """
+
+    vectors: np.ndarray
+    sparse: list = field(default_factory=list)
+    colbert: list = field(default_factory=list)
+
+
+def unpack_result(reply: tulip_pb2.EmbedReply) -> EmbedResult:
+    sparse = [(np.asarray(s.token_ids, dtype=np.int64), np.asarray(s.weights, dtype=np.float32)) for s in reply.sparse]
+    colbert = []
+    if reply.colbert_lengths:
+        flat = np.frombuffer(reply.colbert, dtype="<f4").reshape(-1, reply.colbert_dim)
+        colbert = np.split(flat, np.cumsum(list(reply.colbert_lengths))[:-1])
+    return EmbedResult(unpack(reply), sparse, colbert)
 
 
 class TulipClient:
@@ -65,12 +88,18 @@ class TulipClient:
     async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
                     encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
         """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
+        return (await self.embed_result(seqs, dimensions, timeout, encoding)).vectors
+
+    async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
+                           encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = ()) -> EmbedResult:
+        """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them."""
         ids, lengths = pack(seqs)
         reply = await self.stub.Embed(
-            tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding),
+            tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
+                                   outputs=list(outputs)),
             timeout=timeout,
         )
-        return unpack(reply)
+        return unpack_result(reply)
 
     async def healthy(self, timeout: float = 1.0) -> bool:
         try:

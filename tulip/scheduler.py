@@ -19,22 +19,27 @@ import numpy as np
 class Request:
     """One caller's sequences, packed: `ids[offsets[i]:offsets[i] + lengths[i]]` is sequence i.
 
-    `rows` receives one output row per sequence as batches complete; `pending`
-    counts those still missing. `cancelled` requests are skipped when batching.
+    `rows` receives one output row per sequence as batches complete (and `sparse` /
+    `colbert` the token-level outputs named in `extras`); `pending` counts sequences still
+    missing. `cancelled` requests are skipped when batching.
     """
 
     ids: np.ndarray
     lengths: np.ndarray
+    extras: frozenset = frozenset()
     offsets: np.ndarray = field(init=False)
     rows: list = field(init=False)
+    sparse: list = field(init=False)
+    colbert: list = field(init=False)
     pending: int = field(init=False)
     cancelled: bool = False
 
     def __post_init__(self):
         self.offsets = np.zeros(len(self.lengths), dtype=np.int64)
         np.cumsum(self.lengths[:-1], out=self.offsets[1:])
-        self.rows = [None] * len(self.lengths)
-        self.pending = len(self.lengths)
+        n = len(self.lengths)
+        self.rows, self.sparse, self.colbert = [None] * n, [None] * n, [None] * n
+        self.pending = n
 
     @property
     def num_tokens(self) -> int:

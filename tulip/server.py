@@ -59,9 +59,25 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tup
         raise ValueError(f"encoding {name} is not supported by this model "
                          f"(supported: {', '.join(tulip_pb2.Encoding.Name(e) for e in info.encodings)})")
     for o in req.outputs:
-        if o not in (tulip_pb2.OUTPUT_UNSPECIFIED, tulip_pb2.OUTPUT_DENSE):
-            raise ValueError(f"output {tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o} is not supported by this model")
+        if o != tulip_pb2.OUTPUT_UNSPECIFIED and o not in info.outputs:
+            name = tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o
+            raise ValueError(f"output {name} is not supported by this model "
+                             f"(supported: {', '.join(tulip_pb2.Output.Name(x) for x in info.outputs)})")
     return ids, lengths
+
+
+EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
+
+
+def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Max weight per token id in first-occurrence order; special tokens and weights <= 0 dropped."""
+    keep = (weights > 0) & ~np.isin(ids, special)
+    ids, weights = ids[keep], weights[keep]
+    uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    best = np.zeros(len(uniq), dtype=np.float32)
+    np.maximum.at(best, inverse, weights)
+    order = np.argsort(first, kind="stable")
+    return uniq[order], best[order]
 
 
 def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
@@ -105,6 +121,7 @@ class EngineLoop:
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
         self._task: asyncio.Task | None = None
+        self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="tulip-engine-loop")
@@ -135,12 +152,12 @@ class EngineLoop:
         finally:
             self._futures.pop(id(req), None)
 
-    async def _launch(self, batch: Batch):
+    async def _launch(self, batch: Batch, extras: frozenset):
         """Start a step. On CUDA this only queues work (graph replay + copy); on CPU the
         forward runs here, in the step thread."""
         if self._executor is None:
-            return self.engine.step(batch)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch)
+            return self.engine.step(batch, extras)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch, extras)
 
     def _fail(self, slots, e: Exception) -> None:
         for r, _ in slots:
@@ -152,14 +169,17 @@ class EngineLoop:
     async def _finish(self, slots, lazy, inflight: asyncio.Semaphore) -> None:
         """Wait for a launched step and scatter its rows to the requests."""
         try:
+            result = await lazy
             # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
-            out = (await lazy).numpy().copy()
+            out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(slots))
             self._fail(slots, e)
             return
         finally:
             inflight.release()
+        if isinstance(result, tuple):
+            self._scatter_extras(slots, result[1].numpy(), result[2].numpy())
         for row, (r, i) in enumerate(slots):
             r.rows[i] = out[row]
             r.pending -= 1
@@ -167,6 +187,16 @@ class EngineLoop:
                 fut = self._futures.get(id(r))
                 if fut and not fut.done():
                     fut.set_result(np.stack(r.rows))
+
+    def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
+        start = 0
+        for r, i in slots:
+            n = int(r.lengths[i])
+            if "sparse" in r.extras:
+                r.sparse[i] = lexical_weights(r.seq(i), weights[start:start + n], self._special)
+            if "colbert" in r.extras:
+                r.colbert[i] = vectors[start + 1:start + n].copy()  # every token after the first
+            start += n
 
     async def _run(self) -> None:
         """Form and launch batch N+1 while batch N runs (at most `max_inflight` at once).
@@ -185,8 +215,9 @@ class EngineLoop:
             if not slots:
                 inflight.release()
                 continue
+            extras = frozenset().union(*(r.extras for r, _ in slots))
             try:
-                lazy = await self._launch(Batch.from_sequences([r.seq(i) for r, i in slots]))
+                lazy = await self._launch(Batch.from_sequences([r.seq(i) for r, i in slots]), extras)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
@@ -206,7 +237,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             vocab_size=e.spec.vocab_size,
             pooling=e.spec.pooling,
             normalized=e.spec.normalize,
-            outputs=[tulip_pb2.OUTPUT_DENSE],
+            outputs=[tulip_pb2.OUTPUT_DENSE] + [o for o, n in EXTRAS.items() if n in e.extra_outputs],
             dtype=str(e.dtype).removeprefix("torch."),
             device=str(e.device),
             max_batch_tokens=loop.cfg.max_batch_tokens,
@@ -223,19 +254,28 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             ids, lengths = parse_request(request, info)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS)
+        req = Request(ids, lengths, extras)
         try:
-            vectors = await self.loop.submit(Request(ids, lengths))
+            vectors = await self.loop.submit(req)
         except OverflowError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         vectors = truncate_dims(vectors, request.dimensions)
-        return tulip_pb2.EmbedReply(
+        reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
             shape=vectors.shape,
             prompt_tokens=int(lengths.sum()),
             encoding=request.encoding,
         )
+        if "sparse" in extras:
+            reply.sparse.extend(tulip_pb2.SparseVector(token_ids=t, weights=w) for t, w in req.sparse)
+        if "colbert" in extras:
+            reply.colbert = np.concatenate(req.colbert).astype("<f4").tobytes()
+            reply.colbert_lengths.extend(len(c) for c in req.colbert)
+            reply.colbert_dim = self.loop.engine.heads.colbert_dim
+        return reply
 
 
 async def serve(cfg: TulipConfig) -> int:

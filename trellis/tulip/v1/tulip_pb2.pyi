@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -11,6 +11,8 @@ class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTPUT_UNSPECIFIED: _ClassVar[Output]
     OUTPUT_DENSE: _ClassVar[Output]
+    OUTPUT_SPARSE: _ClassVar[Output]
+    OUTPUT_COLBERT: _ClassVar[Output]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,9 +21,19 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENCODING_BINARY: _ClassVar[Encoding]
 OUTPUT_UNSPECIFIED: Output
 OUTPUT_DENSE: Output
+OUTPUT_SPARSE: Output
+OUTPUT_COLBERT: Output
 ENCODING_FLOAT32: Encoding
 ENCODING_INT8: Encoding
 ENCODING_BINARY: Encoding
+
+class SparseVector(_message.Message):
+    __slots__ = ("token_ids", "weights")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding")
@@ -40,16 +52,24 @@ class EmbedRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
-    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding")
+    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    COLBERT_FIELD_NUMBER: _ClassVar[int]
+    COLBERT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    COLBERT_DIM_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
     encoding: Encoding
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    sparse: _containers.RepeatedCompositeFieldContainer[SparseVector]
+    colbert: bytes
+    colbert_lengths: _containers.RepeatedScalarFieldContainer[int]
+    colbert_dim: int
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Iterable[_Union[SparseVector, _Mapping]]] = ..., colbert: _Optional[bytes] = ..., colbert_lengths: _Optional[_Iterable[int]] = ..., colbert_dim: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
