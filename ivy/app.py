@@ -94,7 +94,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         nonlocal balancer
-        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens)
+        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport)
         app.state.balancer = balancer
         yield
         await balancer.close()

@@ -20,6 +20,8 @@ class IvyConfig:
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
     workers: int = field(1, "uvicorn worker processes")
+    transport: str = field("stream", "how Ivy calls each Tulip: one open EmbedStream per replica, or unary Embed calls",
+                           choices=("stream", "unary"))
     max_chunk_tokens: int = field(8192, "a request is cut into chunks of at most this many tokens, one per replica call")
     max_inputs: int = field(2048, "most inputs accepted in one request")
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")

@@ -95,6 +95,42 @@ def test_bad_requests_rejected_while_others_are_served(tulip_server, engine):
         assert message in err.details()
 
 
+def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine):
+    """One open EmbedStream: concurrent good requests get their own results, bad ones get their
+    own INVALID_ARGUMENT, and the stream keeps serving."""
+    target, _ = tulip_server
+    goods = [rand_seqs(int(n)) for n in rng.integers(1, 200, 12)]
+    refs = [engine.step(Batch.from_sequences(g)).synchronize().numpy() for g in goods]
+
+    async def main():
+        async with TulipClient(target, transport="stream") as c:
+            async def bad():
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.embed([[5, 99999]])
+                return e.value
+
+            out = await asyncio.gather(*(c.embed(g) for g in goods), bad(), bad())
+            after = await c.embed(goods[0])
+            return out, after
+
+    out, after = run(main())
+    for got, ref in zip(out[:12], refs):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    for err in out[12:]:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "99999" in err.details()
+    np.testing.assert_allclose(after, refs[0], atol=1e-5)
+
+
+def test_stream_to_a_dead_replica_is_unavailable():
+    async def main():
+        async with TulipClient(f"127.0.0.1:{free_port()}", transport="stream") as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.embed([[5, 6]], timeout=10)
+            return e.value
+
+    assert run(main()).code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_backpressure_resource_exhausted(tulip_server):
     target, _ = tulip_server  # started with --max-queued-tokens 20000
 

@@ -226,6 +226,14 @@ class EngineLoop:
             asyncio.create_task(self._finish(slots, lazy, inflight))
 
 
+class RpcFailure(Exception):
+    """A request's failure, as the gRPC status it is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 class TulipServicer(tulip_pb2_grpc.TulipServicer):
     def __init__(self, loop: EngineLoop, served_name: str):
         self.loop = loop
@@ -249,19 +257,61 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         return self.info
 
     async def Embed(self, request, context):
-        info = self.info
         try:
-            ids, lengths = parse_request(request, info)
+            return await self._embed(request)
+        except RpcFailure as e:
+            await context.abort(e.code, e.message)
+
+    async def EmbedStream(self, request_iterator, context):
+        """Requests tagged with request_id; replies in completion order. A failed request gets
+        a reply with error_code / error_message; the stream and everyone else carry on."""
+        replies: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request):
+            try:
+                reply = await self._embed(request)
+            except RpcFailure as e:
+                reply = tulip_pb2.EmbedReply(error_code=e.code.value[0], error_message=e.message)
+            reply.request_id = request.request_id
+            replies.put_nowait(reply)
+
+        async def read():
+            async for request in request_iterator:
+                t = asyncio.create_task(one(request))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            replies.put_nowait(None)  # the caller closed its side
+
+        reader = asyncio.create_task(read())
+        try:
+            closed = False
+            while not (closed and not tasks and replies.empty()):
+                reply = await replies.get()
+                if reply is None:
+                    closed = True
+                    if tasks:
+                        await asyncio.wait(set(tasks))
+                    continue
+                yield reply
+        finally:
+            reader.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    async def _embed(self, request: tulip_pb2.EmbedRequest) -> tulip_pb2.EmbedReply:
+        try:
+            ids, lengths = parse_request(request, self.info)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS)
         req = Request(ids, lengths, extras)
         try:
             vectors = await self.loop.submit(req)
         except OverflowError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except RuntimeError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            raise RpcFailure(grpc.StatusCode.INTERNAL, str(e)) from None
         vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),

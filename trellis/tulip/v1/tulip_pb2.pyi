@@ -52,7 +52,7 @@ class EmbedRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
-    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim")
+    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,9 @@ class EmbedReply(_message.Message):
     COLBERT_FIELD_NUMBER: _ClassVar[int]
     COLBERT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     COLBERT_DIM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
@@ -69,7 +72,10 @@ class EmbedReply(_message.Message):
     colbert: bytes
     colbert_lengths: _containers.RepeatedScalarFieldContainer[int]
     colbert_dim: int
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Iterable[_Union[SparseVector, _Mapping]]] = ..., colbert: _Optional[bytes] = ..., colbert_lengths: _Optional[_Iterable[int]] = ..., colbert_dim: _Optional[int] = ...) -> None: ...
+    request_id: str
+    error_code: int
+    error_message: str
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Iterable[_Union[SparseVector, _Mapping]]] = ..., colbert: _Optional[bytes] = ..., colbert_lengths: _Optional[_Iterable[int]] = ..., colbert_dim: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -39,6 +39,11 @@ class TulipStub:
                 request_serializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.FromString,
                 _registered_method=True)
+        self.EmbedStream = channel.stream_stream(
+                '/trellis.tulip.v1.Tulip/EmbedStream',
+                request_serializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/trellis.tulip.v1.Tulip/Info',
                 request_serializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.InfoRequest.SerializeToString,
@@ -56,6 +61,14 @@ class TulipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedStream(self, request_iterator, context):
+        """The same on one long-lived stream: requests tagged with request_id, replies in completion
+        order carrying it back. A bad request gets a reply with error_code set; the stream stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """What this server serves: model name, dimensions, limits, outputs.
         """
@@ -68,6 +81,11 @@ def add_TulipServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
+                    request_deserializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.FromString,
+                    response_serializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.SerializeToString,
+            ),
+            'EmbedStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedStream,
                     request_deserializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.FromString,
                     response_serializer=trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.SerializeToString,
             ),
@@ -102,6 +120,33 @@ class Tulip:
             request,
             target,
             '/trellis.tulip.v1.Tulip/Embed',
+            trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.SerializeToString,
+            trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/trellis.tulip.v1.Tulip/EmbedStream',
             trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedRequest.SerializeToString,
             trellis_dot_tulip_dot_v1_dot_tulip__pb2.EmbedReply.FromString,
             options,
