@@ -86,10 +86,11 @@ def engine():
 @pytest.fixture(scope="module")
 def tulip_server(tmp_path_factory):
     """One real Tulip process serving the default model on a free loopback port."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = Proc(["-m", "tulip", "--model", "default", "--port", str(port), "--device", "cpu",
-                 "--max-queued-tokens", "20000"], tmp_path_factory.mktemp("tulip"))
+                 "--max-queued-tokens", "20000", "--metrics-port", str(metrics_port)], tmp_path_factory.mktemp("tulip"))
     proc.wait_for(lambda: "TULIP_READY" in proc.output())
+    proc.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield f"127.0.0.1:{port}", proc
     proc.stop()
 

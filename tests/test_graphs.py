@@ -164,3 +164,19 @@ def test_batch_that_fills_its_bucket_with_cls_pooling(tmp_path):
     ref = e.step(batch).synchronize()
     got = r.step(batch).synchronize()
     assert F.cosine_similarity(got, ref).min().item() >= 0.9999
+
+
+def test_graph_stats_are_exported_as_metrics():
+    import types
+
+    from prometheus_client import generate_latest
+
+    from rose.graphs import GraphStats
+    from tulip.metrics import TulipMetrics
+
+    stats = GraphStats(keys=3, eager=3, captures=2, replays=40, oversize=1, capture_ms=12.5)
+    text = generate_latest(TulipMetrics(types.SimpleNamespace(runner=types.SimpleNamespace(stats=stats))).registry)
+    text = text.decode()
+    for line in ("tulip_graph_keys 3.0", "tulip_graph_captures 2.0", "tulip_graph_replays 40.0",
+                 "tulip_graph_oversize 1.0", "tulip_graph_capture_ms 12.5"):
+        assert line in text

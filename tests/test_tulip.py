@@ -217,3 +217,25 @@ def test_unary_stub_directly(tulip_server):
     r = run(main())
     assert list(r.shape) == [1, 384] and r.prompt_tokens == 3
     assert torch.frombuffer(bytearray(r.embeddings), dtype=torch.float32).norm().item() == pytest.approx(1, abs=1e-5)
+
+
+def test_prometheus_metrics(tulip_server):
+    import re
+    import urllib.request
+
+    target, proc = tulip_server
+
+    async def main():
+        async with TulipClient(target) as c:
+            await c.embed(rand_seqs(7, 30))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await c.embed([[5, 99999]])
+
+    run(main())
+    text = urllib.request.urlopen(proc.metrics_url, timeout=5).read().decode()
+    for name in ("tulip_queue_tokens", "tulip_batch_tokens_bucket", "tulip_batch_sequences_bucket",
+                 "tulip_step_seconds_bucket", "tulip_queue_seconds_bucket"):
+        assert name in text, name
+    assert re.search(r'tulip_requests_total\{status="OK"\} [1-9]', text)
+    assert re.search(r'tulip_requests_total\{status="INVALID_ARGUMENT"\} [1-9]', text)
+    assert float(re.search(r"tulip_batch_tokens_count ([0-9.]+)", text).group(1)) >= 1

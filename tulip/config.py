@@ -15,6 +15,7 @@ class TulipConfig:
     served_model_name: str = field("", "name reported by Info; defaults to the directory name")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(50051, "gRPC port (0 picks a free one)")
+    metrics_port: int = field(0, "Prometheus metrics HTTP port (0: no metrics server)")
     device: str = field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
     attention: str = field("auto", "attention backend",
@@ -30,8 +31,9 @@ class TulipConfig:
     max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port {self.port} is not in 0..65535")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} {getattr(self, name)} is not in 0..65535")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1")
         if self.max_queued_tokens < self.max_batch_tokens:

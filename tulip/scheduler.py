@@ -33,6 +33,7 @@ class Request:
     colbert: list = field(init=False)
     pending: int = field(init=False)
     cancelled: bool = False
+    queued_at: float = 0.0  # monotonic time it entered the queue (for the queue-time metric)
 
     def __post_init__(self):
         self.offsets = np.zeros(len(self.lengths), dtype=np.int64)

@@ -24,6 +24,7 @@ from rose.engine import Engine, EngineConfig
 from rose.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
+from tulip.metrics import TulipMetrics
 from tulip.scheduler import Request, Scheduler
 
 log = logging.getLogger("tulip")
@@ -112,9 +113,10 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
 class EngineLoop:
     """Owns the scheduler and the engine; completes each request's future."""
 
-    def __init__(self, engine: Engine, cfg: TulipConfig):
+    def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
         self.engine = engine
         self.cfg = cfg
+        self.metrics = metrics or TulipMetrics()
         self.scheduler = Scheduler(cfg.max_batch_tokens)
         self._futures: dict[int, asyncio.Future] = {}
         self._wake = asyncio.Event()
@@ -142,6 +144,7 @@ class EngineLoop:
             )
         fut = asyncio.get_running_loop().create_future()
         self._futures[id(req)] = fut
+        req.queued_at = time.monotonic()
         self.scheduler.add(req)
         self._wake.set()
         try:
@@ -166,10 +169,11 @@ class EngineLoop:
                 fut.set_exception(RuntimeError(f"engine step failed: {e}"))
             r.cancelled = True
 
-    async def _finish(self, slots, lazy, inflight: asyncio.Semaphore) -> None:
+    async def _finish(self, slots, lazy, inflight: asyncio.Semaphore, launched: float) -> None:
         """Wait for a launched step and scatter its rows to the requests."""
         try:
             result = await lazy
+            self.metrics.step_seconds.observe(time.monotonic() - launched)
             # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
             out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
         except Exception as e:
@@ -216,14 +220,24 @@ class EngineLoop:
                 inflight.release()
                 continue
             extras = frozenset().union(*(r.extras for r, _ in slots))
+            batch = Batch.from_sequences([r.seq(i) for r, i in slots])
+            launched = time.monotonic()
+            m = self.metrics
+            m.batch_tokens.observe(batch.num_tokens)
+            m.batch_seqs.observe(batch.num_seqs)
+            m.queue_tokens.set(self.scheduler.queued_tokens)
+            m.queue_requests.set(len(self.scheduler))
+            for r, i in slots:
+                if i == 0:
+                    m.queue_seconds.observe(launched - r.queued_at)
             try:
-                lazy = await self._launch(Batch.from_sequences([r.seq(i) for r, i in slots]), extras)
+                lazy = await self._launch(batch, extras)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
                 inflight.release()
                 continue
-            asyncio.create_task(self._finish(slots, lazy, inflight))
+            asyncio.create_task(self._finish(slots, lazy, inflight, launched))
 
 
 class RpcFailure(Exception):
@@ -257,10 +271,17 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         return self.info
 
     async def Embed(self, request, context):
+        requests = self.loop.metrics.requests
         try:
-            return await self._embed(request)
+            reply = await self._embed(request)
         except RpcFailure as e:
+            requests.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            requests.labels("CANCELLED").inc()
+            raise
+        requests.labels("OK").inc()
+        return reply
 
     async def EmbedStream(self, request_iterator, context):
         """Requests tagged with request_id; replies in completion order. A failed request gets
@@ -271,7 +292,9 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         async def one(request):
             try:
                 reply = await self._embed(request)
+                self.loop.metrics.requests.labels("OK").inc()
             except RpcFailure as e:
+                self.loop.metrics.requests.labels(e.code.name).inc()
                 reply = tulip_pb2.EmbedReply(error_code=e.code.value[0], error_message=e.message)
             reply.request_id = request.request_id
             replies.put_nowait(reply)
@@ -337,7 +360,10 @@ async def serve(cfg: TulipConfig) -> int:
             f"{engine.spec.max_seq_len}"
         )
     warm_up(engine, cfg.warmup)
-    loop = EngineLoop(engine, cfg)
+    metrics = TulipMetrics(engine)
+    if cfg.metrics_port:
+        metrics.serve(cfg.metrics_port, cfg.host)
+    loop = EngineLoop(engine, cfg, metrics)
     loop.start()
     mb = cfg.max_message_mb << 20
     server = grpc.aio.server(options=[

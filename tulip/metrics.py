@@ -1,0 +1,50 @@
+"""Tulip's Prometheus metrics (served on --metrics-port): queue, batches, steps, requests, graphs."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TIME_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+class GraphCollector:
+    """Exports the engine's GraphRunner stats at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        runner = getattr(self.engine, "runner", None)
+        if runner is None:
+            return
+        s = runner.stats
+        for name, doc, value in (("keys", "graph keys seen", s.keys), ("eager", "eager warm-up runs", s.eager),
+                                 ("captures", "graphs captured", s.captures), ("replays", "graph replays", s.replays),
+                                 ("oversize", "steps too big for any graph", s.oversize),
+                                 ("capture_ms", "total capture time, ms", s.capture_ms)):
+            g = GaugeMetricFamily(f"tulip_graph_{name}", doc)
+            g.add_metric([], value)
+            yield g
+
+
+class TulipMetrics:
+    def __init__(self, engine=None):
+        self.registry = r = CollectorRegistry()
+        self.queue_tokens = Gauge("tulip_queue_tokens", "tokens waiting to be batched", registry=r)
+        self.queue_requests = Gauge("tulip_queue_requests", "requests waiting to be batched", registry=r)
+        self.batch_tokens = Histogram("tulip_batch_tokens", "tokens per engine step", buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_seqs = Histogram("tulip_batch_sequences", "sequences per engine step", buckets=SEQ_BUCKETS,
+                                    registry=r)
+        self.step_seconds = Histogram("tulip_step_seconds", "engine step, launch to result on the host",
+                                      buckets=TIME_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("tulip_queue_seconds", "time a request waited before its first step",
+                                       buckets=TIME_BUCKETS, registry=r)
+        self.requests = Counter("tulip_requests", "requests by final gRPC status", ["status"], registry=r)
+        if engine is not None:
+            r.register(GraphCollector(engine))
+
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
