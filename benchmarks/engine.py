@@ -46,19 +46,25 @@ def time_online(engine: Engine, L: int, iters: int) -> dict:
     batch = Batch.from_sequences(rand_seqs([L], engine.spec.vocab_size))
     for _ in range(5):  # eager hit, capture, replays
         engine.step(batch).synchronize()
-    stream = engine.runner.ops.stream if engine.runner else torch.cuda.current_stream()
+    cuda = engine.device.type == "cuda"
+    stream = (engine.runner.ops.stream if engine.runner else torch.cuda.current_stream()) if cuda else None
     wall, dev = [], []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
         t0 = time.perf_counter()
         lazy = engine.step(batch)
-        end.record(stream)
+        if cuda:
+            end.record(stream)
         lazy.synchronize()
         wall.append((time.perf_counter() - t0) * 1e3)
-        end.synchronize()
-        dev.append(start.elapsed_time(end))
+        if cuda:
+            end.synchronize()
+            dev.append(start.elapsed_time(end))
     p = percentiles(wall)
+    if not cuda:
+        return p
     d = float(np.median(dev))
     return {**p, "device_p50_ms": round(d, 4), "host_share": round(max(0.0, 1 - d / p["p50_ms"]), 3)}
 
@@ -68,7 +74,6 @@ def time_throughput(engine: Engine, lens, repeats: int) -> dict:
     for _ in range(3):
         for b in batches:
             engine.step(b).synchronize()
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
         lazies = [engine.step(b) for b in batches]  # pipelined: launch all, then wait
@@ -122,12 +127,14 @@ def chart(rows, model: str, path: Path) -> None:
         return
 
     ours = {r["tokens"]: r for r in rows if r.get("backend", "").startswith("rose") and r["cell"].startswith("step")}
+    if not ours:
+        return
     hf = {r["tokens"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r["cell"].startswith("step")}
     Ls = sorted(ours)
     pub = PUBLISHED.get(model, {}).get("online_p50_ms", {})
     tgt = ENGINE_TARGETS.get(model, {}).get("step_p50_ms", {})
     series = [("ROSE step (in-process)", [ours[L]["p50_ms"] for L in Ls]),
-              ("ROSE device time", [ours[L]["device_p50_ms"] for L in Ls])]
+              ("ROSE device time", [ours[L].get("device_p50_ms", np.nan) for L in Ls])]
     if hf:
         series.append(("HF eager bf16 (in-process)", [hf.get(L, {}).get("p50_ms", np.nan) for L in Ls]))
     if pub:
@@ -163,18 +170,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--lengths", default="128,512,4096")
     ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: harness checks, not results)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("the engine benchmark needs a CUDA GPU")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
     name = args.model.replace("/", "_")
     tag = f"{name}_{args.attention}_{args.graphs}" + ("_compiled" if args.compile else "")
     rec = Recorder(args.out, f"engine_{tag}")
-    mem0 = torch.cuda.memory_allocated()
-    engine = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention,
+    mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    mem0 = mem()
+    engine = Engine(EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
+                                 dtype="bfloat16" if cuda else "float32", attention=args.attention,
                                  graphs=args.graphs, compile=args.compile))
-    weights_mb = (torch.cuda.memory_allocated() - mem0) / 2**20
+    weights_mb = (mem() - mem0) / 2**20
     backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "")
     Ls = [int(x) for x in args.lengths.split(",")]
     Ls = [L for L in Ls if L <= engine.spec.max_seq_len]
@@ -193,11 +202,12 @@ def main(argv=None) -> int:
                  captures=s.captures, replays=s.replays, oversize=s.oversize, capture_ms_total=round(s.capture_ms, 1),
                  capture_ms_by_key={"x".join(map(str, k)): round(v, 1) for k, v in s.capture_ms_by_key.items()},
                  weights_mb=round(weights_mb, 1),
-                 other_mb=round((torch.cuda.memory_allocated() - mem0) / 2**20 - weights_mb, 1))
+                 other_mb=round((mem() - mem0) / 2**20 - weights_mb, 1))
     spec = engine.spec
     del engine
-    torch.cuda.empty_cache()
-    if args.hf_baseline:
+    if cuda:
+        torch.cuda.empty_cache()
+    if args.hf_baseline and cuda:
         hf_baseline(spec, Ls, min(args.iters, 50), rec, args.model)
     if args.out is not None:
         chart(rec.rows, args.model, args.out / f"engine_{tag}.png")

@@ -88,12 +88,19 @@ def correctness_gate(stub, model: str, vocab: int) -> float:
     return float(cos.min())
 
 
+def progress(n: int, desc: str):
+    """A progress bar on stderr (tqdm) over range(n)."""
+    from tqdm import tqdm
+
+    return tqdm(range(n), desc=desc, leave=False, mininterval=1.0, file=sys.stderr)
+
+
 def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int) -> dict:
     reqs = [_request(rand_seqs(n_seqs, L, vocab, seed=i)) for i in range(8)]
     for r in reqs:  # warm every graph key this cell uses
         stub.Embed(r)
     ts = []
-    for i in range(n):
+    for i in progress(n, f"{n_seqs}x{L}"):
         t0 = time.perf_counter()
         stub.Embed(reqs[i % len(reqs)])
         ts.append((time.perf_counter() - t0) * 1e3)
@@ -171,12 +178,15 @@ def chart(rows, model: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="bge-m3", help="preset or model directory (also the correctness reference)")
     ap.add_argument("--target", default="", help="a running Tulip HOST:PORT (default: start one)")
     ap.add_argument("--tulip-args", default="", help="extra flags for the Tulip this starts")
     ap.add_argument("--n", type=int, default=2000, help="requests per online cell")
     ap.add_argument("--n-scoring", type=int, default=500, help="requests per scoring cell")
-    ap.add_argument("--bulk-requests", default="10,5,2", help="requests per client at L=512,1024,4096")
+    ap.add_argument("--bulk-requests", default="10,5,2", help="requests per client at each bulk length")
+    ap.add_argument("--lengths", default="128,512,4096", help="online sequence lengths")
+    ap.add_argument("--scoring-length", type=int, default=512)
+    ap.add_argument("--bulk-lengths", default="512,1024,4096")
     ap.add_argument("--suites", default="online,scoring,bulk")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -207,17 +217,17 @@ def main(argv=None) -> int:
             return 1
         suites = args.suites.split(",")
         if "online" in suites:
-            for L in (128, 512, 4096):
+            for L in map(int, args.lengths.split(",")):
                 if L <= info.max_seq_len:
                     rec.emit(bench="online", cell=f"1x{L}", seqs=1, tokens=L, **common,
                              **time_sequential(stub, 1, L, args.n, vocab))
         if "scoring" in suites:
-            L = min(512, info.max_seq_len)
+            L = min(args.scoring_length, info.max_seq_len)
             for b in (5, 25, 50):
                 rec.emit(bench="scoring", cell=f"{b}x{L}", seqs=b, tokens=L, **common,
                          **time_sequential(stub, b, L, args.n_scoring, vocab))
         if "bulk" in suites:
-            for L, n_req in zip((512, 1024, 4096), map(int, args.bulk_requests.split(","))):
+            for L, n_req in zip(map(int, args.bulk_lengths.split(",")), map(int, args.bulk_requests.split(","))):
                 if L <= info.max_seq_len:
                     rec.emit(bench="bulk", cell=f"100x{L} x4 clients", seqs=100, tokens=L, **common,
                              **time_bulk(target, L, n_req, vocab))

@@ -1,0 +1,57 @@
+"""One command for the benchmark suites, then the summary.
+
+    python -m benchmarks run [--suite engine|online|scoring|bulk|all] [--model bge-m3] [--out DIR]
+                             [--tulip-args "..."] [--quick]
+
+`online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
+`engine` runs the in-process engine benchmark (benchmarks.engine); the end writes DIR/SUMMARY.md
+and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
+to check the harness end to end, e.g. on a CPU; its numbers are not results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from benchmarks import engine, online, summary
+
+SUITES = ("engine", "online", "scoring", "bulk")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run suites and write the summary")
+    run.add_argument("--suite", default="all", help=f"comma-separated: {', '.join(SUITES)}, or all")
+    run.add_argument("--model", default="bge-m3")
+    run.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    run.add_argument("--tulip-args", default="", help="extra flags for the Tulip the gRPC suites start")
+    run.add_argument("--engine-args", default="", help="extra flags for benchmarks.engine")
+    run.add_argument("--quick", action="store_true", help="tiny cells: a harness check, not a measurement")
+    args = ap.parse_args(argv)
+
+    suites = SUITES if args.suite == "all" else tuple(args.suite.split(","))
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        ap.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)} or all")
+    out = str(args.out)
+    rc = 0
+    if "engine" in suites:
+        quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
+        rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])
+    grpc_suites = [s for s in suites if s != "engine"]
+    if grpc_suites:
+        quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",
+                  "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if args.quick else [])
+        rc |= online.main(["--model", args.model, "--out", out, "--suites", ",".join(grpc_suites),
+                           "--tulip-args", args.tulip_args, *quick])
+    summary.main([out])
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The benchmark harness on CPU: every suite end to end on a tiny model (few iterations), the
+summary and charts produced, and the correctness gate aborting a run whose served vectors are
+perturbed (a Tulip serving slightly different weights than the reference)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.checkpoints import save_checkpoint
+from tests.conftest import ROOT, Proc, free_port
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-bench-model")
+    save_checkpoint("bert", d, vocab_size=1000, max_position_embeddings=512)
+    return d
+
+
+def test_all_suites_end_to_end_on_cpu(tiny, tmp_path):
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--suite", "all", "--quick", "--model", str(tiny),
+                        "--out", str(out), "--tulip-args", "--device cpu"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for f in out.glob("*.jsonl") for line in f.read_text().splitlines()]
+    benches = {row["bench"] for row in rows}
+    assert {"gate", "online", "scoring", "bulk", "engine"} <= benches
+    for row in rows:
+        assert {"when", "torch", "gpu", "git"} <= set(row)
+    assert all(row["passed"] for row in rows if row["bench"] == "gate")
+    summary = (out / "SUMMARY.md").read_text()
+    assert "online 1x16" in summary and "bulk 100x64" in summary and "engine step in-process" in summary
+    assert (out / f"summary_{tiny.name}.png").stat().st_size > 10_000
+
+
+def test_correctness_gate_aborts_on_perturbed_vectors(tiny, tmp_path):
+    bad = tmp_path / "perturbed"
+    shutil.copytree(tiny, bad)
+    f = next(bad.glob("*.safetensors"))
+    t = load_file(str(f))
+    g = torch.Generator().manual_seed(0)
+    for k in t:  # small noise on every matrix: vectors move by a few percent, the shapes stay
+        if t[k].ndim == 2:
+            t[k] = t[k] + 0.3 * t[k].std() * torch.randn(t[k].shape, generator=g)
+    save_file(t, str(f))
+    port = free_port()
+    tulip = Proc(["-m", "tulip", "--model", str(bad), "--port", str(port), "--device", "cpu"], tmp_path)
+    try:
+        tulip.wait_for(lambda: "TULIP_READY" in tulip.output())
+        out = tmp_path / "results"
+        r = subprocess.run([sys.executable, "-m", "benchmarks.online", "--model", str(tiny), "--target",
+                            f"127.0.0.1:{port}", "--out", str(out), "--n", "3", "--suites", "online"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    finally:
+        tulip.stop()
+    assert r.returncode == 1
+    assert "correctness gate FAILED" in r.stderr
+    rows = [json.loads(line) for line in next(out.glob("*.jsonl")).read_text().splitlines()]
+    assert [row["bench"] for row in rows] == ["gate"] and rows[0]["passed"] is False
