@@ -95,11 +95,16 @@ class ModelSpec:
         modules = _read_json(path / "modules.json") or []
         pooling, normalize = _default_pooling(config), False
         for m in modules:
-            kind = m.get("type", "")
-            if kind.endswith("models.Normalize"):
+            # By class name: sentence-transformers writes "sentence_transformers.models.Pooling" or,
+            # in newer releases, e.g. "sentence_transformers.sentence_transformer.modules.pooling.Pooling".
+            kind = m.get("type", "").rsplit(".", 1)[-1]
+            if kind == "Normalize":
                 normalize = True
-            elif kind.endswith("models.Pooling"):
+            elif kind == "Pooling":
                 pooling = _pooling_mode(_read_json(path / m.get("path", "") / "config.json") or {})
+            elif kind != "Transformer":
+                raise ValueError(f"{path / 'modules.json'}: module {m.get('type')!r} is not supported "
+                                 "(supported: Transformer, Pooling, Normalize)")
         st = _read_json(path / "sentence_bert_config.json") or {}
         positions = int(config.get("max_position_embeddings", 512)) - _position_offset(config)
         max_len = min(int(st.get("max_seq_length") or positions), positions)
@@ -124,6 +129,14 @@ def _position_offset(config: dict) -> int:
 
 
 def _pooling_mode(cfg: dict) -> str:
+    """1_Pooling/config.json: booleans (pooling_mode_mean_tokens, ...) or, in newer
+    sentence-transformers, "pooling_mode": "mean" | "cls" | "lasttoken"."""
+    mode = cfg.get("pooling_mode")
+    if isinstance(mode, str):
+        named = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+        if mode not in named:
+            raise ValueError(f"unsupported pooling_mode {mode!r} (supported: cls, mean, lasttoken)")
+        return named[mode]
     if cfg.get("pooling_mode_cls_token"):
         return "cls"
     if cfg.get("pooling_mode_lasttoken"):

@@ -245,3 +245,62 @@ def test_lazy_tensor_await_does_not_block_the_loop():
     out, ticks = asyncio.run(main())
     assert torch.equal(out, torch.ones(2)) and ticks >= 10  # the loop kept running while we waited
     assert lazy.ready()
+
+
+@pytest.mark.parametrize("family, pooling", [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")])
+def test_tiny_checkpoints_match_sentence_transformers(tmp_path, model_path, family, pooling):
+    """sentence-transformers with the same pooling and normalisation, on the same random weights
+    (padded batch through its own modules; the token ids are fed directly)."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer, models
+
+    from tests.checkpoints import save_qwen3
+
+    path = tmp_path / family
+    if family == "qwen3":
+        save_qwen3(path)
+    else:
+        save_checkpoint(family, path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(model_path / f, path / f)  # ST needs a tokenizer to load; ids are fed directly
+    t = models.Transformer(str(path))
+    st = SentenceTransformer(modules=[t, models.Pooling(t.get_word_embedding_dimension(), pooling),
+                                      models.Normalize()], device="cpu")
+    st.save(str(path))  # writes modules.json, 1_Pooling/config.json: our engine reads the same files
+    e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert e.spec.pooling == {"lasttoken": "last"}.get(pooling, pooling) and e.spec.normalize
+    L = e.spec.max_seq_len
+    seqs = [[2, 3, 4], [7], list(range(5, 5 + L)), list(range(40, 77))]
+    n = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    mask = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    with torch.no_grad():
+        ref = st({"input_ids": ids, "attention_mask": mask})["sentence_embedding"]
+    cos = F.cosine_similarity(step(e, seqs), ref)
+    assert cos.min().item() >= 0.9999, cos
+
+
+def test_model_spec_reads_old_and_new_sentence_transformers_files(tmp_path):
+    from rose.modeldir import ModelSpec
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8, "vocab_size": 10}))
+    (tmp_path / "1_Pooling").mkdir()
+    modules = [{"path": "", "type": "sentence_transformers.models.Transformer"},
+               {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert (ModelSpec.read(tmp_path).pooling, ModelSpec.read(tmp_path).normalize) == ("mean", True)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
+    assert ModelSpec.read(tmp_path).pooling == "last"
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
+    with pytest.raises(ValueError, match="unsupported pooling_mode 'max'"):
+        ModelSpec.read(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
+    modules.append({"path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense' is not supported"):
+        ModelSpec.read(tmp_path)
