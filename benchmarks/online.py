@@ -14,6 +14,7 @@ under 0.1%, or the run aborts), then measures, as published in ../shared/DESIGN.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import shlex
@@ -95,8 +96,12 @@ def progress(n: int, desc: str):
     return tqdm(range(n), desc=desc, leave=False, mininterval=1.0, file=sys.stderr)
 
 
-def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int) -> dict:
-    reqs = [_request(rand_seqs(n_seqs, L, vocab, seed=i)) for i in range(8)]
+def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str = "", transport: str = "unary") -> dict:
+    """One request at a time: a blocking unary stub call, or a message on one open EmbedStream."""
+    seqs = [rand_seqs(n_seqs, L, vocab, seed=i) for i in range(8)]
+    if transport == "stream":
+        return asyncio.run(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}"))
+    reqs = [_request(s) for s in seqs]
     for r in reqs:  # warm every graph key this cell uses
         stub.Embed(r)
     ts = []
@@ -104,6 +109,20 @@ def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int) -> dict:
         t0 = time.perf_counter()
         stub.Embed(reqs[i % len(reqs)])
         ts.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ts)
+
+
+async def _sequential_stream(target: str, seqs: list, n: int, desc: str) -> dict:
+    from tulip.client import TulipClient
+
+    async with TulipClient(target, transport="stream") as c:
+        for s in seqs:
+            await c.embed(s)
+        ts = []
+        for i in progress(n, desc):
+            t0 = time.perf_counter()
+            await c.embed(seqs[i % len(seqs)])
+            ts.append((time.perf_counter() - t0) * 1e3)
     return percentiles(ts)
 
 
@@ -188,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scoring-length", type=int, default=512)
     ap.add_argument("--bulk-lengths", default="512,1024,4096")
     ap.add_argument("--suites", default="online,scoring,bulk")
+    ap.add_argument("--transport", default="unary", choices=("unary", "stream"),
+                    help="online/scoring requests as unary calls or messages on one open EmbedStream")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -209,7 +230,8 @@ def main(argv=None) -> int:
 
         info = stub.Info(tulip_pb2.InfoRequest())
         vocab = info.vocab_size
-        common = dict(model=args.model, backend=f"trellis-tulip {args.tulip_args}".strip(), transport="grpc-unary")
+        common = dict(model=args.model, backend=f"trellis-tulip {args.tulip_args}".strip(),
+                      transport=f"grpc-{args.transport}")
         cos = correctness_gate(stub, args.model, vocab)
         rec.emit(bench="gate", min_cosine=round(cos, 6), passed=cos >= 0.999, **common)
         if cos < 0.999:
@@ -220,12 +242,12 @@ def main(argv=None) -> int:
             for L in map(int, args.lengths.split(",")):
                 if L <= info.max_seq_len:
                     rec.emit(bench="online", cell=f"1x{L}", seqs=1, tokens=L, **common,
-                             **time_sequential(stub, 1, L, args.n, vocab))
+                             **time_sequential(stub, 1, L, args.n, vocab, target, args.transport))
         if "scoring" in suites:
             L = min(args.scoring_length, info.max_seq_len)
             for b in (5, 25, 50):
                 rec.emit(bench="scoring", cell=f"{b}x{L}", seqs=b, tokens=L, **common,
-                         **time_sequential(stub, b, L, args.n_scoring, vocab))
+                         **time_sequential(stub, b, L, args.n_scoring, vocab, target, args.transport))
         if "bulk" in suites:
             for L, n_req in zip(map(int, args.bulk_lengths.split(",")), map(int, args.bulk_requests.split(","))):
                 if L <= info.max_seq_len:

@@ -40,7 +40,8 @@ def load(d: Path) -> list[dict]:
 def _config(r: dict) -> str:
     words = r.get("backend", "").split()
     attn = words[words.index("--attention") + 1] if "--attention" in words else "auto"
-    return attn + (" + compile" if "--compile" in words else "")
+    stream = ", stream" if r.get("transport") == "grpc-stream" else ""
+    return attn + (" + compile" if "--compile" in words else "") + stream
 
 
 NONE = {"tulip-rust": float("nan"), "vllm-0.22": float("nan")}
