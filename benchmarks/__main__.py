@@ -4,8 +4,9 @@
                              [--tulip-args "..."] [--quick]
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
-`engine` runs the in-process engine benchmark (benchmarks.engine); the end writes DIR/SUMMARY.md
-and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
+`concurrency` starts Ivy + Tulip and sends text (benchmarks.concurrency; Tulip settings through
+TULIP_* variables); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
+writes DIR/SUMMARY.md and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
 to check the harness end to end, e.g. on a CPU; its numbers are not results.
 """
 
@@ -16,9 +17,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import engine, online, summary
+from benchmarks import concurrency, engine, online, summary
 
-SUITES = ("engine", "online", "scoring", "bulk")
+SUITES = ("engine", "online", "scoring", "bulk", "concurrency")
 
 
 def main(argv=None) -> int:
@@ -43,12 +44,15 @@ def main(argv=None) -> int:
     if "engine" in suites:
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
         rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])
-    grpc_suites = [s for s in suites if s != "engine"]
+    grpc_suites = [s for s in suites if s in ("online", "scoring", "bulk")]
     if grpc_suites:
         quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",
                   "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if args.quick else [])
         rc |= online.main(["--model", args.model, "--out", out, "--suites", ",".join(grpc_suites),
                            "--tulip-args", args.tulip_args, *quick])
+    if "concurrency" in suites:
+        quick = ["--n", "8", "--levels", "1,4", "--length", "64"] if args.quick else []
+        rc |= concurrency.main(["--model", args.model, "--out", out, *quick])
     summary.main([out])
     return rc
 

@@ -170,6 +170,16 @@ def main(argv=None) -> int:
             draw(chart, model, env, png)
             if png.is_file():
                 lines += [f"![{model} through Tulip]({png.name})", ""]
+        conc = [r for r in rows if r.get("bench") == "concurrency" and r.get("model") == model]
+        if conc:
+            lines += [f"## {model}: concurrency through Ivy (text in)", "",
+                      "| clients | p50 ms | p99 ms | requests | published Tulip (approx.) | published vLLM 0.22 (approx.) |",
+                      "|---|---|---|---|---|---|"]
+            for r in sorted(conc, key=lambda r: r["clients"]):
+                pub = r.get("published_approx") or {}
+                lines.append(f"| {r['clients']} x 1x{r['tokens']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['n']} | "
+                             f"{pub.get('tulip-rust', '-')} | {pub.get('vllm-0.22', '-')} |")
+            lines.append("")
         e = engine_table(rows, model)
         if len(e) > 2 and not e[2].startswith("| *target*"):
             lines += [f"## {model}: engine step in-process (no gRPC)", "",

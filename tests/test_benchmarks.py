@@ -18,11 +18,12 @@ from tests.conftest import ROOT, Proc, free_port
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-bench-model")
-    save_checkpoint("bert", d, vocab_size=1000, max_position_embeddings=512)
+    save_checkpoint("bert", d, vocab_size=30522, max_position_embeddings=512)
     return d
 
 
-def test_all_suites_end_to_end_on_cpu(tiny, tmp_path):
+def test_all_suites_end_to_end_on_cpu(tiny, tmp_path, model_path):
+    shutil.copy(model_path / "tokenizer.json", tiny / "tokenizer.json")  # the concurrency suite sends text
     out = tmp_path / "results"
     r = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--suite", "all", "--quick", "--model", str(tiny),
                         "--out", str(out), "--tulip-args", "--device cpu"], cwd=ROOT, capture_output=True, text=True,
@@ -30,12 +31,13 @@ def test_all_suites_end_to_end_on_cpu(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for f in out.glob("*.jsonl") for line in f.read_text().splitlines()]
     benches = {row["bench"] for row in rows}
-    assert {"gate", "online", "scoring", "bulk", "engine"} <= benches
+    assert {"gate", "online", "scoring", "bulk", "engine", "concurrency"} <= benches
     for row in rows:
         assert {"when", "torch", "gpu", "git"} <= set(row)
     assert all(row["passed"] for row in rows if row["bench"] == "gate")
     summary = (out / "SUMMARY.md").read_text()
     assert "online 1x16" in summary and "bulk 100x64" in summary and "engine step in-process" in summary
+    assert "concurrency through Ivy" in summary and "| 4 x 1x64 |" in summary
     assert (out / f"summary_{tiny.name}.png").stat().st_size > 10_000
 
 

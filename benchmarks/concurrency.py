@@ -1,0 +1,149 @@
+"""Concurrency through Ivy, text in (the published fourth workload): batch 1, L = 512 tokens,
+1..16 concurrent HTTP clients, p50 / p99 latency per level; tokenization included.
+
+    python -m benchmarks.concurrency --model bge-m3 --out benchmarks/results [--replicas 1] [--n 2000]
+
+Starts `deploy.local` (Tulip settings through TULIP_* variables, e.g. TULIP_COMPILE=true
+TULIP_WARMUP=1x512), checks correctness first (the served vector of the benchmark text against a
+float32 eager engine on the same tokens: cosine >= 0.999, else abort), then runs each level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import Recorder, free_port, percentiles
+
+ROOT = Path(__file__).resolve().parent.parent
+# ../shared/DESIGN.md, workload 4 (approximate, read off the published chart): p50 ms.
+PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22": 23.0, "tulip-rust": 16.5}}
+
+
+def text_of(tokenizer_path: Path, L: int) -> str:
+    """A text that tokenizes to at least L tokens (sent with truncate: exactly L, or the model's max)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok.no_truncation()
+    tok.no_padding()
+    words = ("search engines rank documents by relevance to a query using many signals and learned "
+             "representations of meaning ").split()
+    text, i = "", 0
+    while len(tok.encode(text).ids) < L:
+        text += words[i % len(words)] + " "
+        i += 1
+    return text
+
+
+def start_stack(model: str, replicas: int, port: int, log: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "deploy.local", "--model", model, "--replicas", str(replicas),
+                          "--port", str(port)], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"deploy.local exited {p.returncode}:\n{log.read_text()[-3000:]}")
+        if "Trellis is ready" in log.read_text():
+            return p
+        time.sleep(0.5)
+    p.kill()
+    raise TimeoutError("the stack did not become ready")
+
+
+def gate(url: str, model_name: str, model: str, text: str, L: int) -> float:
+    import httpx
+    import torch
+
+    from rose.batch import Batch
+    from rose.engine import Engine, EngineConfig
+    from rose.modeldir import resolve_model_path
+
+    r = httpx.post(url + "/v1/embeddings", json={"model": model_name, "input": text, "truncate": True}, timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"Ivy answered {r.status_code}: {r.text}")
+    served = np.array(r.json()["data"][0]["embedding"])
+    from tokenizers import Tokenizer
+
+    path = resolve_model_path(model)
+    ref_engine = Engine(EngineConfig(model=model, device="cuda" if torch.cuda.is_available() else "cpu",
+                                     dtype="float32", attention="sdpa", graphs="off"))
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(ref_engine.spec.max_seq_len)
+    ref = ref_engine.step(Batch.from_sequences([tok.encode(text).ids])).synchronize().numpy()[0]
+    del ref_engine
+    return float(served @ ref / np.linalg.norm(served) / np.linalg.norm(ref))
+
+
+async def level(url: str, model_name: str, text: str, clients: int, n: int) -> dict:
+    import httpx
+
+    body = {"model": model_name, "input": text, "truncate": True}
+    lat: list[float] = []
+
+    async def client(k: int):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            await c.post("/v1/embeddings", json=body)  # connection and graphs warm
+            for _ in range(k):
+                t0 = time.perf_counter()
+                r = await c.post("/v1/embeddings", json=body)
+                lat.append((time.perf_counter() - t0) * 1e3)
+                r.raise_for_status()
+
+    per = max(1, n // clients)
+    await asyncio.gather(*(client(per) for _ in range(clients)))
+    return percentiles(lat)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--n", type=int, default=2000, help="requests per level (split over its clients)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from rose.modeldir import default_served_name, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    served_name = default_served_name(args.model, path)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out or Path("/tmp")) / "stack.log"
+    port = free_port()
+    proc = start_stack(args.model, args.replicas, port, log)
+    url = f"http://127.0.0.1:{port}"
+    rec = Recorder(args.out, f"concurrency_{Path(args.model).name}")
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=10):
+            pass
+        text = text_of(path / "tokenizer.json", args.length)
+        common = dict(model=args.model, backend=f"trellis-ivy replicas={args.replicas}", transport="http")
+        cos = gate(url, served_name, args.model, text, args.length)
+        rec.emit(bench="gate", min_cosine=round(cos, 6), passed=cos >= 0.999, **common)
+        if cos < 0.999:
+            print(f"correctness gate FAILED: cosine {cos:.6f} < 0.999; no timings taken", file=sys.stderr)
+            return 1
+        for c in map(int, args.levels.split(",")):
+            pub = PUBLISHED_APPROX.get(c, {})
+            rec.emit(bench="concurrency", cell=f"{c} clients x 1x{args.length} text", seqs=1, tokens=args.length,
+                     clients=c, published_approx=pub or None, **common,
+                     **asyncio.run(level(url, served_name, text, c, args.n)))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
