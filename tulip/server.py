@@ -1,10 +1,12 @@
 """Tulip's gRPC server: validate requests, queue them, step the engine, reply.
 
-One asyncio event loop runs the grpc.aio server and one engine loop. The
-engine loop takes FCFS batches from the `Scheduler`, calls `engine.step()`,
-awaits the `LazyTensor` without blocking the event loop and scatters rows to
-the waiting requests. A bad request is answered INVALID_ARGUMENT before it is
-queued; an engine failure fails only the requests in that batch.
+One asyncio event loop runs the grpc.aio server (unary `Embed`, streaming
+`EmbedStream`, `Info`, health) and one engine loop. The engine loop takes FCFS
+batches from the `Scheduler` and launches `engine.step()` while up to
+`max_inflight - 1` earlier steps still run; each step's `LazyTensor` is awaited
+without blocking the event loop and its rows are scattered to the waiting
+requests. A bad request is answered INVALID_ARGUMENT before it is queued; an
+engine failure fails only the requests in that batch.
 """
 
 from __future__ import annotations
