@@ -4,6 +4,7 @@
                              [--tulip-args "..."] [--quick]
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
+`kernels` sweeps the attention backends and writes the selection table (benchmarks.kernels);
 `concurrency` starts Ivy + Tulip and sends text (benchmarks.concurrency; Tulip settings through
 TULIP_* variables); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
 writes DIR/SUMMARY.md and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
@@ -17,9 +18,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import concurrency, engine, online, summary
+from benchmarks import concurrency, engine, kernels, online, summary
 
-SUITES = ("engine", "online", "scoring", "bulk", "concurrency")
+SUITES = ("kernels", "engine", "online", "scoring", "bulk", "concurrency")
 
 
 def main(argv=None) -> int:
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)} or all")
     out = str(args.out)
     rc = 0
+    if "kernels" in suites:
+        quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if args.quick else []
+        rc |= kernels.main(["--out", out, *quick])
     if "engine" in suites:
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
         rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])

@@ -19,6 +19,7 @@ import torch
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
+from rose.layers.attention_table import load_table
 from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
@@ -46,6 +47,8 @@ class EngineConfig:
     max_graph_seqs:   largest sequence-count bucket captured.
     compile:   fuse the post-attention elementwise work of each layer with torch.compile
                (Inductor); compiled on first use of each shape, so warm up before serving.
+    attention_table: with attention "auto", a JSON table from `python -m benchmarks.kernels`
+               choosing the backend per (sequences, max length); "" uses the default choice.
     """
 
     model: str = "default"
@@ -56,6 +59,7 @@ class EngineConfig:
     max_graph_tokens: int = 16384
     max_graph_seqs: int = 256
     compile: bool = False
+    attention_table: str = ""
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -119,6 +123,9 @@ class Engine:
         heads = c["num_attention_heads"]
         heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
+        if cfg.attention_table and cfg.attention == "auto":
+            self.attention = load_table(cfg.attention_table, heads, self.causal, functools.partial(
+                select_backend, device=self.device, dtype=self.dtype, heads=heads, causal=self.causal), self.attention)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)

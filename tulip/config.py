@@ -20,6 +20,8 @@ class TulipConfig:
     dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
     attention: str = field("auto", "attention backend",
                            choices=("auto", "sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3"))
+    attention_table: str = field("", "with --attention auto: JSON table from `python -m benchmarks.kernels` choosing "
+                                 "the backend per batch shape")
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")

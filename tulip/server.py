@@ -355,7 +355,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
-    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile))
+    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
+                                 attention_table=cfg.attention_table))
     if cfg.max_batch_tokens < engine.spec.max_seq_len:
         raise ValueError(
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "

@@ -172,6 +172,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: t
     if name == "sdpa":
         return SdpaBackend()
     if name == "varlen":
+        if device.type != "cuda":
+            raise ValueError("attention 'varlen' needs a CUDA device")
         return VarlenBackend()
     if name in ("flashinfer-fa2", "flashinfer-fa3"):
         if device.type != "cuda":

@@ -1,0 +1,71 @@
+"""Choosing the attention backend per batch shape from a table the kernel sweep wrote
+(`python -m benchmarks.kernels`): for each (sequences, max length) cell, the fastest backend.
+
+The choice is made on the host in `prepare()`, before a step runs or a graph is captured; for a
+graph key it depends only on the key, so a captured graph always replays the backend it captured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from rose.layers.attention import AttentionBackend
+
+log = logging.getLogger(__name__)
+
+
+class TableBackend(AttentionBackend):
+    name = "table"
+
+    def __init__(self, cells: list[dict], backends: dict[str, AttentionBackend], fallback: AttentionBackend):
+        self.cells = [c for c in cells if c["winner"] in backends]
+        self.backends = backends
+        self.fallback = fallback
+        self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
+        self._current = fallback
+
+    def pick(self, seqs: int, max_len: int) -> AttentionBackend:
+        """The winner of the nearest cell (max length first, then sequence count, in log scale)."""
+        if not self.cells:
+            return self.fallback
+
+        def distance(c):
+            return (abs(math.log2(c["max_len"]) - math.log2(max(max_len, 1))),
+                    abs(math.log2(c["seqs"]) - math.log2(max(seqs, 1))))
+
+        return self.backends[min(self.cells, key=distance)["winner"]]
+
+    def prepare(self, key, cu_host, num_tokens):
+        if key is not None:
+            seqs, max_len = key[0], key[2]
+        else:
+            seqs, max_len = len(cu_host) - 1, int(np.diff(cu_host).max())
+        self._current = self.pick(seqs, max_len)
+        self._current.prepare(key, cu_host, num_tokens)
+
+    def __call__(self, q, k, v, meta):
+        return self._current(q, k, v, meta)
+
+
+def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backend, fallback) -> AttentionBackend:
+    """A TableBackend from `path`, or `fallback` (with a log line) when the table does not fit.
+
+    make_backend(name) builds a backend or raises (not installed / unsupported): its cells are dropped.
+    """
+    table = json.loads(Path(path).read_text())
+    if tuple(table.get("heads", ())) != tuple(heads) or bool(table.get("causal")) != causal:
+        log.warning("attention table %s is for heads %s causal=%s, not %s causal=%s; using %s", path,
+                    table.get("heads"), table.get("causal"), heads, causal, fallback.name)
+        return fallback
+    backends = {}
+    for name in sorted({c["winner"] for c in table["cells"]}):
+        try:
+            backends[name] = make_backend(name)
+        except (ImportError, ValueError) as e:
+            log.info("attention table: %s unavailable here (%s); its cells fall back", name, e)
+    return TableBackend(table["cells"], backends, fallback)

@@ -1,0 +1,69 @@
+"""Per-shape attention backend choice from the kernel sweep's table (host-side, so graphs stay valid)."""
+
+import json
+
+import numpy as np
+import torch
+
+from rose.batch import Batch
+from rose.engine import Engine, EngineConfig
+from rose.layers.attention import AttentionBackend, SdpaBackend
+from rose.layers.attention_table import TableBackend, load_table
+from tests.checkpoints import save_checkpoint
+
+
+class Named(AttentionBackend):
+    def __init__(self, name, capturable=True):
+        self.name, self.capturable, self.prepared = name, capturable, []
+
+    def prepare(self, key, cu_host, num_tokens):
+        self.prepared.append(key)
+
+    def __call__(self, q, k, v, meta):
+        return q
+
+
+CELLS = [{"seqs": 1, "max_len": 128, "winner": "a", "margin": 1.3},
+         {"seqs": 1, "max_len": 4096, "winner": "b", "margin": 1.5},
+         {"seqs": 16, "max_len": 512, "winner": "b", "margin": 1.1},
+         {"seqs": 16, "max_len": 64, "winner": "gone", "margin": 1.2}]
+
+
+def test_nearest_cell_and_graph_keys():
+    a, b, fb = Named("a"), Named("b"), Named("fallback")
+    t = TableBackend(CELLS, {"a": a, "b": b}, fb)
+    assert t.capturable
+    assert t.pick(1, 100) is a and t.pick(1, 3000) is b and t.pick(12, 500) is b
+    assert t.pick(16, 64) is a  # the "gone" backend's cell was dropped; nearest remaining is (1, 128)
+    t.prepare((2, 256, 128), np.array([0, 100, 100], dtype=np.int32), 256)  # a graph key: decided by the key
+    assert a.prepared == [(2, 256, 128)] and t(torch.ones(1), None, None, None).item() == 1
+    t.prepare(None, np.array([0, 4000], dtype=np.int32), 4000)  # an eager step: decided by the batch
+    assert b.prepared == [None]
+    assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable
+
+
+def test_load_table_checks_heads_and_drops_unavailable(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"heads": [4, 4, 16], "causal": False, "cells": CELLS}))
+    fb = SdpaBackend()
+
+    def make(name):
+        if name == "gone":
+            raise ImportError("not installed")
+        return Named(name)
+
+    assert load_table(path, (8, 8, 16), False, make, fb) is fb  # other heads: the default stays
+    t = load_table(path, (4, 4, 16), False, make, fb)
+    assert isinstance(t, TableBackend) and sorted(t.backends) == ["a", "b"]
+
+
+def test_engine_uses_a_table(tmp_path):
+    path, _ = save_checkpoint("bert", tmp_path / "m")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"heads": [4, 4, 16], "causal": False,
+                                 "cells": [{"seqs": 1, "max_len": 64, "winner": "sdpa", "margin": 1.0}]}))
+    plain = Engine(EngineConfig(model=str(path), device="cpu"))
+    tabled = Engine(EngineConfig(model=str(path), device="cpu", attention_table=str(table)))
+    assert isinstance(tabled.attention, TableBackend)
+    batch = Batch.from_sequences([[2, 3, 4], [5] * 40])
+    assert torch.allclose(plain.step(batch).synchronize(), tabled.step(batch).synchronize())
