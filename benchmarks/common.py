@@ -101,6 +101,25 @@ def pyplot():
     return plt
 
 
+def spawn_until_ready(module_args: list[str], ready_text: str, log: Path, timeout: float = 900):
+    """Start `python -m <module_args>` in the repository, output to `log`; return the process once
+    `ready_text` appears there (or raise with the log's tail if it exits or times out)."""
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.Popen([sys.executable, "-m", *module_args], cwd=root, stdout=log.open("w"),
+                         stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"{module_args[0]} exited {p.returncode}:\n{log.read_text()[-3000:]}")
+        if ready_text in log.read_text():
+            return p
+        time.sleep(0.5)
+    p.kill()
+    raise TimeoutError(f"{module_args[0]} was not ready after {timeout:.0f} s")
+
+
 def free_port() -> int:
     import socket
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -21,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles
+from benchmarks.common import Recorder, free_port, percentiles, spawn_until_ready
 
-ROOT = Path(__file__).resolve().parent.parent
 # ../shared/DESIGN.md, workload 4 (approximate, read off the published chart): p50 ms.
 PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22": 23.0, "tulip-rust": 16.5}}
 
@@ -44,19 +41,9 @@ def text_of(tokenizer_path: Path, L: int) -> str:
     return text
 
 
-def start_stack(model: str, replicas: int, port: int, log: Path) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "deploy.local", "--model", model, "--replicas", str(replicas),
-                          "--port", str(port)], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"deploy.local exited {p.returncode}:\n{log.read_text()[-3000:]}")
-        if "Trellis is ready" in log.read_text():
-            return p
-        time.sleep(0.5)
-    p.kill()
-    raise TimeoutError("the stack did not become ready")
+def start_stack(model: str, replicas: int, port: int, log: Path):
+    return spawn_until_ready(["deploy.local", "--model", model, "--replicas", str(replicas), "--port", str(port)],
+                             "Trellis is ready", log)
 
 
 def gate(url: str, model_name: str, model: str, text: str, L: int) -> float:

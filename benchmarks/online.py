@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, pyplot
+from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, pyplot, spawn_until_ready
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _stub(target):
@@ -53,19 +50,8 @@ def rand_seqs(n, L, vocab, seed):
     return [g.integers(5, vocab - 1, L).astype(np.int32) for _ in range(n)]
 
 
-def spawn_tulip(model: str, extra: str, port: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "tulip", "--model", model, "--port", str(port), *shlex.split(extra)]
-    p = subprocess.Popen(args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"tulip exited {p.returncode}:\n{log.read_text()[-3000:]}")
-        if "TULIP_READY" in log.read_text():
-            return p
-        time.sleep(0.5)
-    p.kill()
-    raise TimeoutError("tulip did not start")
+def spawn_tulip(model: str, extra: str, port: int, log: Path):
+    return spawn_until_ready(["tulip", "--model", model, "--port", str(port), *shlex.split(extra)], "TULIP_READY", log)
 
 
 def correctness_gate(stub, model: str, vocab: int) -> float:
