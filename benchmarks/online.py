@@ -26,7 +26,6 @@ import numpy as np
 from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, pyplot, spawn_until_ready
 
 
-
 def _stub(target):
     import grpc
 
