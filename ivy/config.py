@@ -13,7 +13,7 @@ from trellis.cli import field, parse
 class IvyConfig:
     """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
 
-    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT (repeat the flag for several)")
+    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT or unix:PATH (repeat the flag for several)")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
@@ -33,9 +33,11 @@ class IvyConfig:
         if not self.tulip:
             raise ValueError("at least one --tulip HOST:PORT is required")
         for t in self.tulip:
+            if t.startswith("unix:") and len(t) > 5:
+                continue
             host, sep, port = t.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--tulip {t!r} is not HOST:PORT")
+                raise ValueError(f"--tulip {t!r} is not HOST:PORT or unix:PATH")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):

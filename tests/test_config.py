@@ -32,6 +32,7 @@ def test_repeated_and_env_list(monkeypatch):
     monkeypatch.setenv("IVY_TULIP", "c:3,d:4")
     assert IvyConfig.from_args([]).tulip == ("c:3", "d:4")
     assert IvyConfig.from_json(cfg.to_json()) == cfg
+    assert IvyConfig.from_args(["--tulip", "unix:/run/tulip.sock"]).tulip == ("unix:/run/tulip.sock",)
 
 
 @pytest.mark.parametrize("cls, argv, fragment", [
@@ -41,7 +42,7 @@ def test_repeated_and_env_list(monkeypatch):
     (TulipConfig, ["--port", "abc"], "invalid int value: 'abc'"),
     (TulipConfig, ["--warmup", "128"], "warmup shape '128' is not NxL"),
     (IvyConfig, [], "at least one --tulip"),
-    (IvyConfig, ["--tulip", "nohostport"], "'nohostport' is not HOST:PORT"),
+    (IvyConfig, ["--tulip", "nohostport"], "'nohostport' is not HOST:PORT or unix:PATH"),
 ])
 def test_bad_values_quote_the_value(cls, argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:

@@ -239,3 +239,21 @@ def test_prometheus_metrics(tulip_server):
     assert re.search(r'tulip_requests_total\{status="OK"\} [1-9]', text)
     assert re.search(r'tulip_requests_total\{status="INVALID_ARGUMENT"\} [1-9]', text)
     assert float(re.search(r"tulip_batch_tokens_count ([0-9.]+)", text).group(1)) >= 1
+
+
+def test_unix_domain_socket(tmp_path):
+    """A co-located Ivy can reach Tulip over a Unix socket (--uds) as well as TCP."""
+    sock = tmp_path / "tulip.sock"
+    proc = Proc(["-m", "tulip", "--port", str(free_port()), "--device", "cpu", "--uds", str(sock)], tmp_path)
+    try:
+        proc.wait_for(lambda: "TULIP_READY" in proc.output())
+        assert f"unix:{sock}" in proc.output()
+
+        async def main():
+            async with TulipClient(f"unix:{sock}") as c:
+                return await c.embed([[101, 7592, 102]]), await c.healthy()
+
+        out, healthy = run(main())
+        assert out.shape == (1, 384) and healthy
+    finally:
+        proc.stop()

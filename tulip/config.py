@@ -15,6 +15,7 @@ class TulipConfig:
     served_model_name: str = field("", "name reported by Info; defaults to the directory name")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(50051, "gRPC port (0 picks a free one)")
+    uds: str = field("", "also listen on this Unix domain socket path (for a co-located Ivy: --tulip unix:PATH)")
     metrics_port: int = field(0, "Prometheus metrics HTTP port (0: no metrics server)")
     device: str = field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))

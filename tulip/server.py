@@ -379,13 +379,15 @@ async def serve(cfg: TulipConfig) -> int:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if cfg.uds and not server.add_insecure_port(f"unix:{cfg.uds}"):
+        raise OSError(f"could not bind unix:{cfg.uds}")
     if port == 0:
         raise OSError(f"could not bind {cfg.host}:{cfg.port}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tulip serving %s on %s:%d", servicer.info.model, cfg.host, port)
-    print(f"TULIP_READY {cfg.host}:{port}", flush=True)
+    print(f"TULIP_READY {cfg.host}:{port}" + (f" unix:{cfg.uds}" if cfg.uds else ""), flush=True)
 
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
