@@ -1,0 +1,141 @@
+"""What a request costs besides the GPU: the gRPC hop and Tulip's Python around the engine.
+
+    python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0]
+
+Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
+and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
+(default 0: an already-complete LazyTensor; > 0: a step that completes that much later, awaited
+through the waiter thread as on a GPU). The client, in this process, sends one pre-tokenized
+128-token request at a time. Each row is one p50/p99 over `--n` requests; the differences between
+rows are the breakdown. Runs on any machine: no GPU is involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import Recorder, free_port, percentiles
+
+
+class _Event:
+    def __init__(self, t):
+        self.t = t
+
+    def query(self):
+        return time.monotonic() >= self.t
+
+    def synchronize(self):
+        time.sleep(max(0.0, self.t - time.monotonic()))
+
+
+class NullEngine:
+    """The engine interface with no model: rows of zeros, ready `device_ms` after the step."""
+
+    def __init__(self, device_ms: float, dim: int = 1024):
+        import torch
+
+        self.device_ms, self.embedding_dim, self.dtype = device_ms, dim, torch.bfloat16
+        self.device = torch.device("cuda")  # launched inline, as on a GPU
+        self.spec = types.SimpleNamespace(max_seq_len=8192, vocab_size=250002, pooling="cls", normalize=True,
+                                          special_token_ids=(), quantized_outputs=False)
+        self.extra_outputs = ()
+
+    def step(self, batch, extras=frozenset()):
+        import torch
+
+        from rose.lazy import LazyTensor
+
+        out = torch.zeros(batch.num_seqs, self.embedding_dim)
+        return LazyTensor(out, _Event(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
+
+
+def _serve(kind: str, port: int, device_ms: float) -> None:
+    import grpc
+    import uvloop
+
+    from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+    from tulip.config import TulipConfig
+    from tulip.server import EngineLoop, TulipServicer
+
+    class Echo(tulip_pb2_grpc.TulipServicer):
+        reply = tulip_pb2.EmbedReply(embeddings=bytes(4096), shape=[1, 1024], prompt_tokens=128)
+
+        async def Embed(self, request, context):
+            return self.reply
+
+        async def EmbedStream(self, request_iterator, context):
+            async for r in request_iterator:
+                rep = tulip_pb2.EmbedReply()
+                rep.CopyFrom(self.reply)
+                rep.request_id = r.request_id
+                yield rep
+
+    async def main():
+        if kind == "echo":
+            servicer = Echo()
+        else:
+            loop = EngineLoop(NullEngine(device_ms), TulipConfig())
+            loop.start()
+            servicer = TulipServicer(loop, "null")
+        server = grpc.aio.server()
+        tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    uvloop.install()
+    asyncio.run(main())
+
+
+async def _measure(target: str, transport: str, n: int) -> dict:
+    from tulip.client import TulipClient
+
+    seq = [np.arange(5, 133, dtype=np.int32)]
+    async with TulipClient(target, transport=transport) as c:
+        for _ in range(200):
+            await c.embed(seq)
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await c.embed(seq)
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--device-ms", type=float, default=0.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import uvloop
+
+    rec = Recorder(args.out, "hop")
+    ctx = mp.get_context("spawn")
+    for kind in ("echo", "tulip"):
+        port = free_port()
+        p = ctx.Process(target=_serve, args=(kind, port, args.device_ms), daemon=True)
+        p.start()
+        try:
+            time.sleep(3.0)
+            for transport in ("unary", "stream"):
+                uvloop.install()
+                r = asyncio.run(_measure(f"127.0.0.1:{port}", transport, args.n))
+                rec.emit(bench="hop", server=("grpc echo" if kind == "echo" else "tulip + null engine"),
+                         transport=transport, device_ms=args.device_ms if kind == "tulip" else None,
+                         cpus=__import__("os").cpu_count(), **r)
+        finally:
+            p.terminate()
+            p.join(10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
