@@ -24,7 +24,9 @@ import numpy as np
 from benchmarks.common import Recorder, free_port, percentiles
 
 
-class _Event:
+class TimedEvent:
+    """Stands in for a CUDA event on machines without a GPU: complete at monotonic time `t`."""
+
     def __init__(self, t):
         self.t = t
 
@@ -53,7 +55,7 @@ class NullEngine:
         from rose.lazy import LazyTensor
 
         out = torch.zeros(batch.num_seqs, self.embedding_dim)
-        return LazyTensor(out, _Event(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
+        return LazyTensor(out, TimedEvent(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
 
 
 def _serve(kind: str, port: int, device_ms: float) -> None:

@@ -10,6 +10,7 @@ import types
 import numpy as np
 import torch
 
+from benchmarks.hop import TimedEvent
 from rose.lazy import LazyTensor
 from tulip.config import TulipConfig
 from tulip.scheduler import Request
@@ -26,18 +27,6 @@ class Timeline:
         self.lock = threading.Lock()
         self.launched: list[float] = []
         self.done_at: list[float] = []
-        self.order: list[int] = []
-
-
-class FakeEvent:
-    def __init__(self, t):
-        self.t = t
-
-    def query(self):
-        return time.monotonic() >= self.t
-
-    def synchronize(self):
-        time.sleep(max(0.0, self.t - time.monotonic()))
 
 
 class FakeGpuEngine:
@@ -59,7 +48,7 @@ class FakeGpuEngine:
             self.tl.done_at.append(done)
         # Each row carries its sequence's first token id, so results can be checked.
         out = batch.input_ids[batch.cu_seqlens[:-1].long()].float().unsqueeze(1).repeat(1, 4)
-        return LazyTensor(out, FakeEvent(done))
+        return LazyTensor(out, TimedEvent(done))
 
 
 def run_requests(max_inflight: int, n: int = 30):
