@@ -1,13 +1,15 @@
 """What a request costs besides the GPU: the gRPC hop and Tulip's Python around the engine.
 
-    python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0]
+    python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
 
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
-(default 0: an already-complete LazyTensor; > 0: a step that completes that much later, awaited
-through the waiter thread as on a GPU). The client, in this process, sends one pre-tokenized
-128-token request at a time. Each row is one p50/p99 over `--n` requests; the differences between
-rows are the breakdown. Runs on any machine: no GPU is involved.
+(0: an already-complete LazyTensor; > 0: a step that completes that much later, watched as
+Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread). Where CUDA is
+present the null step is a real device-side sleep with a real CUDA event; elsewhere a timer stands
+in. Both servers also listen on a Unix socket. The client, in this process, sends one
+pre-tokenized 128-token request at a time over TCP (unary, stream) and the socket (stream). Each
+row is one p50/p99 over `--n` requests; the differences between rows are the breakdown.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -44,6 +48,15 @@ class NullEngine:
         import torch
 
         self.device_ms, self.embedding_dim, self.dtype = device_ms, dim, torch.bfloat16
+        self.cuda = torch.cuda.is_available()
+        if self.cuda and device_ms:  # calibrate torch.cuda._sleep's cycles per millisecond
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles = int(device_ms * 10_000_000 / start.elapsed_time(end))
         self.device = torch.device("cuda")  # launched inline, as on a GPU
         self.spec = types.SimpleNamespace(max_seq_len=8192, vocab_size=250002, pooling="cls", normalize=True,
                                           special_token_ids=(), quantized_outputs=False)
@@ -54,11 +67,14 @@ class NullEngine:
 
         from rose.lazy import LazyTensor
 
+        if self.cuda and self.device_ms:
+            torch.cuda._sleep(self.cycles)
+            return LazyTensor.from_device(torch.zeros(batch.num_seqs, self.embedding_dim, device="cuda"))
         out = torch.zeros(batch.num_seqs, self.embedding_dim)
         return LazyTensor(out, TimedEvent(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
 
 
-def _serve(kind: str, port: int, device_ms: float) -> None:
+def _serve(kind: str, port: int, uds: str, device_ms: float, spin_ms: float) -> None:
     import grpc
     import uvloop
 
@@ -83,12 +99,13 @@ def _serve(kind: str, port: int, device_ms: float) -> None:
         if kind == "echo":
             servicer = Echo()
         else:
-            loop = EngineLoop(NullEngine(device_ms), TulipConfig())
+            loop = EngineLoop(NullEngine(device_ms), TulipConfig(spin_ms=spin_ms))
             loop.start()
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
         tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
+        server.add_insecure_port(f"unix:{uds}")
         await server.start()
         await server.wait_for_termination()
 
@@ -115,24 +132,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--device-ms", type=float, default=0.0)
+    ap.add_argument("--spin-ms", type=float, default=10.0, help="Tulip's --spin-ms")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import uvloop
 
     rec = Recorder(args.out, "hop")
     ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp())
     for kind in ("echo", "tulip"):
-        port = free_port()
-        p = ctx.Process(target=_serve, args=(kind, port, args.device_ms), daemon=True)
+        port, uds = free_port(), tmp / f"{kind}.sock"
+        p = ctx.Process(target=_serve, args=(kind, port, str(uds), args.device_ms, args.spin_ms), daemon=True)
         p.start()
         try:
             time.sleep(3.0)
-            for transport in ("unary", "stream"):
+            for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
+                                      ("stream", f"unix:{uds}")):
                 uvloop.install()
-                r = asyncio.run(_measure(f"127.0.0.1:{port}", transport, args.n))
-                rec.emit(bench="hop", server=("grpc echo" if kind == "echo" else "tulip + null engine"),
-                         transport=transport, device_ms=args.device_ms if kind == "tulip" else None,
-                         cpus=__import__("os").cpu_count(), **r)
+                r = asyncio.run(_measure(target, transport, args.n))
+                tulip = kind == "tulip"
+                rec.emit(bench="hop", server="tulip + null engine" if tulip else "grpc echo", transport=transport,
+                         socket=target.partition(":")[0] if target.startswith("unix") else "tcp",
+                         device_ms=args.device_ms if tulip else None, spin_ms=args.spin_ms if tulip else None,
+                         cpus=os.cpu_count(), **r)
         finally:
             p.terminate()
             p.join(10)

@@ -55,8 +55,9 @@ class Batch:
             n = ids.shape[0]
             if n == 0:
                 raise ValueError("empty sequence at index 0")
-            return cls(torch.from_numpy(ids), torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n, (n,),
-                       torch.zeros(n, dtype=torch.int64))
+            return cls(torch.from_numpy(ids), torch.from_numpy(np.arange(n)),
+                       torch.from_numpy(np.array([0, n], dtype=np.int32)), n, (n,),
+                       torch.from_numpy(np.zeros(n, dtype=np.int64)))
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         if (lens <= 0).any():
             raise ValueError(f"empty sequence at index {int(np.argmin(lens))}")

@@ -28,6 +28,8 @@ class TulipConfig:
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512")
     max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs")
+    spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long (lowest "
+                           "latency, one busy core meanwhile), then wait in a thread; 0: always a thread")
     max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
@@ -49,6 +51,8 @@ class TulipConfig:
                 raise ValueError(f"warmup shape {w!r} is not NxL (e.g. 1x128)")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight {self.max_inflight} must be >= 1")
+        if self.spin_ms < 0:
+            raise ValueError(f"spin_ms {self.spin_ms} must be >= 0")
         if self.drain_seconds < 0:
             raise ValueError(f"drain_seconds {self.drain_seconds} must be >= 0")
         if self.max_message_mb < 1:

@@ -12,10 +12,13 @@ engine failure fails only the requests in that batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -112,8 +115,44 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
     return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
+def _run_step(engine: Engine, batch: Batch, extras: frozenset):
+    return engine.step(batch, extras).synchronize()
+
+
+class _StepThread:
+    """A CPU step running in the step thread, with LazyTensor's ready / synchronize / await."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self):
+        return self.future.result()
+
+    def __await__(self):
+        return asyncio.wrap_future(self.future).__await__()
+
+
+@dataclass(eq=False)
+class _Step:
+    slots: list
+    lazy: object  # LazyTensor, or _StepThread on CPU
+    launched: float
+
+
 class EngineLoop:
-    """Owns the scheduler and the engine; completes each request's future."""
+    """Owns the scheduler and the engine; completes each request's future.
+
+    No task sits between a request and the GPU: `submit_nowait` queues the request and,
+    when a step slot is free (at most `max_inflight` in flight), launches the next FCFS
+    batch at once (on CUDA `engine.step` only queues work). The oldest step is watched by
+    polling its event from the event loop for up to `spin_ms` (a wake-up costs a few
+    microseconds, not a thread hand-off), then by a waiter thread. When it completes its
+    rows are scattered, finished requests' futures resolved, and the next batch launched,
+    so batch N+1 runs while batch N's results are sent.
+    """
 
     def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
         self.engine = engine
@@ -121,48 +160,120 @@ class EngineLoop:
         self.metrics = metrics or TulipMetrics()
         self.scheduler = Scheduler(cfg.max_batch_tokens)
         self._futures: dict[int, asyncio.Future] = {}
-        self._wake = asyncio.Event()
+        self._inflight: deque[_Step] = deque()
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
-        self._task: asyncio.Task | None = None
+        self._spin_s = cfg.spin_ms / 1e3 if self._executor is None else 0.0
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._watching = False  # a _watch callback or _wait task owns the oldest step
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tulip-engine-loop")
+        self._aloop = asyncio.get_running_loop()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Wait for the steps in flight, then release the step thread."""
+        while self._inflight:
+            await asyncio.sleep(0.001)
         if self._executor:
             self._executor.shutdown(wait=False)
 
-    async def submit(self, req: Request) -> np.ndarray:
-        """Queue `req` and wait for its [n, dim] float32 result."""
+    def submit_nowait(self, req: Request) -> asyncio.Future:
+        """Queue `req`; the future resolves to its [n, dim] float32 rows. Raises OverflowError
+        when the queue is full."""
         if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
             raise OverflowError(
                 f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds {req.num_tokens}, "
                 f"limit {self.cfg.max_queued_tokens}"
             )
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._aloop.create_future()
         self._futures[id(req)] = fut
+        fut.add_done_callback(lambda f: self._forget(req, f))
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
-        self._wake.set()
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            req.cancelled = True
-            raise
-        finally:
-            self._futures.pop(id(req), None)
+        self._pump()
+        return fut
 
-    async def _launch(self, batch: Batch, extras: frozenset):
-        """Start a step. On CUDA this only queues work (graph replay + copy); on CPU the
-        forward runs here, in the step thread."""
-        if self._executor is None:
-            return self.engine.step(batch, extras)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step, batch, extras)
+    async def submit(self, req: Request) -> np.ndarray:
+        """Queue `req` and wait for its rows; cancelling the caller drops the request."""
+        return await self.submit_nowait(req)
+
+    def _forget(self, req: Request, fut: asyncio.Future) -> None:
+        self._futures.pop(id(req), None)
+        if fut.cancelled():
+            req.cancelled = True  # skipped when batching; rows already computed are discarded
+
+    def _pump(self) -> None:
+        """Launch FCFS batches while a step slot is free."""
+        m = self.metrics
+        while len(self._inflight) < self.cfg.max_inflight and len(self.scheduler):
+            slots = self.scheduler.next_batch()
+            if not slots:
+                break
+            extras = frozenset().union(*(r.extras for r, _ in slots))
+            launched = time.monotonic()
+            try:
+                batch = Batch.from_sequences([r.seq(i) for r, i in slots])
+                if self._executor is None:
+                    lazy = self.engine.step(batch, extras)
+                else:
+                    lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+            except Exception as e:  # an engine failure fails this batch only
+                log.exception("engine step failed for %d sequences", len(slots))
+                self._fail(slots, e)
+                continue
+            m.batch_tokens.observe(batch.num_tokens)
+            m.batch_seqs.observe(batch.num_seqs)
+            for r, i in slots:
+                if i == 0:
+                    m.queue_seconds.observe(launched - r.queued_at)
+            self._inflight.append(_Step(slots, lazy, launched))
+        m.queue_tokens.set(self.scheduler.queued_tokens)
+        m.queue_requests.set(len(self.scheduler))
+        if self._inflight and not self._watching:
+            self._watching = True
+            self._aloop.call_soon(self._watch)
+
+    def _watch(self) -> None:
+        """Complete the oldest step if it is done; otherwise poll again on the next loop
+        iteration, or hand the wait to a thread once it has run for `spin_ms`."""
+        step = self._inflight[0]
+        if step.lazy.ready():
+            self._complete(step)
+        elif time.monotonic() - step.launched < self._spin_s:
+            self._aloop.call_soon(self._watch)
+        else:
+            self._aloop.create_task(self._wait(step))
+
+    async def _wait(self, step: _Step) -> None:
+        try:
+            await step.lazy
+        except Exception:
+            pass  # raised again, and reported, by _complete
+        self._complete(step)
+
+    def _complete(self, step: _Step) -> None:
+        self._watching = False
+        self._inflight.popleft()
+        self.metrics.step_seconds.observe(time.monotonic() - step.launched)
+        try:
+            result = step.lazy.synchronize()
+            # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
+            out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
+            if isinstance(result, tuple):
+                self._scatter_extras(step.slots, result[1].numpy(), result[2].numpy())
+        except Exception as e:
+            log.exception("engine step failed for %d sequences", len(step.slots))
+            self._fail(step.slots, e)
+        else:
+            for row, (r, i) in enumerate(step.slots):
+                r.rows[i] = out[row]
+                r.pending -= 1
+                if r.pending == 0:
+                    fut = self._futures.get(id(r))
+                    if fut and not fut.done():
+                        fut.set_result(np.stack(r.rows))
+        self._pump()
 
     def _fail(self, slots, e: Exception) -> None:
         for r, _ in slots:
@@ -170,29 +281,6 @@ class EngineLoop:
             if fut and not fut.done():
                 fut.set_exception(RuntimeError(f"engine step failed: {e}"))
             r.cancelled = True
-
-    async def _finish(self, slots, lazy, inflight: asyncio.Semaphore, launched: float) -> None:
-        """Wait for a launched step and scatter its rows to the requests."""
-        try:
-            result = await lazy
-            self.metrics.step_seconds.observe(time.monotonic() - launched)
-            # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
-            out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
-        except Exception as e:
-            log.exception("engine step failed for %d sequences", len(slots))
-            self._fail(slots, e)
-            return
-        finally:
-            inflight.release()
-        if isinstance(result, tuple):
-            self._scatter_extras(slots, result[1].numpy(), result[2].numpy())
-        for row, (r, i) in enumerate(slots):
-            r.rows[i] = out[row]
-            r.pending -= 1
-            if r.pending == 0:
-                fut = self._futures.get(id(r))
-                if fut and not fut.done():
-                    fut.set_result(np.stack(r.rows))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
         start = 0
@@ -203,43 +291,6 @@ class EngineLoop:
             if "colbert" in r.extras:
                 r.colbert[i] = vectors[start + 1:start + n].copy()  # every token after the first
             start += n
-
-    async def _run(self) -> None:
-        """Form and launch batch N+1 while batch N runs (at most `max_inflight` at once).
-
-        The next batch is taken from the scheduler only when a step slot is free, so it
-        holds everything that arrived meanwhile; results complete in launch order.
-        """
-        inflight = asyncio.Semaphore(self.cfg.max_inflight)
-        while True:
-            if not len(self.scheduler):
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await inflight.acquire()
-            slots = self.scheduler.next_batch()
-            if not slots:
-                inflight.release()
-                continue
-            extras = frozenset().union(*(r.extras for r, _ in slots))
-            batch = Batch.from_sequences([r.seq(i) for r, i in slots])
-            launched = time.monotonic()
-            m = self.metrics
-            m.batch_tokens.observe(batch.num_tokens)
-            m.batch_seqs.observe(batch.num_seqs)
-            m.queue_tokens.set(self.scheduler.queued_tokens)
-            m.queue_requests.set(len(self.scheduler))
-            for r, i in slots:
-                if i == 0:
-                    m.queue_seconds.observe(launched - r.queued_at)
-            try:
-                lazy = await self._launch(batch, extras)
-            except Exception as e:  # an engine failure fails this batch only
-                log.exception("engine step failed for %d sequences", len(slots))
-                self._fail(slots, e)
-                inflight.release()
-                continue
-            asyncio.create_task(self._finish(slots, lazy, inflight, launched))
 
 
 class RpcFailure(Exception):
@@ -273,80 +324,106 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         return self.info
 
     async def Embed(self, request, context):
-        requests = self.loop.metrics.requests
+        count = self.loop.metrics.requests
         try:
-            reply = await self._embed(request)
+            req, fut = self._start(request)
+            try:
+                await fut
+            except RuntimeError:
+                pass  # answered INTERNAL by _reply
+            reply = self._reply(request, req, fut)
         except RpcFailure as e:
-            requests.labels(e.code.name).inc()
+            count.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
-            requests.labels("CANCELLED").inc()
+            count.labels("CANCELLED").inc()
             raise
-        requests.labels("OK").inc()
+        count.labels("OK").inc()
         return reply
 
     async def EmbedStream(self, request_iterator, context):
         """Requests tagged with request_id; replies in completion order. A failed request gets
-        a reply with error_code / error_message; the stream and everyone else carry on."""
-        replies: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
+        a reply with error_code / error_message; the stream and everyone else carry on.
 
-        async def one(request):
-            try:
-                reply = await self._embed(request)
-                self.loop.metrics.requests.labels("OK").inc()
-            except RpcFailure as e:
-                self.loop.metrics.requests.labels(e.code.name).inc()
-                reply = tulip_pb2.EmbedReply(error_code=e.code.value[0], error_message=e.message)
+        No task per request: the reader queues each request and a done-callback on its
+        future puts the reply on the queue this generator drains."""
+        replies: asyncio.Queue = asyncio.Queue()
+        outstanding: set[asyncio.Future] = set()
+        count = self.loop.metrics.requests
+
+        def answer(request, reply=None, error: RpcFailure | None = None):
+            if reply is None:
+                count.labels(error.code.name).inc()
+                reply = tulip_pb2.EmbedReply(error_code=error.code.value[0], error_message=error.message)
+            else:
+                count.labels("OK").inc()
             reply.request_id = request.request_id
             replies.put_nowait(reply)
 
+        def done(request, req, fut):
+            outstanding.discard(fut)
+            if fut.cancelled():
+                return
+            try:
+                answer(request, self._reply(request, req, fut))
+            except RpcFailure as e:
+                answer(request, error=e)
+
         async def read():
             async for request in request_iterator:
-                t = asyncio.create_task(one(request))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+                try:
+                    req, fut = self._start(request)
+                except RpcFailure as e:
+                    answer(request, error=e)
+                    continue
+                outstanding.add(fut)
+                fut.add_done_callback(functools.partial(done, request, req))
             replies.put_nowait(None)  # the caller closed its side
 
         reader = asyncio.create_task(read())
         try:
             closed = False
-            while not (closed and not tasks and replies.empty()):
+            while not (closed and not outstanding and replies.empty()):
                 reply = await replies.get()
                 if reply is None:
                     closed = True
-                    if tasks:
-                        await asyncio.wait(set(tasks))
+                    if outstanding:
+                        await asyncio.wait(set(outstanding))
                     continue
                 yield reply
         finally:
             reader.cancel()
-            for t in list(tasks):
-                t.cancel()
+            for fut in list(outstanding):
+                fut.cancel()
 
-    async def _embed(self, request: tulip_pb2.EmbedRequest) -> tulip_pb2.EmbedReply:
+    def _start(self, request: tulip_pb2.EmbedRequest) -> tuple[Request, asyncio.Future]:
+        """Validate and queue one request; raise RpcFailure if it cannot be queued."""
         try:
             ids, lengths = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS)
-        req = Request(ids, lengths, extras)
+        req = Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS))
         try:
-            vectors = await self.loop.submit(req)
+            return req, self.loop.submit_nowait(req)
         except OverflowError as e:
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+
+    def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, fut: asyncio.Future) -> tulip_pb2.EmbedReply:
+        """The reply for a completed request (raise RpcFailure if its step failed)."""
+        try:
+            vectors = fut.result()
         except RuntimeError as e:
             raise RpcFailure(grpc.StatusCode.INTERNAL, str(e)) from None
         vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
             shape=vectors.shape,
-            prompt_tokens=int(lengths.sum()),
+            prompt_tokens=req.num_tokens,
             encoding=request.encoding,
         )
-        if "sparse" in extras:
+        if "sparse" in req.extras:
             reply.sparse.extend(tulip_pb2.SparseVector(token_ids=t, weights=w) for t, w in req.sparse)
-        if "colbert" in extras:
+        if "colbert" in req.extras:
             reply.colbert = np.concatenate(req.colbert).astype("<f4").tobytes()
             reply.colbert_lengths.extend(len(c) for c in req.colbert)
             reply.colbert_dim = self.loop.engine.heads.colbert_dim
