@@ -5,8 +5,8 @@
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
 `kernels` sweeps the attention backends and writes the selection table (benchmarks.kernels);
-`concurrency` starts Ivy + Tulip and sends text (benchmarks.concurrency; Tulip settings through
-TULIP_* variables); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
+`concurrency` starts Ivy + Tulip(s) and sends text, then bulk token batches (benchmarks.concurrency;
+Tulip settings through TULIP_* variables; `--replicas 1,2` repeats it with two Tulips on two GPUs); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
 writes DIR/SUMMARY.md and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
 to check the harness end to end, e.g. on a CPU; its numbers are not results.
 """
@@ -32,7 +32,10 @@ def main(argv=None) -> int:
     run.add_argument("--model", default="bge-m3")
     run.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     run.add_argument("--tulip-args", default="", help="extra flags for the Tulip the gRPC suites start")
+    run.add_argument("--transport", default="stream", choices=("stream", "unary"),
+                     help="online/scoring: messages on one open EmbedStream (Ivy's default) or unary calls")
     run.add_argument("--engine-args", default="", help="extra flags for benchmarks.engine")
+    run.add_argument("--replicas", default="1", help="concurrency: Tulip replicas behind Ivy, e.g. 1,2 (one GPU each)")
     run.add_argument("--quick", action="store_true", help="tiny cells: a harness check, not a measurement")
     args = ap.parse_args(argv)
 
@@ -53,10 +56,11 @@ def main(argv=None) -> int:
         quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",
                   "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if args.quick else [])
         rc |= online.main(["--model", args.model, "--out", out, "--suites", ",".join(grpc_suites),
-                           "--tulip-args", args.tulip_args, *quick])
+                           "--tulip-args", args.tulip_args, "--transport", args.transport, *quick])
     if "concurrency" in suites:
-        quick = ["--n", "8", "--levels", "1,4", "--length", "64"] if args.quick else []
-        rc |= concurrency.main(["--model", args.model, "--out", out, *quick])
+        quick = ["--n", "8", "--levels", "1,4", "--length", "64", "--bulk-requests", "1"] if args.quick else []
+        for r in args.replicas.split(","):
+            rc |= concurrency.main(["--model", args.model, "--out", out, "--replicas", r, *quick])
     summary.main([out])
     return rc
 

@@ -1,11 +1,15 @@
 """Concurrency through Ivy, text in (the published fourth workload): batch 1, L = 512 tokens,
-1..16 concurrent HTTP clients, p50 / p99 latency per level; tokenization included.
+1..16 concurrent HTTP clients, p50 / p99 latency per level; tokenization included. Then bulk
+through Ivy: 4 client processes, each sending batches of 100 pre-tokenized 512-token inputs
+(base64 replies), in embeddings/s: with `--replicas 2` on a two-GPU host this is the scale-out
+check (>= 1.9x one replica).
 
     python -m benchmarks.concurrency --model bge-m3 --out benchmarks/results [--replicas 1] [--n 2000]
 
-Starts `deploy.local` (Tulip settings through TULIP_* variables, e.g. TULIP_COMPILE=true
-TULIP_WARMUP=1x512), checks correctness first (the served vector of the benchmark text against a
-float32 eager engine on the same tokens: cosine >= 0.999, else abort), then runs each level.
+Starts `deploy.local` (one GPU per replica; Tulip settings through TULIP_* variables, e.g.
+TULIP_COMPILE=true TULIP_WARMUP=1x512), checks correctness first (the served vector of the
+benchmark text against a float32 eager engine on the same tokens: cosine >= 0.999, else abort),
+then runs each level.
 """
 
 from __future__ import annotations
@@ -91,6 +95,37 @@ async def level(url: str, model_name: str, text: str, clients: int, n: int) -> d
     return percentiles(lat)
 
 
+def _bulk_client(url, model_name, L, n_req, seed, barrier, q):
+    import httpx
+
+    g = np.random.default_rng(seed)
+    body = {"model": model_name, "input": [g.integers(5, 1000, L).tolist() for _ in range(100)],
+            "encoding_format": "base64"}
+    with httpx.Client(base_url=url, timeout=600) as c:
+        c.post("/v1/embeddings", json=body).raise_for_status()  # connection and graphs warm
+        barrier.wait()
+        t0 = time.perf_counter()
+        for _ in range(n_req):
+            c.post("/v1/embeddings", json=body).raise_for_status()
+        q.put((t0, time.perf_counter(), 100 * n_req))
+
+
+def bulk(url: str, model_name: str, L: int, n_req: int, clients: int = 4) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=_bulk_client, args=(url, model_name, L, n_req, i, barrier, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=1200) for _ in procs]
+    for p in procs:
+        p.join()
+    start, end = min(r[0] for r in res), max(r[1] for r in res)
+    return {"emb_per_s": round(sum(r[2] for r in res) / (end - start), 1), "clients": clients,
+            "requests_per_client": n_req}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
@@ -98,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--n", type=int, default=2000, help="requests per level (split over its clients)")
+    ap.add_argument("--bulk-requests", type=int, default=10, help="bulk requests (of 100 inputs) per client; 0: none")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from rose.modeldir import default_served_name, resolve_model_path
@@ -110,12 +146,13 @@ def main(argv=None) -> int:
     port = free_port()
     proc = start_stack(args.model, args.replicas, port, log)
     url = f"http://127.0.0.1:{port}"
-    rec = Recorder(args.out, f"concurrency_{Path(args.model).name}")
+    rec = Recorder(args.out, f"concurrency_{Path(args.model).name}_replicas-{args.replicas}")
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=10):
             pass
         text = text_of(path / "tokenizer.json", args.length)
-        common = dict(model=args.model, backend=f"trellis-ivy replicas={args.replicas}", transport="http")
+        common = dict(model=args.model, backend=f"trellis-ivy replicas={args.replicas}", transport="http",
+                      replicas=args.replicas)
         cos = gate(url, served_name, args.model, text, args.length)
         rec.emit(bench="gate", min_cosine=round(cos, 6), passed=cos >= 0.999, **common)
         if cos < 0.999:
@@ -126,6 +163,9 @@ def main(argv=None) -> int:
             rec.emit(bench="concurrency", cell=f"{c} clients x 1x{args.length} text", seqs=1, tokens=args.length,
                      clients=c, published_approx=pub or None, **common,
                      **asyncio.run(level(url, served_name, text, c, args.n)))
+        if args.bulk_requests:
+            rec.emit(bench="bulk-ivy", cell=f"100x{args.length} x4 clients via Ivy", seqs=100, tokens=args.length,
+                     **common, **bulk(url, served_name, args.length, args.bulk_requests))
     finally:
         proc.terminate()
         proc.wait(60)

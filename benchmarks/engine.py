@@ -6,7 +6,8 @@ Cells: step p50/p99 at 1 x 128 / 512 / 4096 tokens (step + copy + sync, wall clo
 time of the same step (CUDA events) and the host share; throughput for 100 x 512 and for 100 mixed
 lengths 32..512 (batched on a 16384-token budget like Tulip, steps pipelined); graph capture time per
 key and graph memory. `--hf-baseline` adds Hugging Face transformers eager (bf16, SDPA, padded) on
-the same shapes and random weights of the same architecture.
+the same shapes and random weights of the same architecture, `--hf-compile` the same model under
+torch.compile(mode="reduce-overhead").
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def time_throughput(engine: Engine, lens, repeats: int) -> dict:
     return {"emb_per_s": round(len(lens) * repeats / dt, 1), "repeats": repeats, "steps": len(batches)}
 
 
-def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
+def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str, compiled: bool):
+    """Hugging Face transformers on the same shapes (bf16, SDPA, in-process: no network): eager, or
+    under torch.compile(mode="reduce-overhead") (CUDA graphs per shape; compiled on first use)."""
     import transformers
 
     cfg_cls = transformers.XLMRobertaConfig if spec.model_type == "xlm-roberta" else transformers.BertConfig
@@ -91,34 +94,37 @@ def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str):
     cls = transformers.XLMRobertaModel if spec.model_type == "xlm-roberta" else transformers.BertModel
     model = cls(cfg, add_pooling_layer=False).to("cuda", torch.bfloat16).eval()
     model.config._attn_implementation = "sdpa"
+    backend = "hf-compile-reduce-overhead" if compiled else "hf-eager-sdpa"
+    run = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
+
+    def embed(ids):
+        return run(input_ids=ids).last_hidden_state[:, 0].float().cpu()
+
     for L in L_list:
         ids = torch.randint(5, spec.vocab_size - 1, (1, L), device="cuda")
         with torch.inference_mode():
             for _ in range(3):
-                model(input_ids=ids)
+                embed(ids)
             torch.cuda.synchronize()
             ts = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                model(input_ids=ids).last_hidden_state[:, 0].float().cpu()
+                embed(ids)
                 ts.append((time.perf_counter() - t0) * 1e3)
-        rec.emit(bench="engine", cell=f"step 1x{L}", model=model_name, backend="hf-eager-sdpa", seqs=1, tokens=L,
+        rec.emit(bench="engine", cell=f"step 1x{L}", model=model_name, backend=backend, seqs=1, tokens=L,
                  **percentiles(ts))
-    ids = torch.randint(5, spec.vocab_size - 1, (32, 512), device="cuda")
+    ids = torch.randint(5, spec.vocab_size - 1, (25, 512), device="cuda")
     with torch.inference_mode():
-        for _ in range(2):
-            model(input_ids=ids)
+        for _ in range(3):
+            embed(ids)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         reps = 5
-        for _ in range(reps):
-            for n in (32, 32, 32, 4):
-                model(input_ids=ids[:n]).last_hidden_state[:, 0].float().cpu()
+        for _ in range(reps * 4):  # 100 sequences as 4 padded batches of 25
+            embed(ids)
         dt = time.perf_counter() - t0
-    rec.emit(bench="engine", cell="100x512 throughput", model=model_name, backend="hf-eager-sdpa", seqs=100, tokens=512,
+    rec.emit(bench="engine", cell="100x512 throughput", model=model_name, backend=backend, seqs=100, tokens=512,
              emb_per_s=round(100 * reps / dt, 1))
-    del model
-    torch.cuda.empty_cache()
 
 
 def chart(rows, model: str, path: Path) -> None:
@@ -130,6 +136,8 @@ def chart(rows, model: str, path: Path) -> None:
     if not ours:
         return
     hf = {r["tokens"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r["cell"].startswith("step")}
+    hfc = {r["tokens"]: r for r in rows if r.get("backend") == "hf-compile-reduce-overhead"
+           and r["cell"].startswith("step")}
     Ls = sorted(ours)
     pub = PUBLISHED.get(model, {}).get("online_p50_ms", {})
     tgt = ENGINE_TARGETS.get(model, {}).get("step_p50_ms", {})
@@ -137,6 +145,8 @@ def chart(rows, model: str, path: Path) -> None:
               ("ROSE device time", [ours[L].get("device_p50_ms", np.nan) for L in Ls])]
     if hf:
         series.append(("HF eager bf16 (in-process)", [hf.get(L, {}).get("p50_ms", np.nan) for L in Ls]))
+    if hfc:
+        series.append(("HF + torch.compile reduce-overhead", [hfc.get(L, {}).get("p50_ms", np.nan) for L in Ls]))
     if pub:
         series += [("published Tulip (end to end)", [pub.get(L, {}).get("tulip-rust", np.nan) for L in Ls]),
                    ("published vLLM 0.22 (end to end)", [pub.get(L, {}).get("vllm-0.22", np.nan) for L in Ls])]
@@ -169,7 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--lengths", default="128,512,4096")
-    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--hf-baseline", action="store_true", help="also time transformers eager (bf16, SDPA)")
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="also time transformers under torch.compile(mode='reduce-overhead') (minutes to compile)")
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: harness checks, not results)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -207,8 +219,10 @@ def main(argv=None) -> int:
     del engine
     if cuda:
         torch.cuda.empty_cache()
-    if args.hf_baseline and cuda:
-        hf_baseline(spec, Ls, min(args.iters, 50), rec, args.model)
+    for compiled in [False] * args.hf_baseline + [True] * args.hf_compile:
+        if cuda:
+            hf_baseline(spec, Ls, min(args.iters, 50), rec, args.model, compiled)
+            torch.cuda.empty_cache()
     if args.out is not None:
         chart(rec.rows, args.model, args.out / f"engine_{tag}.png")
     return 0

@@ -25,11 +25,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--compile", action="store_true", help="as Tulip --compile")
     args = ap.parse_args(argv)
-    e = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention, graphs="off"))
+    e = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention, graphs="off",
+                            compile=args.compile))
     g = np.random.default_rng(0)
     batch = Batch.from_sequences([g.integers(5, 1000, args.tokens) for _ in range(args.seqs)])
-    for _ in range(3):
+    for _ in range(3):  # (compiles on the first)
         e.step(batch).synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         e.step(batch).synchronize()

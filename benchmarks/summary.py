@@ -104,12 +104,47 @@ def engine_table(rows: list[dict], model: str) -> list[str]:
         s = tgt["step_p50_ms"]
         out.append(f"| *target* | *{s[128]}* | *{s[512]}* | *{s[4096]}* | *{tgt['emb_per_s_100x512']}* | "
                    f"*{tgt['emb_per_s_mixed']}* |")
-    hf = {r["cell"]: r for r in rows if r.get("backend") == "hf-eager-sdpa" and r.get("model") == model}
-    if hf:
-        out.append(f"| HF transformers eager bf16 SDPA (padded, same shapes) | {hf['step 1x128']['p50_ms']:.2f} | "
-                   f"{hf['step 1x512']['p50_ms']:.2f} | {hf['step 1x4096']['p50_ms']:.2f} | "
-                   f"{hf['100x512 throughput']['emb_per_s']} | - |")
+    for name, label in (("hf-eager-sdpa", "HF transformers eager bf16 SDPA (padded, same shapes)"),
+                        ("hf-compile-reduce-overhead", "HF + torch.compile(mode=reduce-overhead)")):
+        hf = {r["cell"]: r for r in rows if r.get("backend") == name and r.get("model") == model}
+        if hf:
+            def p50(L, hf=hf):
+                r = hf.get(f"step 1x{L}")
+                return f"{r['p50_ms']:.2f}" if r else "-"
+
+            out.append(f"| {label} | {p50(128)} | {p50(512)} | {p50(4096)} | "
+                       f"{hf.get('100x512 throughput', {}).get('emb_per_s', '-')} | - |")
     return out
+
+
+def ivy_table(rows: list[dict], model: str) -> list[str]:
+    """Concurrency (text in) and bulk through Ivy, per replica count, and the two-replica scale-out check."""
+    conc = [r for r in rows if r.get("bench") == "concurrency" and r.get("model") == model]
+    bulk = {r.get("replicas", 1): r for r in rows if r.get("bench") == "bulk-ivy" and r.get("model") == model}
+    if not conc and not bulk:
+        return []
+    out = [f"## {model}: through Ivy over HTTP", "",
+           "| replicas | clients | p50 ms | p99 ms | requests | published Tulip (approx.) | published vLLM 0.22 (approx.) |",
+           "|---|---|---|---|---|---|---|"]
+    p99 = {}
+    for r in sorted(conc, key=lambda r: (r.get("replicas", 1), r["clients"])):
+        pub = r.get("published_approx") or {}
+        p99[(r.get("replicas", 1), r["clients"])] = r["p99_ms"]
+        out.append(f"| {r.get('replicas', 1)} | {r['clients']} x 1x{r['tokens']} text | {r['p50_ms']:.2f} | "
+                   f"{r['p99_ms']:.2f} | {r['n']} | {pub.get('tulip-rust', '-')} | {pub.get('vllm-0.22', '-')} |")
+    out.append("")
+    if bulk:
+        out += ["| replicas | bulk via Ivy (4 clients, 100 token lists each) | emb/s |", "|---|---|---|"]
+        out += [f"| {n} | {r['cell']} | {r['emb_per_s']} |" for n, r in sorted(bulk.items())]
+        out.append("")
+    if 1 in bulk and 2 in bulk:
+        ratio = bulk[2]["emb_per_s"] / bulk[1]["emb_per_s"]
+        out.append(f"Two replicas: bulk {ratio:.2f}x one replica (target >= 1.9x: {'met' if ratio >= 1.9 else '**missed**'}).")
+    if (2, 16) in p99 and (1, 8) in p99:
+        ok = p99[(2, 16)] <= p99[(1, 8)]
+        out.append(f"Two replicas at 16 clients: p99 {p99[(2, 16)]:.2f} ms vs one replica at 8: {p99[(1, 8)]:.2f} ms "
+                   f"(target: no worse: {'met' if ok else '**missed**'}).")
+    return out + [""]
 
 
 def draw(chart: list[tuple], model: str, env: dict, path: Path) -> None:
@@ -170,16 +205,7 @@ def main(argv=None) -> int:
             draw(chart, model, env, png)
             if png.is_file():
                 lines += [f"![{model} through Tulip]({png.name})", ""]
-        conc = [r for r in rows if r.get("bench") == "concurrency" and r.get("model") == model]
-        if conc:
-            lines += [f"## {model}: concurrency through Ivy (text in)", "",
-                      "| clients | p50 ms | p99 ms | requests | published Tulip (approx.) | published vLLM 0.22 (approx.) |",
-                      "|---|---|---|---|---|---|"]
-            for r in sorted(conc, key=lambda r: r["clients"]):
-                pub = r.get("published_approx") or {}
-                lines.append(f"| {r['clients']} x 1x{r['tokens']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['n']} | "
-                             f"{pub.get('tulip-rust', '-')} | {pub.get('vllm-0.22', '-')} |")
-            lines.append("")
+        lines += ivy_table(rows, model)
         e = engine_table(rows, model)
         if len(e) > 2 and not e[2].startswith("| *target*"):
             lines += [f"## {model}: engine step in-process (no gRPC)", "",

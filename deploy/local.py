@@ -40,6 +40,18 @@ class Stack:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.url = f"http://{args.host}:{args.port}"
+        self._gpus: int | None = None
+
+    def device(self, i: int) -> str:
+        """Replica i's device: with several replicas on a GPU host, one GPU each (round robin)."""
+        a = self.args
+        if a.replicas == 1 or a.device not in ("auto", "cuda"):
+            return a.device
+        if self._gpus is None:
+            import torch
+
+            self._gpus = torch.cuda.device_count()
+        return f"cuda:{i % self._gpus}" if self._gpus else a.device
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -53,9 +65,8 @@ class Stack:
         for i in range(a.replicas):
             port = free_port()
             targets.append(f"127.0.0.1:{port}")
-            argv = ["-m", "tulip", "--model", a.model, "--port", str(port), "--device", a.device, "--dtype", a.dtype]
-            if a.device == "cuda" and a.replicas > 1:
-                argv[-3] = f"cuda:{i}"
+            argv = ["-m", "tulip", "--model", a.model, "--port", str(port), "--device", self.device(i), "--dtype",
+                    a.dtype]
             if a.served_model_name:
                 argv += ["--served-model-name", a.served_model_name]
             self._spawn(f"tulip-{i}", argv)
