@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--graphs", default="lazy", choices=("lazy", "eager-all", "off"))
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--attention-table", default="", help="with --attention auto: the kernel sweep's table")
     ap.add_argument("--compile", action="store_true", help="fuse post-attention work with torch.compile")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=10)
@@ -188,13 +189,14 @@ def main(argv=None) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
     name = args.model.replace("/", "_")
-    tag = f"{name}_{args.attention}_{args.graphs}" + ("_compiled" if args.compile else "")
+    attention = "table" if args.attention_table and args.attention == "auto" else args.attention
+    tag = f"{name}_{attention}_{args.graphs}" + ("_compiled" if args.compile else "")
     rec = Recorder(args.out, f"engine_{tag}")
     mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
     mem0 = mem()
     engine = Engine(EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
                                  dtype="bfloat16" if cuda else "float32", attention=args.attention,
-                                 graphs=args.graphs, compile=args.compile))
+                                 graphs=args.graphs, compile=args.compile, attention_table=args.attention_table))
     weights_mb = (mem() - mem0) / 2**20
     backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "")
     Ls = [int(x) for x in args.lengths.split(",")]
