@@ -1,13 +1,15 @@
 """What a request costs besides the GPU: the gRPC hop and Tulip's Python around the engine.
 
     python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
+    python -m benchmarks.hop --model bge-m3 --compile      # the real engine instead of the null one
 
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
 (0: an already-complete LazyTensor; > 0: a step that completes that much later, watched as
 Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread). Where CUDA is
 present the null step is a real device-side sleep with a real CUDA event; elsewhere a timer stands
-in. Both servers also listen on a Unix socket. The client, in this process, sends one
+in; with `--model` the real engine runs instead. Before serving, Tulip times its engine loop
+in-process (submit -> result, no gRPC). Both servers also listen on a Unix socket. The client, in this process, sends one
 pre-tokenized 128-token request at a time over TCP (unary, stream) and the socket (stream). Each
 row is one p50/p99 over `--n` requests; the differences between rows are the breakdown.
 """
@@ -74,7 +76,20 @@ class NullEngine:
         return LazyTensor(out, TimedEvent(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
 
 
-def _serve(kind: str, port: int, uds: str, device_ms: float, spin_ms: float) -> None:
+async def _in_process(loop, n: int) -> dict:
+    """Submit -> result through the engine loop in this process (no gRPC)."""
+    from tulip.scheduler import Request
+
+    ids, lengths = np.arange(5, 133, dtype=np.int32), np.array([128])
+    ts = []
+    for i in range(200 + n):
+        t0 = time.perf_counter()
+        await loop.submit(Request(ids, lengths))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(ts[200:])
+
+
+def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
     import grpc
     import uvloop
 
@@ -96,17 +111,26 @@ def _serve(kind: str, port: int, uds: str, device_ms: float, spin_ms: float) -> 
                 yield rep
 
     async def main():
+        info = {}
         if kind == "echo":
             servicer = Echo()
         else:
-            loop = EngineLoop(NullEngine(device_ms), TulipConfig(spin_ms=spin_ms))
+            if args["model"]:
+                from rose.engine import Engine, EngineConfig
+
+                engine = Engine(EngineConfig(model=args["model"], attention=args["attention"], compile=args["compile"]))
+            else:
+                engine = NullEngine(args["device_ms"])
+            loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"]))
             loop.start()
+            info = await _in_process(loop, args["n"])
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
         tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         server.add_insecure_port(f"unix:{uds}")
         await server.start()
+        ready.put(info)
         await server.wait_for_termination()
 
     uvloop.install()
@@ -133,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--device-ms", type=float, default=0.0)
     ap.add_argument("--spin-ms", type=float, default=10.0, help="Tulip's --spin-ms")
+    ap.add_argument("--model", default="", help="serve this model with the real engine instead of the null one")
+    ap.add_argument("--attention", default="auto", help="with --model")
+    ap.add_argument("--compile", action="store_true", help="with --model")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import uvloop
@@ -140,21 +167,25 @@ def main(argv=None) -> int:
     rec = Recorder(args.out, "hop")
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp())
+    what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
+            else "tulip + null engine")
     for kind in ("echo", "tulip"):
-        port, uds = free_port(), tmp / f"{kind}.sock"
-        p = ctx.Process(target=_serve, args=(kind, port, str(uds), args.device_ms, args.spin_ms), daemon=True)
+        port, uds, ready = free_port(), tmp / f"{kind}.sock", ctx.Queue()
+        p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready), daemon=True)
         p.start()
         try:
-            time.sleep(3.0)
+            in_process = ready.get(timeout=900)  # the server is listening (and measured itself in-process)
+            tulip = kind == "tulip"
+            common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
+                          cpus=os.cpu_count())
+            if tulip:
+                common.update(device_ms=None if args.model else args.device_ms, spin_ms=args.spin_ms)
+                rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
             for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
                                       ("stream", f"unix:{uds}")):
                 uvloop.install()
                 r = asyncio.run(_measure(target, transport, args.n))
-                tulip = kind == "tulip"
-                rec.emit(bench="hop", server="tulip + null engine" if tulip else "grpc echo", transport=transport,
-                         socket=target.partition(":")[0] if target.startswith("unix") else "tcp",
-                         device_ms=args.device_ms if tulip else None, spin_ms=args.spin_ms if tulip else None,
-                         cpus=os.cpu_count(), **r)
+                rec.emit(**common, transport=transport, socket="unix" if target.startswith("unix") else "tcp", **r)
         finally:
             p.terminate()
             p.join(10)

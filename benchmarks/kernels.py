@@ -1,6 +1,7 @@
 """Kernel sweep: every installed attention backend on a grid of batch size x sequence length,
 per head shape; tokens/s, the winner and its margin per cell; writes the table ROSE loads
-(`--attention-table`) and a heat map.
+(`--attention-table`) and a heat map. Backends run as in a step: planned on the host, then
+replayed in a CUDA graph of one model's depth of layers (`--layers`).
 
     python -m benchmarks.kernels --out benchmarks/results [--heads 16,16,64] [--heads 16,8,128]
 
@@ -25,30 +26,53 @@ from rose.layers.attention import AttentionMetadata, select_backend
 BACKENDS = ("sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3")
 
 
-def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int) -> float:
-    """Median seconds of one attention call over n sequences of L tokens."""
+def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int) -> float:
+    """Median seconds per layer of attention over n sequences of L tokens, timed the way a step runs it.
+
+    On CUDA a capturable backend is planned once (`prepare`, on the host) and then replays a
+    CUDA graph of `layers` calls, as a model's forward does; the time includes the plan and its
+    copies, amortised over the layers. Other backends are timed call by call.
+    """
     h, hk, d = heads
     T = n * L
     q = torch.randn(T, h, d, device=device, dtype=dtype)
     k = torch.randn(T, hk, d, device=device, dtype=dtype)
     v = torch.randn(T, hk, d, device=device, dtype=dtype)
     cu_host = np.arange(0, T + 1, L, dtype=np.int32)
-    meta = AttentionMetadata(torch.from_numpy(cu_host).to(device), L, (L,) * n, False)
-    backend.prepare(None, cu_host, T)
+    cuda = device.type == "cuda"
+    graphed = cuda and backend.capturable
+    key = ("sweep", n, L) if graphed else None
+    meta = AttentionMetadata(torch.from_numpy(cu_host).to(device), L, None if graphed else (L,) * n, False)
+    backend.prepare(key, cu_host, T)
     for _ in range(3):
         backend(q, k, v, meta)
+    if graphed:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(layers):
+                backend(q, k, v, meta)
+
+        def run():
+            backend.prepare(key, cu_host, T)
+            g.replay()
+        per_call = layers
+    else:
+        def run():
+            backend(q, k, v, meta)
+        per_call = 1
+    run()
     ts = []
     for _ in range(iters):
-        if device.type == "cuda":
+        if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            backend(q, k, v, meta)
+            run()
             b.record()
             b.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
+            ts.append(a.elapsed_time(b) / 1e3 / per_call)
         else:
             t0 = time.perf_counter()
-            backend(q, k, v, meta)
+            run()
             ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 
@@ -83,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="64,128,512,4096,8192")
     ap.add_argument("--max-tokens", type=int, default=200_000, help="skip cells with more tokens")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=24,
+                    help="attention calls per graph replay (a model's depth): one plan is amortised over them")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -105,7 +131,7 @@ def main(argv=None) -> int:
                 tps = {}
                 for name, b in backends.items():
                     try:
-                        tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters)
+                        tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters, args.layers)
                     except Exception as e:  # a backend that cannot run this shape loses the cell
                         print(f"kernels: {name} failed at {n}x{L}: {e}", file=sys.stderr)
                 if not tps:
