@@ -148,6 +148,26 @@ def ivy_table(rows: list[dict], model: str) -> list[str]:
     return out + [""]
 
 
+def hop_table(rows: list[dict]) -> list[str]:
+    """What a 1x128 request costs besides the GPU (benchmarks.hop), per machine."""
+    hop = [r for r in rows if r.get("bench") == "hop"]
+    if not hop:
+        return []
+    out = ["## The hop: one pre-tokenized 1x128 request at a time (benchmarks.hop)", "",
+           "The gRPC floor (an echo servicer), then Tulip's engine loop in-process (submit -> result), then the",
+           "same Tulip through gRPC: the differences are the breakdown. `spin` is Tulip's --spin-ms (0: the",
+           "completion is awaited in a waiter thread).", "",
+           "| machine | server | device step | spin ms | path | p50 ms | p99 ms | n | git |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(hop, key=lambda r: (r["gpu"], r["server"] != "grpc echo", str(r.get("device_ms")),
+                                        -(r.get("spin_ms") or 0), r["transport"] != "in-process engine loop")):
+        step = "real" if "(" in r["server"] else ("-" if r.get("device_ms") is None else f"{r['device_ms']:g} ms")
+        path = r["transport"] + ("" if r.get("socket") in (None, "tcp") else f" ({r['socket']} socket)")
+        out.append(f"| {r['gpu']}, {r.get('cpus', '?')} cores | {r['server']} | {step} | "
+                   f"{'-' if r.get('spin_ms') is None else r['spin_ms']} | {path} | {r['p50_ms']:.2f} | "
+                   f"{r['p99_ms']:.2f} | {r['n']} | {r['git']} |")
+    return out + [""]
+
+
 def draw(chart: list[tuple], model: str, env: dict, path: Path) -> None:
     import numpy as np
 
@@ -211,6 +231,7 @@ def main(argv=None) -> int:
         if len(e) > 2 and not e[2].startswith("| *target*"):
             lines += [f"## {model}: engine step in-process (no gRPC)", "",
                       "Wall clock of `step()` + copy + sync, p50 ms, device time in brackets.", "", *e, ""]
+    lines += hop_table(rows)
     (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
