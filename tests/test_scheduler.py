@@ -57,3 +57,13 @@ def test_oversize_sequence_rejected_and_cancelled_skipped():
     a.cancelled = True
     assert s.next_batch() == [(b, 0)]
     assert s.queued_tokens == 0 and len(s) == 0
+
+
+def test_expired_requests_dropped_and_reported():
+    s = Scheduler(max_batch_tokens=64)
+    late, on_time, no_deadline = req(8, 8), req(4), req(2)
+    late.deadline, on_time.deadline = 10.0, 30.0
+    for r in (late, on_time, no_deadline):
+        s.add(r)
+    assert s.next_batch(now=20.0) == [(on_time, 0), (no_deadline, 0)]
+    assert s.expired == [late] and s.queued_tokens == 0

@@ -121,6 +121,32 @@ def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine):
     np.testing.assert_allclose(after, refs[0], atol=1e-5)
 
 
+def test_stream_deadline_drops_a_queued_request(tulip_server):
+    """A stream message with timeout_ms that is still queued when it passes is answered
+    DEADLINE_EXCEEDED without running; the request ahead of it and a later one are served."""
+    target, _ = tulip_server
+
+    def msg(seqs, rid, timeout_ms=0):
+        ids, lengths = pack(seqs)
+        return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, request_id=rid, timeout_ms=timeout_ms)
+
+    async def main():
+        async with grpc.aio.insecure_channel(target) as ch:
+            call = tulip_pb2_grpc.TulipStub(ch).EmbedStream()
+            # Two bulk jobs fill both step slots; the short query behind them expires in the queue.
+            for m in (msg(rand_seqs(*[256] * 60), "bulk1"), msg(rand_seqs(*[256] * 60), "bulk2"),
+                      msg(rand_seqs(9), "late", timeout_ms=1), msg(rand_seqs(9), "fine", timeout_ms=60_000)):
+                await call.write(m)
+            await call.done_writing()
+            return {r.request_id: r async for r in call}
+
+    replies = run(main())
+    assert replies["late"].error_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "deadline" in replies["late"].error_message
+    for rid in ("bulk1", "bulk2", "fine"):
+        assert replies[rid].error_code == 0 and len(replies[rid].embeddings) > 0
+
+
 def test_stream_to_a_dead_replica_is_unavailable():
     async def main():
         async with TulipClient(f"127.0.0.1:{free_port()}", transport="stream") as c:

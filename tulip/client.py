@@ -107,6 +107,8 @@ class TulipStream:
         call = self._call
         rid = str(next(self._ids))
         req.request_id = rid
+        if timeout is not None:
+            req.timeout_ms = max(1, int(timeout * 1e3))  # Tulip drops it if still queued by then
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
+
+_ZERO = np.zeros(1, dtype=np.int64)
+_ZERO.setflags(write=False)
 
 
 @dataclass(eq=False)
@@ -21,30 +25,34 @@ class Request:
 
     `rows` receives one output row per sequence as batches complete (and `sparse` /
     `colbert` the token-level outputs named in `extras`); `pending` counts sequences still
-    missing. `cancelled` requests are skipped when batching.
+    missing. `cancelled` requests are skipped when batching. `on_done(request, rows, error)`
+    is called once, by whoever owns the request (Tulip's engine loop), when it completes or fails.
     """
 
     ids: np.ndarray
     lengths: np.ndarray
     extras: frozenset = frozenset()
+    on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None
     offsets: np.ndarray = field(init=False)
     rows: list = field(init=False)
     sparse: list = field(init=False)
     colbert: list = field(init=False)
     pending: int = field(init=False)
+    num_tokens: int = field(init=False)
     cancelled: bool = False
     queued_at: float = 0.0  # monotonic time it entered the queue (for the queue-time metric)
+    deadline: float = 0.0  # monotonic time after which it is not started (0: none)
 
     def __post_init__(self):
-        self.offsets = np.zeros(len(self.lengths), dtype=np.int64)
-        np.cumsum(self.lengths[:-1], out=self.offsets[1:])
         n = len(self.lengths)
+        if n == 1:  # the online case
+            self.offsets = _ZERO
+        else:
+            self.offsets = np.zeros(n, dtype=np.int64)
+            np.cumsum(self.lengths[:-1], out=self.offsets[1:])
         self.rows, self.sparse, self.colbert = [None] * n, [None] * n, [None] * n
         self.pending = n
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        self.num_tokens = int(self.lengths.sum())
 
     def seq(self, i: int) -> np.ndarray:
         o = int(self.offsets[i])
@@ -59,6 +67,7 @@ class Scheduler:
         self.max_batch_seqs = max_batch_seqs
         self._queue: deque[list] = deque()  # [request, next sequence index]
         self.queued_tokens = 0
+        self.expired: list[Request] = []  # dropped by next_batch for a passed deadline
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -71,17 +80,23 @@ class Scheduler:
         self._queue.append([req, 0])
         self.queued_tokens += req.num_tokens
 
-    def next_batch(self) -> list[tuple[Request, int]]:
-        """Pop the next batch as (request, sequence index) slots, in arrival order."""
+    def next_batch(self, now: float = 0.0) -> list[tuple[Request, int]]:
+        """Pop the next batch as (request, sequence index) slots, in arrival order.
+
+        Cancelled requests are dropped; so are requests whose deadline is before `now`, which
+        are also appended to `expired` for the caller to answer."""
         slots: list[tuple[Request, int]] = []
         tokens = 0
         q = self._queue
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
             req, i = entry
-            if req.cancelled:
+            late = 0.0 < req.deadline < now
+            if req.cancelled or late:
                 q.popleft()
                 self.queued_tokens -= int(req.lengths[i:].sum())
+                if late and not req.cancelled:
+                    self.expired.append(req)
                 continue
             n = int(req.lengths[i])
             if tokens + n > self.max_batch_tokens:

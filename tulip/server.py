@@ -40,20 +40,19 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tup
     """Check an EmbedRequest against the served model and unpack it; raise ValueError with a
     caller-facing message."""
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
-    if not req.lengths:
+    lens = list(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
+    if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
     if len(req.token_ids) % 4:
         raise ValueError(f"token_ids has {len(req.token_ids)} bytes, not a multiple of 4 (int32 little-endian)")
     ids = np.frombuffer(req.token_ids, dtype="<i4")
-    lengths = np.asarray(req.lengths, dtype=np.int64)
-    if int(lengths.sum()) != ids.shape[0]:
-        raise ValueError(f"lengths add up to {int(lengths.sum())} tokens but token_ids holds {ids.shape[0]}")
-    if (lengths == 0).any():
-        raise ValueError(f"sequence {int(np.argmin(lengths))} is empty")
-    longest = int(lengths.max())
+    if sum(lens) != ids.shape[0]:
+        raise ValueError(f"lengths add up to {sum(lens)} tokens but token_ids holds {ids.shape[0]}")
+    if min(lens) == 0:
+        raise ValueError(f"sequence {lens.index(0)} is empty")
+    longest = max(lens)
     if longest > max_seq_len:
-        i = int(np.argmax(lengths))
-        raise ValueError(f"sequence {i} has {longest} tokens; this model accepts at most {max_seq_len}")
+        raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; this model accepts at most {max_seq_len}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
@@ -69,7 +68,7 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tup
             name = tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o
             raise ValueError(f"output {name} is not supported by this model "
                              f"(supported: {', '.join(tulip_pb2.Output.Name(x) for x in info.outputs)})")
-    return ids, lengths
+    return ids, np.array(lens, dtype=np.int64)
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
@@ -159,7 +158,8 @@ class EngineLoop:
         self.cfg = cfg
         self.metrics = metrics or TulipMetrics()
         self.scheduler = Scheduler(cfg.max_batch_tokens)
-        self._futures: dict[int, asyncio.Future] = {}
+        self.metrics.queue_tokens.set_function(lambda: self.scheduler.queued_tokens)
+        self.metrics.queue_requests.set_function(lambda: len(self.scheduler))
         self._inflight: deque[_Step] = deque()
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
@@ -178,36 +178,45 @@ class EngineLoop:
         if self._executor:
             self._executor.shutdown(wait=False)
 
-    def submit_nowait(self, req: Request) -> asyncio.Future:
-        """Queue `req`; the future resolves to its [n, dim] float32 rows. Raises OverflowError
-        when the queue is full."""
+    def submit_nowait(self, req: Request) -> None:
+        """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
+        when the queue is full. Launches a step at once if a slot is free."""
         if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
             raise OverflowError(
                 f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds {req.num_tokens}, "
                 f"limit {self.cfg.max_queued_tokens}"
             )
-        fut = self._aloop.create_future()
-        self._futures[id(req)] = fut
-        fut.add_done_callback(lambda f: self._forget(req, f))
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
         self._pump()
-        return fut
 
     async def submit(self, req: Request) -> np.ndarray:
-        """Queue `req` and wait for its rows; cancelling the caller drops the request."""
-        return await self.submit_nowait(req)
+        """Queue `req` and wait for its [n, dim] float32 rows; cancelling the caller drops the request."""
+        fut = self._aloop.create_future()
 
-    def _forget(self, req: Request, fut: asyncio.Future) -> None:
-        self._futures.pop(id(req), None)
-        if fut.cancelled():
+        def done(r, rows, error):
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(rows)
+
+        req.on_done = done
+        self.submit_nowait(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
             req.cancelled = True  # skipped when batching; rows already computed are discarded
+            raise
 
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free."""
         m = self.metrics
-        while len(self._inflight) < self.cfg.max_inflight and len(self.scheduler):
-            slots = self.scheduler.next_batch()
+        sched = self.scheduler
+        while len(self._inflight) < self.cfg.max_inflight and len(sched):
+            slots = sched.next_batch(time.monotonic())
+            if sched.expired:
+                for r in sched.expired:
+                    r.cancelled = True
+                    r.on_done(r, None, TimeoutError("deadline passed while the request was queued"))
+                sched.expired.clear()
             if not slots:
                 break
             extras = frozenset().union(*(r.extras for r, _ in slots))
@@ -228,8 +237,6 @@ class EngineLoop:
                 if i == 0:
                     m.queue_seconds.observe(launched - r.queued_at)
             self._inflight.append(_Step(slots, lazy, launched))
-        m.queue_tokens.set(self.scheduler.queued_tokens)
-        m.queue_requests.set(len(self.scheduler))
         if self._inflight and not self._watching:
             self._watching = True
             self._aloop.call_soon(self._watch)
@@ -269,18 +276,15 @@ class EngineLoop:
             for row, (r, i) in enumerate(step.slots):
                 r.rows[i] = out[row]
                 r.pending -= 1
-                if r.pending == 0:
-                    fut = self._futures.get(id(r))
-                    if fut and not fut.done():
-                        fut.set_result(np.stack(r.rows))
+                if r.pending == 0 and not r.cancelled:
+                    r.on_done(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
         self._pump()
 
     def _fail(self, slots, e: Exception) -> None:
         for r, _ in slots:
-            fut = self._futures.get(id(r))
-            if fut and not fut.done():
-                fut.set_exception(RuntimeError(f"engine step failed: {e}"))
-            r.cancelled = True
+            if not r.cancelled:
+                r.cancelled = True
+                r.on_done(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
         start = 0
@@ -320,35 +324,39 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
         )
 
+        self._ok = loop.metrics.requests.labels("OK")
+
     async def Info(self, request, context):
         return self.info
 
     async def Embed(self, request, context):
         count = self.loop.metrics.requests
         try:
-            req, fut = self._start(request)
+            req = self._request(request)
             try:
-                await fut
-            except RuntimeError:
-                pass  # answered INTERNAL by _reply
-            reply = self._reply(request, req, fut)
+                vectors = await self.loop.submit(req)
+            except OverflowError as e:
+                raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            except RuntimeError as e:
+                raise RpcFailure(grpc.StatusCode.INTERNAL, str(e)) from None
+            reply = self._reply(request, req, vectors)
         except RpcFailure as e:
             count.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
         except asyncio.CancelledError:
             count.labels("CANCELLED").inc()
             raise
-        count.labels("OK").inc()
+        self._ok.inc()
         return reply
 
     async def EmbedStream(self, request_iterator, context):
         """Requests tagged with request_id; replies in completion order. A failed request gets
         a reply with error_code / error_message; the stream and everyone else carry on.
 
-        No task per request: the reader queues each request and a done-callback on its
-        future puts the reply on the queue this generator drains."""
+        No task per request: the reader queues each request, and the engine loop's completion
+        callback puts its reply on the queue this generator drains."""
         replies: asyncio.Queue = asyncio.Queue()
-        outstanding: set[asyncio.Future] = set()
+        outstanding: set[Request] = set()
         count = self.loop.metrics.requests
 
         def answer(request, reply=None, error: RpcFailure | None = None):
@@ -356,28 +364,34 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 count.labels(error.code.name).inc()
                 reply = tulip_pb2.EmbedReply(error_code=error.code.value[0], error_message=error.message)
             else:
-                count.labels("OK").inc()
+                self._ok.inc()
             reply.request_id = request.request_id
             replies.put_nowait(reply)
 
-        def done(request, req, fut):
-            outstanding.discard(fut)
-            if fut.cancelled():
+        def done(request, req, rows, error):
+            outstanding.discard(req)
+            if error is not None:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(error, TimeoutError) else grpc.StatusCode.INTERNAL
+                answer(request, error=RpcFailure(code, str(error)))
                 return
             try:
-                answer(request, self._reply(request, req, fut))
+                answer(request, self._reply(request, req, rows))
             except RpcFailure as e:
                 answer(request, error=e)
 
         async def read():
             async for request in request_iterator:
                 try:
-                    req, fut = self._start(request)
+                    req = self._request(request, functools.partial(done, request))
+                    if request.timeout_ms:
+                        req.deadline = time.monotonic() + request.timeout_ms / 1e3
+                    outstanding.add(req)
+                    self.loop.submit_nowait(req)
+                except OverflowError as e:
+                    outstanding.discard(req)
+                    answer(request, error=RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)))
                 except RpcFailure as e:
                     answer(request, error=e)
-                    continue
-                outstanding.add(fut)
-                fut.add_done_callback(functools.partial(done, request, req))
             replies.put_nowait(None)  # the caller closed its side
 
         reader = asyncio.create_task(read())
@@ -387,33 +401,23 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 reply = await replies.get()
                 if reply is None:
                     closed = True
-                    if outstanding:
-                        await asyncio.wait(set(outstanding))
-                    continue
-                yield reply
+                else:
+                    yield reply
         finally:
             reader.cancel()
-            for fut in list(outstanding):
-                fut.cancel()
+            for req in outstanding:
+                req.cancelled = True
 
-    def _start(self, request: tulip_pb2.EmbedRequest) -> tuple[Request, asyncio.Future]:
-        """Validate and queue one request; raise RpcFailure if it cannot be queued."""
+    def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
+        """Validate one request; raise RpcFailure(INVALID_ARGUMENT) with the reason."""
         try:
             ids, lengths = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        req = Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS))
-        try:
-            return req, self.loop.submit_nowait(req)
-        except OverflowError as e:
-            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done)
 
-    def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, fut: asyncio.Future) -> tulip_pb2.EmbedReply:
-        """The reply for a completed request (raise RpcFailure if its step failed)."""
-        try:
-            vectors = fut.result()
-        except RuntimeError as e:
-            raise RpcFailure(grpc.StatusCode.INTERNAL, str(e)) from None
+    def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
+        """The reply for a completed request."""
         vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
