@@ -88,6 +88,14 @@ class Recorder:
         return row
 
 
+def progress(items, desc: str):
+    """A progress bar on stderr (tqdm) over `items` (or range(items))."""
+    from tqdm import tqdm
+
+    return tqdm(range(items) if isinstance(items, int) else items, desc=desc, leave=False, mininterval=1.0,
+                file=sys.stderr)
+
+
 def pyplot():
     """matplotlib.pyplot with a file backend, or None (with a note) where matplotlib is missing."""
     try:

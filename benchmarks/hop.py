@@ -92,6 +92,7 @@ async def _in_process(loop, n: int) -> dict:
 def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
     import grpc
     import uvloop
+    from grpc_health.v1 import health, health_pb2_grpc
 
     from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
     from tulip.config import TulipConfig
@@ -127,6 +128,8 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
         tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()  # Ivy's readiness check
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         server.add_insecure_port(f"unix:{uds}")
         await server.start()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import Recorder, pyplot
+from benchmarks.common import Recorder, progress, pyplot
 from rose.layers.attention import AttentionMetadata, select_backend
 
 BACKENDS = ("sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3")
@@ -124,24 +124,23 @@ def main(argv=None) -> int:
             except (ImportError, ValueError) as e:
                 print(f"kernels: {name} skipped: {e}", file=sys.stderr)
         cells = []
-        for n in map(int, args.seqs.split(",")):
-            for L in map(int, args.lengths.split(",")):
-                if n * L > args.max_tokens:
-                    continue
-                tps = {}
-                for name, b in backends.items():
-                    try:
-                        tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters, args.layers)
-                    except Exception as e:  # a backend that cannot run this shape loses the cell
-                        print(f"kernels: {name} failed at {n}x{L}: {e}", file=sys.stderr)
-                if not tps:
-                    continue
-                ranked = sorted(tps, key=tps.get, reverse=True)
-                margin = tps[ranked[0]] / tps[ranked[1]] if len(ranked) > 1 else 1.0
-                cell = {"seqs": n, "max_len": L, "winner": ranked[0], "margin": round(margin, 3),
-                        "tokens_per_s": {k: round(v) for k, v in tps.items()}}
-                cells.append(cell)
-                rec.emit(bench="kernels", heads=list(heads), **cell)
+        grid = [(n, L) for n in map(int, args.seqs.split(",")) for L in map(int, args.lengths.split(","))
+                if n * L <= args.max_tokens]
+        for n, L in progress(grid, f"attention {spec}"):
+            tps = {}
+            for name, b in backends.items():
+                try:
+                    tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters, args.layers)
+                except Exception as e:  # a backend that cannot run this shape loses the cell
+                    print(f"kernels: {name} failed at {n}x{L}: {e}", file=sys.stderr)
+            if not tps:
+                continue
+            ranked = sorted(tps, key=tps.get, reverse=True)
+            margin = tps[ranked[0]] / tps[ranked[1]] if len(ranked) > 1 else 1.0
+            cell = {"seqs": n, "max_len": L, "winner": ranked[0], "margin": round(margin, 3),
+                    "tokens_per_s": {k: round(v) for k, v in tps.items()}}
+            cells.append(cell)
+            rec.emit(bench="kernels", heads=list(heads), **cell)
         table = {"heads": list(heads), "causal": False, "dtype": str(dtype).removeprefix("torch."),
                  "gpu": rec.env["gpu"], "torch": rec.env["torch"], "when": rec.env["when"], "cells": cells}
         if args.out is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, pyplot, spawn_until_ready
+from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, progress, pyplot, spawn_until_ready
 
 
 def _stub(target):
@@ -72,13 +72,6 @@ def correctness_gate(stub, model: str, vocab: int) -> float:
         torch.cuda.empty_cache()
     cos = (served * ref).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(ref, axis=1)
     return float(cos.min())
-
-
-def progress(n: int, desc: str):
-    """A progress bar on stderr (tqdm) over range(n)."""
-    from tqdm import tqdm
-
-    return tqdm(range(n), desc=desc, leave=False, mininterval=1.0, file=sys.stderr)
 
 
 def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str = "", transport: str = "unary") -> dict:

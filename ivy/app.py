@@ -7,6 +7,7 @@ Routes: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health
 from __future__ import annotations
 
 import base64
+import gc
 import logging
 import os
 import time
@@ -96,6 +97,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         nonlocal balancer
         balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport)
         app.state.balancer = balancer
+        gc.collect()
+        gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
         await balancer.close()
 

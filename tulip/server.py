@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import signal
 import time
@@ -444,6 +445,10 @@ async def serve(cfg: TulipConfig) -> int:
             f"{engine.spec.max_seq_len}"
         )
     warm_up(engine, cfg.warmup)
+    # Everything loaded so far lives as long as the process: keep it out of the collector's
+    # scans, so a full collection while serving is short.
+    gc.collect()
+    gc.freeze()
     metrics = TulipMetrics(engine)
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.host)
