@@ -96,6 +96,25 @@ def progress(items, desc: str):
                 file=sys.stderr)
 
 
+def bulk_clients(client, args: tuple, n_req: int, clients: int = 4) -> dict:
+    """Run `client(*args, seed, barrier, queue)` in `clients` processes (spawned); each sends `n_req`
+    requests of 100 sequences after the barrier and puts (start, end, embeddings) on the queue.
+    Returns the aggregate embeddings per second over the span from first start to last end."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=client, args=(*args, i, barrier, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=1200) for _ in procs]
+    for p in procs:
+        p.join()
+    start, end = min(r[0] for r in res), max(r[1] for r in res)
+    return {"emb_per_s": round(sum(r[2] for r in res) / (end - start), 1), "clients": clients,
+            "requests_per_client": n_req}
+
+
 def pyplot():
     """matplotlib.pyplot with a file backend, or None (with a note) where matplotlib is missing."""
     try:

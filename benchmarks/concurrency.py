@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles, spawn_until_ready
+from benchmarks.common import Recorder, bulk_clients, free_port, percentiles, spawn_until_ready
 
 # ../shared/DESIGN.md, workload 4 (approximate, read off the published chart): p50 ms.
 PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22": 23.0, "tulip-rust": 16.5}}
@@ -110,22 +110,6 @@ def _bulk_client(url, model_name, L, n_req, seed, barrier, q):
         q.put((t0, time.perf_counter(), 100 * n_req))
 
 
-def bulk(url: str, model_name: str, L: int, n_req: int, clients: int = 4) -> dict:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    barrier, q = ctx.Barrier(clients), ctx.Queue()
-    procs = [ctx.Process(target=_bulk_client, args=(url, model_name, L, n_req, i, barrier, q)) for i in range(clients)]
-    for p in procs:
-        p.start()
-    res = [q.get(timeout=1200) for _ in procs]
-    for p in procs:
-        p.join()
-    start, end = min(r[0] for r in res), max(r[1] for r in res)
-    return {"emb_per_s": round(sum(r[2] for r in res) / (end - start), 1), "clients": clients,
-            "requests_per_client": n_req}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
@@ -165,7 +149,8 @@ def main(argv=None) -> int:
                      **asyncio.run(level(url, served_name, text, c, args.n)))
         if args.bulk_requests:
             rec.emit(bench="bulk-ivy", cell=f"100x{args.length} x4 clients via Ivy", seqs=100, tokens=args.length,
-                     **common, **bulk(url, served_name, args.length, args.bulk_requests))
+                     **common, **bulk_clients(_bulk_client, (url, served_name, args.length, args.bulk_requests),
+                                              args.bulk_requests))
     finally:
         proc.terminate()
         proc.wait(60)

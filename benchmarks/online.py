@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import shlex
 import sys
 import time
@@ -23,7 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PUBLISHED, Recorder, free_port, percentiles, progress, pyplot, spawn_until_ready
+from benchmarks.common import (
+    PUBLISHED,
+    Recorder,
+    bulk_clients,
+    free_port,
+    percentiles,
+    progress,
+    pyplot,
+    spawn_until_ready,
+)
 
 
 def _stub(target):
@@ -113,20 +121,6 @@ def _bulk_client(target, L, n_req, vocab, seed, barrier, q):
         stub.Embed(req, timeout=600)
     q.put((t0, time.perf_counter(), 100 * n_req))
     ch.close()
-
-
-def time_bulk(target, L: int, n_req: int, vocab: int, clients: int = 4) -> dict:
-    ctx = mp.get_context("spawn")
-    barrier, q = ctx.Barrier(clients), ctx.Queue()
-    procs = [ctx.Process(target=_bulk_client, args=(target, L, n_req, vocab, i, barrier, q)) for i in range(clients)]
-    for p in procs:
-        p.start()
-    res = [q.get(timeout=1200) for _ in procs]
-    for p in procs:
-        p.join()
-    start, end = min(r[0] for r in res), max(r[1] for r in res)
-    return {"emb_per_s": round(sum(r[2] for r in res) / (end - start), 1), "clients": clients,
-            "requests_per_client": n_req}
 
 
 def chart(rows, model: str, path: Path) -> None:
@@ -230,7 +224,7 @@ def main(argv=None) -> int:
             for L, n_req in zip(map(int, args.bulk_lengths.split(",")), map(int, args.bulk_requests.split(","))):
                 if L <= info.max_seq_len:
                     rec.emit(bench="bulk", cell=f"100x{L} x4 clients", seqs=100, tokens=L, **common,
-                             **time_bulk(target, L, n_req, vocab))
+                             **bulk_clients(_bulk_client, (target, L, n_req, vocab), n_req))
         ch.close()
     finally:
         if proc is not None:
