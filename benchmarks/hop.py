@@ -40,7 +40,9 @@ class TimedEvent:
         return time.monotonic() >= self.t
 
     def synchronize(self):
-        time.sleep(max(0.0, self.t - time.monotonic()))
+        wait = self.t - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
 
 
 class NullEngine:

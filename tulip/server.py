@@ -207,9 +207,15 @@ class EngineLoop:
             req.cancelled = True  # skipped when batching; rows already computed are discarded
             raise
 
+    def _record_launch(self, tokens: int, seqs: int, waits: list[float]) -> None:
+        m = self.metrics
+        m.batch_tokens.observe(tokens)
+        m.batch_seqs.observe(seqs)
+        for w in waits:
+            m.queue_seconds.observe(w)
+
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free."""
-        m = self.metrics
         sched = self.scheduler
         while len(self._inflight) < self.cfg.max_inflight and len(sched):
             slots = sched.next_batch(time.monotonic())
@@ -232,12 +238,10 @@ class EngineLoop:
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
                 continue
-            m.batch_tokens.observe(batch.num_tokens)
-            m.batch_seqs.observe(batch.num_seqs)
-            for r, i in slots:
-                if i == 0:
-                    m.queue_seconds.observe(launched - r.queued_at)
             self._inflight.append(_Step(slots, lazy, launched))
+            # Metrics on a later loop iteration, while the step runs: off the request's path.
+            self._aloop.call_soon(self._record_launch, batch.num_tokens, batch.num_seqs,
+                                  [launched - r.queued_at for r, i in slots if i == 0])
         if self._inflight and not self._watching:
             self._watching = True
             self._aloop.call_soon(self._watch)
@@ -263,7 +267,8 @@ class EngineLoop:
     def _complete(self, step: _Step) -> None:
         self._watching = False
         self._inflight.popleft()
-        self.metrics.step_seconds.observe(time.monotonic() - step.launched)
+        # After the replies below have been handed on (call_soon runs callbacks in order).
+        self._aloop.call_soon(self.metrics.step_seconds.observe, time.monotonic() - step.launched)
         try:
             result = step.lazy.synchronize()
             # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
