@@ -70,7 +70,8 @@ class Stack:
             if a.served_model_name:
                 argv += ["--served-model-name", a.served_model_name]
             self._spawn(f"tulip-{i}", argv)
-        argv = ["-m", "ivy", "--model", a.model, "--host", a.host, "--port", str(a.port)]
+        argv = ["-m", "ivy", "--model", a.model, "--host", a.host, "--port", str(a.port), "--workers",
+                str(a.ivy_workers)]
         for t in targets:
             argv += ["--tulip", t]
         if a.served_model_name:
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1, help="Tulip processes (one per GPU on a GPU host)")
     ap.add_argument("--host", default="127.0.0.1", help="Ivy's listen address")
     ap.add_argument("--port", type=int, default=8000, help="Ivy's HTTP port")
+    ap.add_argument("--ivy-workers", type=int, default=1, help="Ivy worker processes (tokenization and HTTP)")
     ap.add_argument("--device", default="auto", help="Tulip device: auto | cpu | cuda")
     ap.add_argument("--dtype", default="auto", help="Tulip dtype: auto | float32 | bfloat16 | float16")
     ap.add_argument("--served-model-name", default="", help="model name clients use")
