@@ -84,3 +84,73 @@ def test_overlap_hides_host_work(spin_ms):
 def test_one_step_in_flight_when_asked():
     _, _, in_flight = run_requests(max_inflight=1, n=10)
     assert in_flight == 1
+
+
+class FailingEvent(TimedEvent):
+    """A step that fails on the device: its result cannot be read."""
+
+    def synchronize(self):
+        super().synchronize()
+        raise RuntimeError("device-side assert")
+
+
+class PoisonEngine(FakeGpuEngine):
+    """Token 666 fails the step at launch, token 777 fails it on the device; others succeed."""
+
+    def step(self, batch, extras=frozenset()):
+        ids = set(batch.input_ids.tolist())
+        if 666 in ids:
+            raise RuntimeError("launch failed")
+        lazy = super().step(batch, extras)
+        if 777 in ids:
+            return LazyTensor(lazy._host, FailingEvent(lazy._event.t))
+        return lazy
+
+
+def test_a_failed_step_fails_only_its_requests():
+    cfg = TulipConfig(max_batch_tokens=8, max_inflight=2)
+
+    async def main():
+        loop = EngineLoop(PoisonEngine(Timeline()), cfg)
+        loop.start()
+        reqs = [Request(np.full(8, t, dtype=np.int32), np.array([8])) for t in (1, 666, 2, 777, 3)]
+        out = await asyncio.gather(*(loop.submit(r) for r in reqs), return_exceptions=True)
+        await loop.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert [int(o[0, 0]) for o in (out[0], out[2], out[4])] == [1, 2, 3]
+    assert isinstance(out[1], RuntimeError) and "launch failed" in str(out[1])
+    assert isinstance(out[3], RuntimeError) and "device-side assert" in str(out[3])
+
+
+def test_cancelled_and_expired_requests_leave_the_others_alone():
+    """A request spanning several steps is cancelled midway; another expires in the queue; the
+    rest complete in order and nothing is delivered twice."""
+    cfg = TulipConfig(max_batch_tokens=8, max_inflight=1, spin_ms=0)
+
+    async def main():
+        loop = EngineLoop(FakeGpuEngine(Timeline()), cfg)
+        loop.start()
+        first = Request(np.full(8, 1, dtype=np.int32), np.array([8]))
+        spanning = Request(np.full(32, 2, dtype=np.int32), np.array([8, 8, 8, 8]))  # four steps
+        late = Request(np.full(8, 3, dtype=np.int32), np.array([8]))
+        last = Request(np.full(8, 4, dtype=np.int32), np.array([8]))
+        calls = []
+        late.on_done = lambda r, rows, err: calls.append(err)
+        late.deadline = time.monotonic() + STEP_S / 2  # passes while `first` runs
+        t_first = asyncio.ensure_future(loop.submit(first))
+        t_span = asyncio.ensure_future(loop.submit(spanning))
+        await asyncio.sleep(0)  # both queued
+        loop.submit_nowait(late)
+        t_last = asyncio.ensure_future(loop.submit(last))
+        await asyncio.sleep(STEP_S * 1.5)  # `first` done, `spanning` has started
+        t_span.cancel()
+        results = await asyncio.gather(t_first, t_last)
+        await loop.stop()
+        return results, calls, t_span
+
+    (first, last), calls, t_span = asyncio.run(main())
+    assert int(first[0, 0]) == 1 and int(last[0, 0]) == 4
+    assert t_span.cancelled()
+    assert len(calls) == 1 and isinstance(calls[0], TimeoutError)
