@@ -21,9 +21,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Recorder, progress, pyplot
-from rose.layers.attention import AttentionMetadata, select_backend
-
-BACKENDS = ("sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3")
+from rose.layers.attention import BACKENDS, AttentionMetadata, select_backend
 
 
 def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int) -> float:

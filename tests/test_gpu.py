@@ -38,6 +38,12 @@ def installed_backends():
         out += ["flashinfer-fa2", "flashinfer-fa3"]
     except ImportError:
         pass
+    try:
+        import flash_attn.cute  # noqa: F401
+
+        out.append("fa4")
+    except ImportError:
+        pass
     return out
 
 

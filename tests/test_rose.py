@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
+from rose.layers.attention import BACKENDS, select_backend
 from rose.lazy import LazyTensor
 from tests.checkpoints import save_checkpoint
 from tests.sentences import SENTENCES
@@ -304,3 +305,14 @@ def test_model_spec_reads_old_and_new_sentence_transformers_files(tmp_path):
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="Dense' is not supported"):
         ModelSpec.read(tmp_path)
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "sdpa"])
+def test_gpu_backends_refuse_the_cpu(name):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend(name, torch.device("cpu"), torch.float32, (4, 4, 64))
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="fa4"):
+        select_backend("flash", torch.device("cpu"), torch.float32)

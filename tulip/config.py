@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rose.layers.attention import BACKENDS
 from trellis.cli import field, parse
 
 
@@ -20,7 +21,7 @@ class TulipConfig:
     device: str = field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = field("auto", "compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
     attention: str = field("auto", "attention backend",
-                           choices=("auto", "sdpa", "varlen", "flashinfer-fa2", "flashinfer-fa3"))
+                           choices=("auto", *BACKENDS))
     attention_table: str = field("", "with --attention auto: JSON table from `python -m benchmarks.kernels` choosing "
                                  "the backend per batch shape")
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "

@@ -8,6 +8,9 @@ padding, no cross-sequence attention). Backends:
             everywhere (the CPU path and the reference for the others).
 - `varlen`: FlashAttention varlen through `torch.nn.attention.varlen`
             (CUDA, fp16/bf16).
+- `fa4`:    FlashAttention 4 varlen (`flash_attn.cute`, CuTe DSL kernels; needs
+            the `flash-attn-4` package), GQA without repeating kv heads.
+- `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
 """
 
 from __future__ import annotations
@@ -108,6 +111,25 @@ class VarlenBackend(AttentionBackend):
         return self._fn(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, **kw)
 
 
+class FlashAttn4Backend(AttentionBackend):
+    """FlashAttention 4 varlen from `flash_attn.cute` (CUDA; kernels compiled on first use, so a
+    graph key's eager warm-up run precedes its capture)."""
+
+    name = "fa4"
+    capturable = True
+
+    def __init__(self):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self._fn = flash_attn_varlen_func
+
+    def __call__(self, q, k, v, meta):
+        cu, n = meta.cu_seqlens, meta.max_seqlen
+        out, _ = self._fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
+                          causal=meta.causal)
+        return out
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer ragged prefill (`fa2` or `fa3`), planned on the host before each step.
 
@@ -163,26 +185,30 @@ class FlashInferBackend(AttentionBackend):
         return self._current.run(q, k, v)
 
 
+BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3")
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),
                    causal: bool = False) -> AttentionBackend:
     """`auto` picks varlen on CUDA with half precision where available, else SDPA.
 
-    name: auto | sdpa | varlen | flashinfer-fa2 | flashinfer-fa3; heads: (q heads, kv heads, head dim).
+    name: auto or one of BACKENDS; heads: (q heads, kv heads, head dim). Raises ImportError
+    when the backend's package is not installed, ValueError when it cannot run here.
     """
     if name == "sdpa":
         return SdpaBackend()
+    if name in BACKENDS and device.type != "cuda":
+        raise ValueError(f"attention {name!r} needs a CUDA device")
     if name == "varlen":
-        if device.type != "cuda":
-            raise ValueError("attention 'varlen' needs a CUDA device")
         return VarlenBackend()
+    if name == "fa4":
+        return FlashAttn4Backend()
     if name in ("flashinfer-fa2", "flashinfer-fa3"):
-        if device.type != "cuda":
-            raise ValueError(f"attention {name!r} needs a CUDA device")
         b = FlashInferBackend(name.split("-")[1], device, *heads, dtype)
         b.causal = causal
         return b
     if name != "auto":
-        raise ValueError(f"unknown attention backend {name!r} (choose auto, sdpa, varlen, flashinfer-fa2, flashinfer-fa3)")
+        raise ValueError(f"unknown attention backend {name!r} (choose auto, {', '.join(BACKENDS)})")
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
             return VarlenBackend()
