@@ -1,10 +1,11 @@
 """One command for the benchmark suites, then the summary.
 
-    python -m benchmarks run [--suite engine|online|scoring|bulk|all] [--model bge-m3] [--out DIR]
+    python -m benchmarks run [--suite kernels|engine|hop|online|scoring|bulk|concurrency|all] [--model bge-m3] [--out DIR]
                              [--tulip-args "..."] [--quick]
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
 `kernels` sweeps the attention backends and writes the selection table (benchmarks.kernels);
+`hop` measures the request path around the engine (benchmarks.hop: a null engine, then the model);
 `concurrency` starts Ivy + Tulip(s) and sends text, then bulk token batches (benchmarks.concurrency;
 Tulip settings through TULIP_* variables; `--replicas 1,2` repeats it with two Tulips on two GPUs); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
 writes DIR/SUMMARY.md and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
@@ -18,9 +19,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import concurrency, engine, kernels, online, summary
+from benchmarks import concurrency, engine, hop, kernels, online, summary
 
-SUITES = ("kernels", "engine", "online", "scoring", "bulk", "concurrency")
+SUITES = ("kernels", "engine", "hop", "online", "scoring", "bulk", "concurrency")
 
 
 def main(argv=None) -> int:
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
     if "engine" in suites:
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
         rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])
+    if "hop" in suites:
+        n = ["--n", "20"] if args.quick else []
+        rc |= hop.main(["--out", out, "--device-ms", "1", *n])
+        rc |= hop.main(["--out", out, "--model", args.model, *([] if args.quick else ["--compile"]), *n])
     grpc_suites = [s for s in suites if s in ("online", "scoring", "bulk")]
     if grpc_suites:
         quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import uvloop
 
-    rec = Recorder(args.out, "hop")
+    rec = Recorder(args.out, f"hop_{Path(args.model).name if args.model else f'null-{args.device_ms:g}ms'}")
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model

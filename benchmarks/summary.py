@@ -174,6 +174,49 @@ def hop_table(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def draw_hop(rows: list[dict], path: Path) -> bool:
+    """Stacked bars per (machine, server): Tulip's engine loop in-process, the gRPC floor (echo on a
+    stream), and the rest of a streamed request (Tulip's servicer around the loop). Latest run each."""
+    plt = pyplot()
+    hop = [r for r in rows if r.get("bench") == "hop"]
+    bars = []
+    for gpu, server, spin in sorted({(r["gpu"], r["server"], r.get("spin_ms") or 0) for r in hop
+                                     if r["server"] != "grpc echo"}):
+        def latest(pred):
+            c = [r for r in hop if r["gpu"] == gpu and pred(r)]
+            return max(c, key=lambda r: r["when"]) if c else None
+
+        def mine(r):
+            return r["server"] == server and (r.get("spin_ms") or 0) == spin
+
+        loop = latest(lambda r: mine(r) and r["transport"] == "in-process engine loop")
+        stream = latest(lambda r: mine(r) and r["transport"] == "stream" and r.get("socket") == "tcp")
+        echo = latest(lambda r: r["server"] == "grpc echo" and r["transport"] == "stream" and r.get("socket") == "tcp")
+        if loop and stream and echo:
+            rest = max(0.0, stream["p50_ms"] - loop["p50_ms"] - echo["p50_ms"])
+            bars.append((f"{gpu}\n{server}, spin {spin:g} ms", loop["p50_ms"], echo["p50_ms"], rest))
+    if plt is None or not bars:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 0.8 * len(bars) + 2.0))
+    y = range(len(bars))
+    left = [0.0] * len(bars)
+    for i, (label, color) in enumerate([("engine loop in-process (step + wait)", "#4c72b0"),
+                                        ("gRPC floor (echo, one stream)", "#dd8452"),
+                                        ("Tulip servicer + client around it", "#c44e52")]):
+        vals = [b[1 + i] for b in bars]
+        ax.barh(list(y), vals, left=left, color=color, label=label)
+        for j, v in enumerate(vals):
+            if v > 0.05:
+                ax.text(left[j] + v / 2, j, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(list(y), [b[0] for b in bars], fontsize=7)
+    ax.set_xlabel("p50 ms, one pre-tokenized 1 x 128 request at a time over an open EmbedStream")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def draw(chart: list[tuple], model: str, env: dict, path: Path) -> None:
     import numpy as np
 
@@ -237,7 +280,10 @@ def main(argv=None) -> int:
         if len(e) > 2 and not e[2].startswith("| *target*"):
             lines += [f"## {model}: engine step in-process (no gRPC)", "",
                       "Wall clock of `step()` + copy + sync, p50 ms, device time in brackets.", "", *e, ""]
-    lines += hop_table(rows)
+    hop = hop_table(rows)
+    if hop and draw_hop(rows, d / "hop_breakdown.png"):
+        hop += ["![the hop, broken down](hop_breakdown.png)", ""]
+    lines += hop
     (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
