@@ -1,10 +1,11 @@
 """One command for the benchmark suites, then the summary.
 
-    python -m benchmarks run [--suite kernels|engine|hop|online|scoring|bulk|concurrency|all] [--model bge-m3] [--out DIR]
+    python -m benchmarks run [--suite kernels|gemm|engine|hop|online|scoring|bulk|concurrency|all] [--model bge-m3] [--out DIR]
                              [--tulip-args "..."] [--quick]
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
 `kernels` sweeps the attention backends and writes the selection table (benchmarks.kernels);
+`gemm` times the model's linear layers per GEMM strategy (benchmarks.gemm);
 `hop` measures the request path around the engine (benchmarks.hop: a null engine, then the model);
 `concurrency` starts Ivy + Tulip(s) and sends text, then bulk token batches (benchmarks.concurrency;
 Tulip settings through TULIP_* variables; `--replicas 1,2` repeats it with two Tulips on two GPUs); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
@@ -19,9 +20,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import concurrency, engine, hop, kernels, online, summary
+from benchmarks import concurrency, engine, gemm, hop, kernels, online, summary
 
-SUITES = ("kernels", "engine", "hop", "online", "scoring", "bulk", "concurrency")
+SUITES = ("kernels", "gemm", "engine", "hop", "online", "scoring", "bulk", "concurrency")
 
 
 def main(argv=None) -> int:
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     if "kernels" in suites:
         quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if args.quick else []
         rc |= kernels.main(["--out", out, *quick])
+    if "gemm" in suites:
+        rc |= gemm.main(["--model", args.model, "--out", out, *(["--tokens", "16"] if args.quick else [])])
     if "engine" in suites:
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
         rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])

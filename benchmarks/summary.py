@@ -154,6 +154,25 @@ def ivy_table(rows: list[dict], model: str) -> list[str]:
     return out + [""]
 
 
+def gemm_table(rows: list[dict], model: str) -> list[str]:
+    """Per linear layer and token count: microseconds per call for each GEMM strategy (latest run)."""
+    g = [r for r in rows if r.get("bench") == "gemm" and r.get("model") == model]
+    if not g:
+        return []
+    strategies = sorted({r["strategy"] for r in g})
+    cell: dict = {}
+    for r in sorted(g, key=lambda r: r["when"]):
+        cell[(r["layer"], r["m"], r["k"], r["n"], r["strategy"])] = r
+    out = [f"## {model}: GEMMs of one block (benchmarks.gemm, us per call in a CUDA graph; weight GB/s of the best)", "",
+           "| layer | M x K x N | " + " | ".join(strategies) + " | best GB/s |", "|---|---|" + "---|" * (len(strategies) + 1)]
+    for layer, m, k, n in sorted({key[:4] for key in cell}, key=lambda c: (c[0], c[1])):
+        got = {s: cell.get((layer, m, k, n, s)) for s in strategies}
+        best = min((r for r in got.values() if r), key=lambda r: r["us"])
+        out.append(f"| {layer} | {m} x {k} x {n} | " + " | ".join(f"{r['us']:.1f}" if r else "-" for r in got.values())
+                   + f" | {best['weight_gb_s']} ({best['strategy']}) |")
+    return out + [f"GPU: {g[0]['gpu']}, {g[0]['when'][:10]}.", ""]
+
+
 def hop_table(rows: list[dict]) -> list[str]:
     """What a 1x128 request costs besides the GPU (benchmarks.hop), per machine."""
     hop = [r for r in rows if r.get("bench") == "hop"]
@@ -276,6 +295,7 @@ def main(argv=None) -> int:
             if png.is_file():
                 lines += [f"![{model} through Tulip]({png.name})", ""]
         lines += ivy_table(rows, model)
+        lines += gemm_table(rows, model)
         e = engine_table(rows, model)
         if len(e) > 2 and not e[2].startswith("| *target*"):
             lines += [f"## {model}: engine step in-process (no gRPC)", "",

@@ -31,7 +31,7 @@ def test_all_suites_end_to_end_on_cpu(tiny, tmp_path, model_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for f in out.glob("*.jsonl") for line in f.read_text().splitlines()]
     benches = {row["bench"] for row in rows}
-    assert {"gate", "online", "scoring", "bulk", "engine", "hop", "concurrency", "bulk-ivy", "kernels"} <= benches
+    assert {"gate", "online", "scoring", "bulk", "engine", "gemm", "hop", "concurrency", "bulk-ivy", "kernels"} <= benches
     for row in rows:
         assert {"when", "torch", "gpu", "git"} <= set(row)
     assert all(row["passed"] for row in rows if row["bench"] == "gate")

@@ -1,0 +1,101 @@
+"""GEMM probe: the model's linear layers at the token counts a step sees, per GEMM strategy.
+
+    python -m benchmarks.gemm --model bge-m3 --out benchmarks/results [--tokens 128,512,4096,16384]
+
+At 1 x 128 most of a step's device time is its GEMMs, far below the memory bandwidth a
+weight-streaming GEMM should reach. This times every linear shape of the model (bias included)
+at each token count, as a CUDA graph of 20 calls (no launch gaps), with: cuBLAS (torch's
+default), cuBLASLt (`preferred_blas_library`), and Inductor's autotuned choice
+(`torch.compile(mode="max-autotune-no-cudagraphs")`: Triton templates against cuBLAS, minutes
+to tune). Each row: microseconds per call, weight bandwidth (GB/s) and TFLOP/s. On a CPU only
+the default runs, as a harness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import Recorder, progress
+from rose.modeldir import ModelSpec, resolve_model_path
+
+
+def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each distinct linear layer in one block, named as the model names them."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    gated = cfg.get("model_type") == "qwen3"
+    return {"qkv": (h, (heads + 2 * kv) * d), "o_proj": (heads * d, h),
+            "up" if not gated else "gate_up": (h, inter * (2 if gated else 1)), "down": (inter, h)}
+
+
+def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
+    """Median seconds per call."""
+    for _ in range(3):
+        fn(x)
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(x)
+        return (time.perf_counter() - t0) / iters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn(x)
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / calls)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--tokens", default="128,512,4096,16384")
+    ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    spec = ModelSpec.read(resolve_model_path(args.model))
+    rec = Recorder(args.out, f"gemm_{Path(args.model).name}")
+    strategies = args.strategies.split(",") if cuda else ["cublas"]
+    cells = [(name, k, n, m) for name, (k, n) in linear_shapes(spec.config).items()
+             for m in map(int, args.tokens.split(","))]
+    for name, k, n, m in progress(cells, "gemm"):
+        w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+        bias = torch.zeros(n, device=device, dtype=dtype)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        for strategy in strategies:
+            if strategy == "inductor-autotune":
+                fn = torch.compile(lambda x: F.linear(x, w, bias), mode="max-autotune-no-cudagraphs", dynamic=False)
+            else:
+                fn = lambda x: F.linear(x, w, bias)  # noqa: E731
+            if cuda:
+                torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
+            try:
+                s = time_call(fn, x, cuda)
+            except Exception as e:  # a strategy that cannot run here loses the cell
+                print(f"gemm: {strategy} failed at {name} {m}x{k}x{n}: {e}")
+                continue
+            rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy,
+                     us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
+                     tflop_s=round(2 * m * k * n / s / 1e12, 1))
+    if cuda:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
