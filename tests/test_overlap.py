@@ -154,3 +154,25 @@ def test_cancelled_and_expired_requests_leave_the_others_alone():
     assert int(first[0, 0]) == 1 and int(last[0, 0]) == 4
     assert t_span.cancelled()
     assert len(calls) == 1 and isinstance(calls[0], TimeoutError)
+
+
+def test_a_few_queued_tokens_wait_for_the_running_step():
+    """While a step runs, a small request (under a quarter of the batch budget) is not given a
+    step of its own: it goes in the next one, launched when the running step completes."""
+    tl = Timeline()
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2)
+
+    async def main():
+        loop = EngineLoop(FakeGpuEngine(tl), cfg)
+        loop.start()
+        big = asyncio.ensure_future(loop.submit(Request(np.full(512, 1, dtype=np.int32), np.array([512]))))
+        await asyncio.sleep(0)
+        small = [loop.submit(Request(np.full(16, 2 + i, dtype=np.int32), np.array([16]))) for i in range(3)]
+        out = await asyncio.gather(big, *small)
+        await loop.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert [int(o[0, 0]) for o in out] == [1, 2, 3, 4]
+    assert len(tl.launched) == 2  # the three small requests shared one step...
+    assert tl.launched[1] >= tl.done_at[0] - 1e-3  # ...launched once the big one was done

@@ -28,7 +28,8 @@ class TulipConfig:
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512")
-    max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs")
+    max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs "
+                              "(once a quarter of --max-batch-tokens is waiting)")
     spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long (lowest "
                            "latency, one busy core meanwhile), then wait in a thread; 0: always a thread")
     max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
