@@ -176,3 +176,20 @@ def test_a_few_queued_tokens_wait_for_the_running_step():
     assert [int(o[0, 0]) for o in out] == [1, 2, 3, 4]
     assert len(tl.launched) == 2  # the three small requests shared one step...
     assert tl.launched[1] >= tl.done_at[0] - 1e-3  # ...launched once the big one was done
+
+
+def test_a_failing_completion_callback_does_not_stall_the_loop():
+    cfg = TulipConfig(max_batch_tokens=8, max_inflight=2)
+
+    async def main():
+        loop = EngineLoop(FakeGpuEngine(Timeline()), cfg)
+        loop.start()
+        bad = Request(np.full(8, 9, dtype=np.int32), np.array([8]))
+        bad.on_done = lambda r, rows, err: 1 / 0
+        loop.submit_nowait(bad)
+        out = await asyncio.gather(*(loop.submit(Request(np.full(8, t, dtype=np.int32), np.array([8])))
+                                     for t in (1, 2, 3)))
+        await loop.stop()
+        return out
+
+    assert [int(o[0, 0]) for o in asyncio.run(main())] == [1, 2, 3]

@@ -115,6 +115,14 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
     return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
+def _deliver(req: Request, rows, error) -> None:
+    """Call a request's completion callback; its failure is its own, never the engine loop's."""
+    try:
+        req.on_done(req, rows, error)
+    except Exception:
+        log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
+
+
 def _run_step(engine: Engine, batch: Batch, extras: frozenset):
     return engine.step(batch, extras).synchronize()
 
@@ -229,7 +237,7 @@ class EngineLoop:
             if sched.expired:
                 for r in sched.expired:
                     r.cancelled = True
-                    r.on_done(r, None, TimeoutError("deadline passed while the request was queued"))
+                    _deliver(r, None, TimeoutError("deadline passed while the request was queued"))
                 sched.expired.clear()
             if not slots:
                 break
@@ -290,14 +298,14 @@ class EngineLoop:
                 r.rows[i] = out[row]
                 r.pending -= 1
                 if r.pending == 0 and not r.cancelled:
-                    r.on_done(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
+                    _deliver(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
         self._pump()
 
     def _fail(self, slots, e: Exception) -> None:
         for r, _ in slots:
             if not r.cancelled:
                 r.cancelled = True
-                r.on_done(r, None, RuntimeError(f"engine step failed: {e}"))
+                _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
         start = 0
@@ -391,6 +399,9 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 answer(request, self._reply(request, req, rows))
             except RpcFailure as e:
                 answer(request, error=e)
+            except Exception as e:  # never leave a stream request unanswered
+                log.exception("building a reply failed")
+                answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
 
         async def read():
             async for request in request_iterator:
