@@ -193,3 +193,54 @@ def test_a_failing_completion_callback_does_not_stall_the_loop():
         return out
 
     assert [int(o[0, 0]) for o in asyncio.run(main())] == [1, 2, 3]
+
+
+class StickyErrorEvent(TimedEvent):
+    """A device with a sticky error: querying the event raises as well as waiting on it."""
+
+    def query(self):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def synchronize(self):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+class StickyEngine(FakeGpuEngine):
+    def step(self, batch, extras=frozenset()):
+        lazy = super().step(batch, extras)
+        return LazyTensor(lazy._host, StickyErrorEvent(lazy._event.t))
+
+
+@pytest.mark.parametrize("spin_ms", [0.0, 100.0])
+def test_an_event_that_raises_fails_the_requests_instead_of_hanging(spin_ms):
+    cfg = TulipConfig(max_batch_tokens=8, max_inflight=2, spin_ms=spin_ms)
+
+    async def main():
+        loop = EngineLoop(StickyEngine(Timeline()), cfg)
+        loop.start()
+        reqs = [Request(np.full(8, t, dtype=np.int32), np.array([8])) for t in (1, 2, 3)]
+        out = await asyncio.wait_for(asyncio.gather(*(loop.submit(r) for r in reqs), return_exceptions=True), 10)
+        await asyncio.wait_for(loop.stop(), 10)
+        return out
+
+    assert all(isinstance(o, RuntimeError) and "device-side assert" in str(o) for o in asyncio.run(main()))
+
+
+def test_stop_fails_what_is_still_running_after_its_timeout():
+    class Wedged(FakeGpuEngine):
+        def step(self, batch, extras=frozenset()):
+            lazy = super().step(batch, extras)
+            return LazyTensor(lazy._host, TimedEvent(time.monotonic() + 0.5))  # outlives stop()
+
+    async def main():
+        loop = EngineLoop(Wedged(Timeline()), TulipConfig(max_batch_tokens=8, spin_ms=0))
+        loop.start()
+        t = asyncio.ensure_future(loop.submit(Request(np.full(8, 1, dtype=np.int32), np.array([8]))))
+        await asyncio.sleep(0.01)
+        await loop.stop(timeout=0.05)
+        out = await asyncio.gather(t, return_exceptions=True)
+        await asyncio.sleep(0.6)  # the step's waiter comes back after stop(): nothing left to complete
+        return out
+
+    (err,) = asyncio.run(main())
+    assert isinstance(err, RuntimeError) and "stopping" in str(err)

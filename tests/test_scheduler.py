@@ -59,11 +59,13 @@ def test_oversize_sequence_rejected_and_cancelled_skipped():
     assert s.queued_tokens == 0 and len(s) == 0
 
 
-def test_expired_requests_dropped_and_reported():
-    s = Scheduler(max_batch_tokens=64)
-    late, on_time, no_deadline = req(8, 8), req(4), req(2)
-    late.deadline, on_time.deadline = 10.0, 30.0
-    for r in (late, on_time, no_deadline):
-        s.add(r)
-    assert s.next_batch(now=20.0) == [(on_time, 0), (no_deadline, 0)]
-    assert s.expired == [late] and s.queued_tokens == 0
+def test_cancel_frees_queued_tokens_at_once():
+    s = Scheduler(max_batch_tokens=16)
+    spanning, other = req(8, 8, 8), req(4)
+    s.add(spanning)
+    s.add(other)
+    assert s.next_batch() == [(spanning, 0), (spanning, 1)]
+    assert s.cancel(spanning) and s.queued_tokens == 4 and len(s) == 1  # its third sequence is gone
+    assert not s.cancel(spanning)  # nothing of it is queued any more
+    assert s.next_batch() == [(other, 0)] and s.queued_tokens == 0 and len(s) == 0
+    assert not s.cancel(other)  # fully batched already

@@ -108,7 +108,7 @@ class TulipStream:
         rid = str(next(self._ids))
         req.request_id = rid
         if timeout is not None:
-            req.timeout_ms = max(1, int(timeout * 1e3))  # Tulip drops it if still queued by then
+            req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:

@@ -41,7 +41,7 @@ class Request:
     num_tokens: int = field(init=False)
     cancelled: bool = False
     queued_at: float = 0.0  # monotonic time it entered the queue (for the queue-time metric)
-    deadline: float = 0.0  # monotonic time after which it is not started (0: none)
+    deadline: float = 0.0  # monotonic time after which its queued sequences are dropped (0: none)
 
     def __post_init__(self):
         n = len(self.lengths)
@@ -60,43 +60,52 @@ class Request:
 
 
 class Scheduler:
-    """FCFS queue of requests, cut into batches of at most `max_batch_tokens` tokens."""
+    """FCFS queue of requests, cut into batches of at most `max_batch_tokens` tokens.
+
+    `queued_tokens` counts only live work: `cancel()` takes a request's unbatched tokens off
+    at once (its entry is dropped when it reaches the front)."""
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16):
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._queue: deque[list] = deque()  # [request, next sequence index]
+        self._entries: dict[int, list] = {}  # id(request) -> its queue entry, while it has sequences queued
         self.queued_tokens = 0
-        self.expired: list[Request] = []  # dropped by next_batch for a passed deadline
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._entries)
 
     def add(self, req: Request) -> None:
         if int(req.lengths.max()) > self.max_batch_tokens:
             raise ValueError(
                 f"a sequence of {int(req.lengths.max())} tokens exceeds the batch budget of {self.max_batch_tokens}"
             )
-        self._queue.append([req, 0])
+        entry = [req, 0]
+        self._queue.append(entry)
+        self._entries[id(req)] = entry
         self.queued_tokens += req.num_tokens
 
-    def next_batch(self, now: float = 0.0) -> list[tuple[Request, int]]:
-        """Pop the next batch as (request, sequence index) slots, in arrival order.
+    def cancel(self, req: Request) -> bool:
+        """Mark `req` cancelled; True if some of its sequences were still queued (now dropped)."""
+        req.cancelled = True
+        entry = self._entries.pop(id(req), None)
+        if entry is None:
+            return False
+        self.queued_tokens -= int(req.lengths[entry[1]:].sum())
+        return True
 
-        Cancelled requests are dropped; so are requests whose deadline is before `now`, which
-        are also appended to `expired` for the caller to answer."""
+    def next_batch(self) -> list[tuple[Request, int]]:
+        """Pop the next batch as (request, sequence index) slots, in arrival order."""
         slots: list[tuple[Request, int]] = []
         tokens = 0
         q = self._queue
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
             req, i = entry
-            late = 0.0 < req.deadline < now
-            if req.cancelled or late:
+            if req.cancelled:
                 q.popleft()
-                self.queued_tokens -= int(req.lengths[i:].sum())
-                if late and not req.cancelled:
-                    self.expired.append(req)
+                if self._entries.pop(id(req), None) is not None:  # cancelled without cancel()
+                    self.queued_tokens -= int(req.lengths[i:].sum())
                 continue
             n = int(req.lengths[i])
             if tokens + n > self.max_batch_tokens:
@@ -107,4 +116,5 @@ class Scheduler:
             entry[1] = i + 1
             if entry[1] == len(req.lengths):
                 q.popleft()
+                del self._entries[id(req)]
         return slots

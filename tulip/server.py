@@ -148,6 +148,7 @@ class _Step:
     slots: list
     lazy: object  # LazyTensor, or _StepThread on CPU
     launched: float
+    watched_from: float = 0.0
 
 
 class EngineLoop:
@@ -186,12 +187,22 @@ class EngineLoop:
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
 
-    async def stop(self) -> None:
-        """Wait for the steps in flight, then release the step thread."""
-        while self._inflight:
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Wait (up to `timeout` s) for the steps in flight, fail what is left, release the step thread."""
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
+        if self._inflight:
+            log.warning("tulip: %d steps still running after %.1f s; failing their requests",
+                        len(self._inflight), timeout)
+            while self._inflight:
+                self._fail(self._inflight.popleft().slots, RuntimeError("the server is stopping"))
         if self._executor:
             self._executor.shutdown(wait=False)
+
+    def cancel(self, req: Request) -> None:
+        """The caller is gone: drop what is still queued of `req`; its computed rows are discarded."""
+        self.scheduler.cancel(req)
 
     def submit_nowait(self, req: Request) -> None:
         """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
@@ -203,7 +214,13 @@ class EngineLoop:
             )
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
+        if req.deadline:
+            self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
         self._pump()
+
+    def _expire(self, req: Request) -> None:
+        if not req.cancelled and self.scheduler.cancel(req):
+            _deliver(req, None, TimeoutError("deadline passed while the request was queued"))
 
     async def submit(self, req: Request) -> np.ndarray:
         """Queue `req` and wait for its [n, dim] float32 rows; cancelling the caller drops the request."""
@@ -218,7 +235,7 @@ class EngineLoop:
         try:
             return await fut
         except asyncio.CancelledError:
-            req.cancelled = True  # skipped when batching; rows already computed are discarded
+            self.cancel(req)
             raise
 
     def _record_launch(self, tokens: int, seqs: int, waits: list[float]) -> None:
@@ -233,12 +250,7 @@ class EngineLoop:
         sched = self.scheduler
         while (len(self._inflight) < self.cfg.max_inflight and len(sched)
                and (not self._inflight or sched.queued_tokens >= self._overlap_tokens)):
-            slots = sched.next_batch(time.monotonic())
-            if sched.expired:
-                for r in sched.expired:
-                    r.cancelled = True
-                    _deliver(r, None, TimeoutError("deadline passed while the request was queued"))
-                sched.expired.clear()
+            slots = sched.next_batch()
             if not slots:
                 break
             extras = frozenset().union(*(r.extras for r, _ in slots))
@@ -264,10 +276,20 @@ class EngineLoop:
     def _watch(self) -> None:
         """Complete the oldest step if it is done; otherwise poll again on the next loop
         iteration, or hand the wait to a thread once it has run for `spin_ms`."""
+        if not self._inflight:  # stop() gave up on the steps
+            self._watching = False
+            return
         step = self._inflight[0]
-        if step.lazy.ready():
+        now = time.monotonic()
+        if step.watched_from == 0.0:
+            step.watched_from = now  # the spin budget counts from when a step becomes the oldest
+        try:
+            ready = step.lazy.ready()
+        except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
+            ready = True
+        if ready:
             self._complete(step)
-        elif time.monotonic() - step.launched < self._spin_s:
+        elif now - step.watched_from < self._spin_s:
             self._aloop.call_soon(self._watch)
         else:
             self._aloop.create_task(self._wait(step))
@@ -281,30 +303,37 @@ class EngineLoop:
 
     def _complete(self, step: _Step) -> None:
         self._watching = False
+        if not self._inflight or self._inflight[0] is not step:
+            return  # stop() already failed it
         self._inflight.popleft()
-        # After the replies below have been handed on (call_soon runs callbacks in order).
-        self._aloop.call_soon(self.metrics.step_seconds.observe, time.monotonic() - step.launched)
         try:
             result = step.lazy.synchronize()
             # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
             out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
-            if isinstance(result, tuple):
-                self._scatter_extras(step.slots, result[1].numpy(), result[2].numpy())
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)
-        else:
-            for row, (r, i) in enumerate(step.slots):
-                r.rows[i] = out[row]
-                r.pending -= 1
-                if r.pending == 0 and not r.cancelled:
-                    _deliver(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
-        self._pump()
+            out = None
+        self._pump()  # feed the GPU before the replies are built
+        if out is not None:
+            try:
+                if isinstance(result, tuple):
+                    self._scatter_extras(step.slots, result[1].numpy(), result[2].numpy())
+                for row, (r, i) in enumerate(step.slots):
+                    r.rows[i] = out[row]
+                    r.pending -= 1
+                    if r.pending == 0 and not r.cancelled:
+                        _deliver(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
+            except Exception as e:
+                log.exception("scattering a step's results failed")
+                self._fail(step.slots, e)
+        self._aloop.call_soon(self.metrics.step_seconds.observe, time.monotonic() - step.launched)
 
     def _fail(self, slots, e: Exception) -> None:
+        """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
         for r, _ in slots:
-            if not r.cancelled:
-                r.cancelled = True
+            if not r.cancelled and r.pending > 0:
+                self.scheduler.cancel(r)
                 _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
@@ -404,19 +433,21 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
 
         async def read():
-            async for request in request_iterator:
-                try:
-                    req = self._request(request, functools.partial(done, request))
-                    if request.timeout_ms:
-                        req.deadline = time.monotonic() + request.timeout_ms / 1e3
-                    outstanding.add(req)
-                    self.loop.submit_nowait(req)
-                except OverflowError as e:
-                    outstanding.discard(req)
-                    answer(request, error=RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)))
-                except RpcFailure as e:
-                    answer(request, error=e)
-            replies.put_nowait(None)  # the caller closed its side
+            try:
+                async for request in request_iterator:
+                    try:
+                        req = self._request(request, functools.partial(done, request))
+                        if request.timeout_ms:
+                            req.deadline = time.monotonic() + request.timeout_ms / 1e3
+                        outstanding.add(req)
+                        self.loop.submit_nowait(req)
+                    except OverflowError as e:
+                        outstanding.discard(req)
+                        answer(request, error=RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)))
+                    except RpcFailure as e:
+                        answer(request, error=e)
+            finally:
+                replies.put_nowait(None)  # the caller closed its side (or reading failed)
 
         reader = asyncio.create_task(read())
         try:
@@ -429,8 +460,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                     yield reply
         finally:
             reader.cancel()
-            for req in outstanding:
-                req.cancelled = True
+            for req in list(outstanding):
+                self.loop.cancel(req)
 
     def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
         """Validate one request; raise RpcFailure(INVALID_ARGUMENT) with the reason."""
@@ -507,6 +538,6 @@ async def serve(cfg: TulipConfig) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_seconds)
-    await loop.stop()
+    await loop.stop(cfg.drain_seconds)
     log.info("tulip: stopped")
     return 0
