@@ -244,3 +244,21 @@ def test_stop_fails_what_is_still_running_after_its_timeout():
 
     (err,) = asyncio.run(main())
     assert isinstance(err, RuntimeError) and "stopping" in str(err)
+
+
+def test_a_deadline_passing_while_the_request_runs_lets_it_finish():
+    """Deadlines drop only queued work: a request already running when its deadline passes is answered."""
+    async def main():
+        loop = EngineLoop(FakeGpuEngine(Timeline()), TulipConfig(max_batch_tokens=8))
+        loop.start()
+        got = asyncio.get_running_loop().create_future()
+        r = Request(np.full(8, 5, dtype=np.int32), np.array([8]),
+                    on_done=lambda req, rows, err: got.set_result((rows, err)))
+        r.deadline = time.monotonic() + STEP_S / 4  # passes mid-step
+        loop.submit_nowait(r)
+        out = await asyncio.wait_for(got, 5)
+        await loop.stop()
+        return out
+
+    rows, err = asyncio.run(main())
+    assert err is None and int(rows[0, 0]) == 5

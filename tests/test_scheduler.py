@@ -59,13 +59,13 @@ def test_oversize_sequence_rejected_and_cancelled_skipped():
     assert s.queued_tokens == 0 and len(s) == 0
 
 
-def test_cancel_frees_queued_tokens_at_once():
+def test_drop_frees_queued_tokens_at_once():
     s = Scheduler(max_batch_tokens=16)
     spanning, other = req(8, 8, 8), req(4)
     s.add(spanning)
     s.add(other)
     assert s.next_batch() == [(spanning, 0), (spanning, 1)]
-    assert s.cancel(spanning) and s.queued_tokens == 4 and len(s) == 1  # its third sequence is gone
-    assert not s.cancel(spanning)  # nothing of it is queued any more
+    assert s.drop(spanning) and spanning.cancelled and s.queued_tokens == 4 and len(s) == 1  # third sequence gone
+    assert not s.drop(spanning)  # nothing of it is queued any more
     assert s.next_batch() == [(other, 0)] and s.queued_tokens == 0 and len(s) == 0
-    assert not s.cancel(other)  # fully batched already
+    assert not s.drop(other) and not other.cancelled  # fully batched already: left to complete

@@ -42,6 +42,7 @@ class Request:
     cancelled: bool = False
     queued_at: float = 0.0  # monotonic time it entered the queue (for the queue-time metric)
     deadline: float = 0.0  # monotonic time after which its queued sequences are dropped (0: none)
+    timer: object = None  # the owner's handle for the deadline, cancelled when the request completes
 
     def __post_init__(self):
         n = len(self.lengths)
@@ -62,8 +63,8 @@ class Request:
 class Scheduler:
     """FCFS queue of requests, cut into batches of at most `max_batch_tokens` tokens.
 
-    `queued_tokens` counts only live work: `cancel()` takes a request's unbatched tokens off
-    at once (its entry is dropped when it reaches the front)."""
+    `queued_tokens` counts only live work: `drop()` takes a request's unbatched tokens off at
+    once (its entry leaves the queue when it reaches the front)."""
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16):
         self.max_batch_tokens = max_batch_tokens
@@ -85,12 +86,13 @@ class Scheduler:
         self._entries[id(req)] = entry
         self.queued_tokens += req.num_tokens
 
-    def cancel(self, req: Request) -> bool:
-        """Mark `req` cancelled; True if some of its sequences were still queued (now dropped)."""
-        req.cancelled = True
+    def drop(self, req: Request) -> bool:
+        """Drop whatever of `req` is still queued and mark it cancelled; False (and nothing
+        changed) if none of it is queued any more."""
         entry = self._entries.pop(id(req), None)
         if entry is None:
             return False
+        req.cancelled = True
         self.queued_tokens -= int(req.lengths[entry[1]:].sum())
         return True
 
@@ -104,7 +106,7 @@ class Scheduler:
             req, i = entry
             if req.cancelled:
                 q.popleft()
-                if self._entries.pop(id(req), None) is not None:  # cancelled without cancel()
+                if self._entries.pop(id(req), None) is not None:  # cancelled without drop()
                     self.queued_tokens -= int(req.lengths[i:].sum())
                 continue
             n = int(req.lengths[i])

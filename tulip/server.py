@@ -117,6 +117,8 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
 
 def _deliver(req: Request, rows, error) -> None:
     """Call a request's completion callback; its failure is its own, never the engine loop's."""
+    if req.timer is not None:
+        req.timer.cancel()
     try:
         req.on_done(req, rows, error)
     except Exception:
@@ -202,7 +204,10 @@ class EngineLoop:
 
     def cancel(self, req: Request) -> None:
         """The caller is gone: drop what is still queued of `req`; its computed rows are discarded."""
-        self.scheduler.cancel(req)
+        self.scheduler.drop(req)
+        req.cancelled = True
+        if req.timer is not None:
+            req.timer.cancel()
 
     def submit_nowait(self, req: Request) -> None:
         """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
@@ -215,11 +220,12 @@ class EngineLoop:
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
         if req.deadline:
-            self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
+            req.timer = self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
         self._pump()
 
     def _expire(self, req: Request) -> None:
-        if not req.cancelled and self.scheduler.cancel(req):
+        """A deadline passed: a request still (partly) queued is answered now; one fully running completes."""
+        if not req.cancelled and self.scheduler.drop(req):
             _deliver(req, None, TimeoutError("deadline passed while the request was queued"))
 
     async def submit(self, req: Request) -> np.ndarray:
@@ -333,7 +339,8 @@ class EngineLoop:
         """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
         for r, _ in slots:
             if not r.cancelled and r.pending > 0:
-                self.scheduler.cancel(r)
+                self.scheduler.drop(r)
+                r.cancelled = True
                 _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
