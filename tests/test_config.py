@@ -56,3 +56,19 @@ def test_bad_env_value(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         TulipConfig.from_args([])
     assert "TULIP_DRAIN_SECONDS='soon'" in capsys.readouterr().err
+
+
+def test_readme_lists_every_metric():
+    import types
+    from pathlib import Path
+
+    from ivy.app import Metrics
+    from rose.graphs import GraphStats
+    from tulip.metrics import GraphCollector, TulipMetrics
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    engine = types.SimpleNamespace(runner=types.SimpleNamespace(stats=GraphStats()))
+    names = [m.name for reg in (TulipMetrics().registry, Metrics().registry) for m in reg.collect()]
+    names += [m.name for m in GraphCollector(engine).collect()]
+    missing = [n for n in names if f"`{n}" not in readme]
+    assert len(names) > 10 and not missing, f"README's metrics table lacks {missing}"
