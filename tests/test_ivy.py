@@ -39,3 +39,36 @@ def test_multiple_workers(tulip_server, tmp_path):
     finally:
         proc.stop()
     assert "Traceback" not in proc.output()
+
+
+def test_request_timeout_is_a_504_and_the_server_carries_on(tulip_server, tmp_path):
+    """A request that cannot finish within Ivy's --request-timeout-s gets an OpenAI-shaped 504; its
+    queued chunks are dropped in Tulip (stream deadlines) and later requests are served."""
+    target, tulip = tulip_server
+
+    def expired():
+        text = httpx.get(tulip.metrics_url, timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('tulip_requests_total{status="DEADLINE_EXCEEDED"}'))
+
+    before = expired()
+    port = free_port()
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--request-timeout-s", "0.1",
+                 "--max-chunk-tokens", "512"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    big = ["search engines rank documents by relevance " * 40] * 30  # ~15k tokens (under the test Tulip's queue
+    # limit), 30 chunks: far more than 0.1 s on a CPU
+    try:
+        proc.wait_for(lambda: http_status(url + "/ready") == 200, timeout=90)
+        r = httpx.post(url + "/v1/embeddings", json={"input": big, "truncate": True}, timeout=60)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "deadline_exceeded"
+        proc.wait_for(lambda: expired() > before, timeout=30)  # Tulip dropped the chunks still queued
+        for _ in range(40):  # the step running when the deadline passed finishes; nothing else of it runs
+            r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+            if r.status_code == 200:
+                break
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.output()
