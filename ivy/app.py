@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import gc
+import hmac
 import logging
 import os
 import time
@@ -57,16 +58,29 @@ EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {
 
 
 class LimitAndCount:
-    """ASGI middleware: 413 for bodies over the limit (by Content-Length), and request counts by status."""
+    """ASGI middleware: 401 without a valid API key on /v1/* (when keys are configured), 413 for
+    bodies over the limit (by Content-Length), and request counts by status."""
 
-    def __init__(self, app, max_body: int, metrics: Metrics):
+    def __init__(self, app, max_body: int, metrics: Metrics, api_keys: tuple[str, ...] = ()):
         self.app, self.max_body, self.metrics = app, max_body, metrics
+        self.bearers = [f"Bearer {k}".encode() for k in api_keys]
+
+    def authorized(self, scope) -> bool:
+        if not self.bearers or not scope["path"].startswith("/v1/"):
+            return True
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return any(hmac.compare_digest(got, b) for b in self.bearers)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         path = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        if not self.authorized(scope):
+            self.metrics.requests.labels(path, "401").inc()
+            resp = errors.error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                                         None, "invalid_api_key")
+            return await resp(scope, receive, send)
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
                 resp = errors.error_response(
@@ -103,7 +117,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         await balancer.close()
 
     app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(LimitAndCount, max_body=cfg.max_request_mb << 20, metrics=metrics)
+    app.add_middleware(LimitAndCount, max_body=cfg.max_request_mb << 20, metrics=metrics, api_keys=cfg.api_keys)
     errors.install(app)
 
     async def model_info() -> tulip_pb2.InfoReply:

@@ -3,6 +3,7 @@
 import signal
 
 import httpx
+import pytest
 
 from tests.conftest import Proc, free_port, http_status
 
@@ -69,6 +70,33 @@ def test_request_timeout_is_a_504_and_the_server_carries_on(tulip_server, tmp_pa
             if r.status_code == 200:
                 break
         assert r.status_code == 200 and len(r.json()["data"]) == 1
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.output()
+
+
+def test_api_keys(tulip_server, tmp_path):
+    """With --api-keys, /v1/* needs one of them as a bearer token (the openai client's api_key);
+    probes and metrics stay open."""
+    import openai
+
+    target, _ = tulip_server
+    port = free_port()
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--api-keys", "k-one", "--api-keys", "k-two"],
+                tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_for(lambda: http_status(url + "/ready") == 200, timeout=90)
+        assert http_status(url + "/health") == 200 and http_status(url + "/metrics") == 200
+        for key in ("k-one", "k-two"):
+            r = openai.OpenAI(base_url=url + "/v1", api_key=key).embeddings.create(model="all-MiniLM-L6-v2", input="hi")
+            assert len(r.data[0].embedding) == 384
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="k-three").embeddings.create(model="all-MiniLM-L6-v2",
+                                                                                   input="hi")
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        r = httpx.get(url + "/v1/models")  # no key at all
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
     finally:
         proc.stop()
     assert "Traceback" not in proc.output()
