@@ -27,8 +27,8 @@ class IvyConfig:
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
-    api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* then needs 'Authorization: Bearer KEY' "
-                                      "(repeat the flag, or IVY_API_KEYS=k1,k2); none: no authentication")
+    api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* then needs 'Authorization: Bearer KEY'; prefer "
+                                      "IVY_API_KEYS=k1,k2 (flags show in process lists); none: no authentication")
     log_level: str = field("info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self):
