@@ -9,11 +9,13 @@ architecture, shapes and cost; its embeddings mean nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
+FORMAT = 1  # bump when materialize() or the stand-in tokenizer writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -75,12 +77,19 @@ def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], 
     tok.save(str(path))
 
 
+def fingerprint(name: str) -> str:
+    """Identifies what `materialize(name)` writes: the preset's definition and FORMAT."""
+    return hashlib.sha256(json.dumps([FORMAT, PRESETS[name]], sort_keys=True).encode()).hexdigest()[:16]
+
+
 def materialize(name: str) -> Path:
-    """Write (once) and return the directory of preset `name`."""
+    """Write (once per definition: a cache written by an older definition is rewritten) and return
+    the directory of preset `name`."""
     p = PRESETS[name]
     d = cache_dir() / name
     marker = d / RANDOM_WEIGHTS
-    if marker.is_file():
+    fp = fingerprint(name)
+    if marker.is_file() and fp in marker.read_text():
         return d
     (d / "1_Pooling").mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(p["config"], indent=2))
@@ -96,5 +105,5 @@ def materialize(name: str) -> Path:
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
     _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
-    marker.write_text(f"preset {name}: random weights, stand-in tokenizer; embeddings are meaningless\n")
+    marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; embeddings are meaningless\n")
     return d

@@ -145,6 +145,18 @@ def test_preset_directory(tmp_path, monkeypatch):
     assert ids[0] == 0 and ids[-1] == 2 and len(ids) == 8 and max(ids) < spec.vocab_size
 
 
+def test_preset_cache_from_an_older_definition_is_rewritten(tmp_path, monkeypatch):
+    from rose.presets import RANDOM_WEIGHTS, materialize
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
+    path = materialize("bge-m3")
+    (path / "tokenizer.json").write_text("stale")
+    assert materialize("bge-m3") == path and (path / "tokenizer.json").read_text() == "stale"  # same definition
+    (path / RANDOM_WEIGHTS).write_text("preset bge-m3: written by an older version\n")
+    materialize("bge-m3")
+    assert (path / "tokenizer.json").read_text() != "stale"
+
+
 def _edit_checkpoint(src, dst, edit):
     import shutil
 
