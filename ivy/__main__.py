@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 import sys
 
 import uvicorn
@@ -14,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http="httptools",
               timeout_graceful_shutdown=10)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler
+    # that was installed before it: make that one a clean exit, as a supervisor expects.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     try:
         if cfg.workers == 1:
             from ivy.app import create_app

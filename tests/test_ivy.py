@@ -1,6 +1,5 @@
 """Ivy with no reachable Tulip: alive, not ready, and a clean 503 (never a 500)."""
 
-import signal
 
 import httpx
 import pytest
@@ -21,8 +20,8 @@ def test_no_tulip_means_503_not_500(tmp_path):
         assert r.status_code == 503, r.text
         assert "no inference server" in r.json()["error"]["message"]
     finally:
-        # uvicorn shuts down gracefully, then re-raises the signal it caught.
-        assert proc.stop() in (0, -signal.SIGTERM)
+        # uvicorn shuts down gracefully; Ivy then exits 0.
+        assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
