@@ -12,9 +12,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
-          504: "timeout"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable", 504: "timeout"}
 
 
 M = TypeVar("M", bound=BaseModel)

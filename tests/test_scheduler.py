@@ -54,7 +54,7 @@ def test_oversize_sequence_rejected_and_cancelled_skipped():
     s.add(a)
     s.add(b)
     assert len(s.next_batch()) == 2
-    a.cancelled = True
+    s.drop(a)
     assert s.next_batch() == [(b, 0)]
     assert s.queued_tokens == 0 and len(s) == 0
 

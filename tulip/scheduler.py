@@ -104,10 +104,8 @@ class Scheduler:
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
             req, i = entry
-            if req.cancelled:
+            if req.cancelled:  # dropped: its tokens are already off the count
                 q.popleft()
-                if self._entries.pop(id(req), None) is not None:  # cancelled without drop()
-                    self.queued_tokens -= int(req.lengths[i:].sum())
                 continue
             n = int(req.lengths[i])
             if tokens + n > self.max_batch_tokens:

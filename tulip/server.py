@@ -154,7 +154,7 @@ class _Step:
 
 
 class EngineLoop:
-    """Owns the scheduler and the engine; completes each request's future.
+    """Owns the scheduler and the engine; answers each request through its `on_done` callback.
 
     No task sits between a request and the GPU: `submit_nowait` queues the request and,
     when a step slot is free (at most `max_inflight` in flight), launches the next FCFS
@@ -162,9 +162,9 @@ class EngineLoop:
     launched only once a quarter of a batch's token budget is waiting; fewer requests wait
     for the running step and go together in the next. The oldest step is watched by
     polling its event from the event loop for up to `spin_ms` (a wake-up costs a few
-    microseconds, not a thread hand-off), then by a waiter thread. When it completes its
-    rows are scattered, finished requests' futures resolved, and the next batch launched,
-    so batch N+1 runs while batch N's results are sent.
+    microseconds, not a thread hand-off), then by a waiter thread. When it completes, the
+    next batch is launched, then its rows are scattered and finished requests answered, so
+    batch N+1 runs while batch N's results are sent.
     """
 
     def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
@@ -339,8 +339,7 @@ class EngineLoop:
         """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
         for r, _ in slots:
             if not r.cancelled and r.pending > 0:
-                self.scheduler.drop(r)
-                r.cancelled = True
+                self.cancel(r)
                 _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
@@ -360,6 +359,14 @@ class RpcFailure(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+    @classmethod
+    def of(cls, error: Exception) -> "RpcFailure":
+        """The engine loop's failures: a full queue, a passed deadline, a failed step."""
+        code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, OverflowError)
+                else grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(error, TimeoutError)
+                else grpc.StatusCode.INTERNAL)
+        return cls(code, str(error))
 
 
 class TulipServicer(tulip_pb2_grpc.TulipServicer):
@@ -392,10 +399,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             req = self._request(request)
             try:
                 vectors = await self.loop.submit(req)
-            except OverflowError as e:
-                raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-            except RuntimeError as e:
-                raise RpcFailure(grpc.StatusCode.INTERNAL, str(e)) from None
+            except (OverflowError, TimeoutError, RuntimeError) as e:
+                raise RpcFailure.of(e) from None
             reply = self._reply(request, req, vectors)
         except RpcFailure as e:
             count.labels(e.code.name).inc()
@@ -428,13 +433,10 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         def done(request, req, rows, error):
             outstanding.discard(req)
             if error is not None:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(error, TimeoutError) else grpc.StatusCode.INTERNAL
-                answer(request, error=RpcFailure(code, str(error)))
+                answer(request, error=RpcFailure.of(error))
                 return
             try:
                 answer(request, self._reply(request, req, rows))
-            except RpcFailure as e:
-                answer(request, error=e)
             except Exception as e:  # never leave a stream request unanswered
                 log.exception("building a reply failed")
                 answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
@@ -450,7 +452,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                         self.loop.submit_nowait(req)
                     except OverflowError as e:
                         outstanding.discard(req)
-                        answer(request, error=RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)))
+                        answer(request, error=RpcFailure.of(e))
                     except RpcFailure as e:
                         answer(request, error=e)
             finally:
