@@ -53,7 +53,8 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tup
         raise ValueError(f"sequence {lens.index(0)} is empty")
     longest = max(lens)
     if longest > max_seq_len:
-        raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; this model accepts at most {max_seq_len}")
+        raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; "
+                         f"this model accepts at most {max_seq_len}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
