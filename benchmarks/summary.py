@@ -88,11 +88,15 @@ def engine_table(rows: list[dict], model: str) -> list[str]:
     tgt = ENGINE_TARGETS.get(model, {})
     eng = [r for r in rows if r.get("bench") == "engine" and r.get("model") == model
            and r.get("backend", "").startswith("rose") and "first-run" not in r["_file"]]
-    backends = sorted({r["backend"] for r in eng})
+    # One row per (config, result file): a config measured in several files (say, with two kernel
+    # tables) gets the file's name beside it.
+    configs = sorted({(r["backend"], r["_file"]) for r in eng})
+    shared = {b for b, _ in configs if sum(b == c for c, _ in configs) > 1}
     out = ["| engine config | 1x128 p50 (device) | 1x512 | 1x4096 | 100x512 emb/s | 100 mixed emb/s |",
            "|---|---|---|---|---|---|"]
-    for b in backends:
-        cell = {r["cell"]: r for r in eng if r["backend"] == b}
+    for b, f in configs:
+        cell = {r["cell"]: r for r in eng if r["backend"] == b and r["_file"] == f}
+        label = f"{b} ({Path(f).stem})" if b in shared else b
 
         def lat(L):
             r = cell.get(f"step 1x{L}")
@@ -100,7 +104,7 @@ def engine_table(rows: list[dict], model: str) -> list[str]:
 
         thr = cell.get("100x512 throughput", {}).get("emb_per_s", "-")
         mix = next((r["emb_per_s"] for c, r in cell.items() if c.startswith("100 mixed")), "-")
-        out.append(f"| {b} | {lat(128)} | {lat(512)} | {lat(4096)} | {thr} | {mix} |")
+        out.append(f"| {label} | {lat(128)} | {lat(512)} | {lat(4096)} | {thr} | {mix} |")
     if tgt:
         s = tgt["step_p50_ms"]
         out.append(f"| *target* | *{s[128]}* | *{s[512]}* | *{s[4096]}* | *{tgt['emb_per_s_100x512']}* | "

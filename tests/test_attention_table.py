@@ -54,7 +54,15 @@ def test_load_table_checks_heads_and_drops_unavailable(tmp_path):
 
     assert load_table(path, (8, 8, 16), False, make, fb) is fb  # other heads: the default stays
     t = load_table(path, (4, 4, 16), False, make, fb)
-    assert isinstance(t, TableBackend) and sorted(t.backends) == ["a", "b"]
+    assert isinstance(t, TableBackend) and sorted(t.backends) == ["a", "b"] and t.name == "table(a+b)"
+    assert t.pick(16, 64).name == "a"  # "gone" won that cell but is not here; nothing else was timed there
+
+    # With the sweep's timings, an unavailable winner's cell goes to the fastest backend that is here.
+    cells = [{"seqs": 1, "max_len": 128, "winner": "gone", "tokens_per_s": {"gone": 9, "a": 5, "b": 7}},
+             {"seqs": 16, "max_len": 4096, "winner": "a", "tokens_per_s": {"a": 9, "b": 8}}]
+    path.write_text(json.dumps({"heads": [4, 4, 16], "causal": False, "cells": cells}))
+    t = load_table(path, (4, 4, 16), False, make, fb)
+    assert t.pick(1, 128).name == "b" and t.pick(16, 4096).name == "a"
 
 
 def test_engine_uses_a_table(tmp_path):

@@ -26,6 +26,7 @@ class TableBackend(AttentionBackend):
         self.cells = [c for c in cells if c["winner"] in backends]
         self.backends = backends
         self.fallback = fallback
+        self.name = "table(" + "+".join(sorted({c["winner"] for c in self.cells})) + ")"
         self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
         self._current = fallback
 
@@ -55,17 +56,30 @@ class TableBackend(AttentionBackend):
 def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backend, fallback) -> AttentionBackend:
     """A TableBackend from `path`, or `fallback` (with a log line) when the table does not fit.
 
-    make_backend(name) builds a backend or raises (not installed / unsupported): its cells are dropped.
+    make_backend(name) builds a backend or raises (not installed / unsupported). A cell whose winner
+    is unavailable here takes the fastest backend that is (its `tokens_per_s`), so a table swept with
+    an optional backend (FlashAttention 4) still fits a machine without it; a cell with none is dropped.
     """
     table = json.loads(Path(path).read_text())
     if tuple(table.get("heads", ())) != tuple(heads) or bool(table.get("causal")) != causal:
         log.warning("attention table %s is for heads %s causal=%s, not %s causal=%s; using %s", path,
                     table.get("heads"), table.get("causal"), heads, causal, fallback.name)
         return fallback
-    backends = {}
-    for name in sorted({c["winner"] for c in table["cells"]}):
-        try:
-            backends[name] = make_backend(name)
-        except (ImportError, ValueError) as e:
-            log.info("attention table: %s unavailable here (%s); its cells fall back", name, e)
-    return TableBackend(table["cells"], backends, fallback)
+    backends, missing = {}, set()
+
+    def available(name: str) -> bool:
+        if name not in backends and name not in missing:
+            try:
+                backends[name] = make_backend(name)
+            except (ImportError, ValueError) as e:
+                missing.add(name)
+                log.info("attention table: %s unavailable here (%s); its cells take the next fastest", name, e)
+        return name in backends
+
+    cells = []
+    for c in table["cells"]:
+        speed = c.get("tokens_per_s") or {c["winner"]: 1.0}
+        best = next((n for n in sorted(speed, key=speed.get, reverse=True) if available(n)), None)
+        if best is not None:
+            cells.append({**c, "winner": best})
+    return TableBackend(cells, backends, fallback)
