@@ -6,7 +6,8 @@
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
 (0: an already-complete LazyTensor; > 0: a step that completes that much later, watched as
-Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread). Where CUDA is
+Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread; the loop also stays
+awake `--spin-ms` after each step). `--client-spin-ms` lets the client poll while a reply is due. Where CUDA is
 present the null step is a real device-side sleep with a real CUDA event; elsewhere a timer stands
 in; with `--model` the real engine runs instead. Before serving, Tulip times its engine loop
 in-process (submit -> result, no gRPC). Both servers also listen on a Unix socket. The client, in this process, sends one
@@ -142,11 +143,11 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
     asyncio.run(main())
 
 
-async def _measure(target: str, transport: str, n: int) -> dict:
+async def _measure(target: str, transport: str, n: int, spin_ms: float = 0.0) -> dict:
     from tulip.client import TulipClient
 
     seq = [np.arange(5, 133, dtype=np.int32)]
-    async with TulipClient(target, transport=transport) as c:
+    async with TulipClient(target, transport=transport, spin_ms=spin_ms) as c:
         for _ in range(200):
             await c.embed(seq)
         ts = []
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--device-ms", type=float, default=0.0)
     ap.add_argument("--spin-ms", type=float, default=10.0, help="Tulip's --spin-ms")
+    ap.add_argument("--client-spin-ms", type=float, default=0.0, help="the client's TulipClient spin_ms")
     ap.add_argument("--model", default="", help="serve this model with the real engine instead of the null one")
     ap.add_argument("--attention", default="auto", help="with --model")
     ap.add_argument("--compile", action="store_true", help="with --model")
@@ -182,14 +184,14 @@ def main(argv=None) -> int:
             in_process = ready.get(timeout=900)  # the server is listening (and measured itself in-process)
             tulip = kind == "tulip"
             common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
-                          cpus=os.cpu_count())
+                          cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms)
             if tulip:
                 common.update(device_ms=None if args.model else args.device_ms, spin_ms=args.spin_ms)
                 rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
             for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
                                       ("stream", f"unix:{uds}")):
                 uvloop.install()
-                r = asyncio.run(_measure(target, transport, args.n))
+                r = asyncio.run(_measure(target, transport, args.n, args.client_spin_ms))
                 rec.emit(**common, transport=transport, socket="unix" if target.startswith("unix") else "tcp", **r)
         finally:
             p.terminate()

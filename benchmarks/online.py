@@ -82,11 +82,18 @@ def correctness_gate(stub, model: str, vocab: int) -> float:
     return float(cos.min())
 
 
-def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str = "", transport: str = "unary") -> dict:
-    """One request at a time: a blocking unary stub call, or a message on one open EmbedStream."""
+def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str = "", transport: str = "unary",
+                    spin_ms: float = 0.0) -> dict:
+    """One request at a time: a blocking unary stub call, or a message on one open EmbedStream
+    (from a uvloop event loop where uvloop is installed, as Ivy runs; `spin_ms`: TulipClient's)."""
     seqs = [rand_seqs(n_seqs, L, vocab, seed=i) for i in range(8)]
     if transport == "stream":
-        return asyncio.run(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}"))
+        try:
+            import uvloop
+            run = uvloop.run
+        except ImportError:
+            run = asyncio.run
+        return run(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}", spin_ms))
     reqs = [_request(s) for s in seqs]
     for r in reqs:  # warm every graph key this cell uses
         stub.Embed(r)
@@ -98,10 +105,10 @@ def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str =
     return percentiles(ts)
 
 
-async def _sequential_stream(target: str, seqs: list, n: int, desc: str) -> dict:
+async def _sequential_stream(target: str, seqs: list, n: int, desc: str, spin_ms: float) -> dict:
     from tulip.client import TulipClient
 
-    async with TulipClient(target, transport="stream") as c:
+    async with TulipClient(target, transport="stream", spin_ms=spin_ms) as c:
         for s in seqs:
             await c.embed(s)
         ts = []
@@ -181,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suites", default="online,scoring,bulk")
     ap.add_argument("--transport", default="unary", choices=("unary", "stream"),
                     help="online/scoring requests as unary calls or messages on one open EmbedStream")
+    ap.add_argument("--client-spin-ms", type=float, default=0.0,
+                    help="with --transport stream: the client's event loop polls while a reply is due (TulipClient spin_ms)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -204,6 +213,8 @@ def main(argv=None) -> int:
         vocab = info.vocab_size
         common = dict(model=args.model, backend=f"trellis-tulip {args.tulip_args}".strip(),
                       transport=f"grpc-{args.transport}")
+        if args.client_spin_ms and args.transport == "stream":
+            common["client_spin_ms"] = args.client_spin_ms
         cos = correctness_gate(stub, args.model, vocab)
         rec.emit(bench="gate", min_cosine=round(cos, 6), passed=cos >= 0.999, **common)
         if cos < 0.999:
@@ -214,12 +225,14 @@ def main(argv=None) -> int:
             for L in map(int, args.lengths.split(",")):
                 if L <= info.max_seq_len:
                     rec.emit(bench="online", cell=f"1x{L}", seqs=1, tokens=L, **common,
-                             **time_sequential(stub, 1, L, args.n, vocab, target, args.transport))
+                             **time_sequential(stub, 1, L, args.n, vocab, target, args.transport,
+                                                     args.client_spin_ms))
         if "scoring" in suites:
             L = min(args.scoring_length, info.max_seq_len)
             for b in (5, 25, 50):
                 rec.emit(bench="scoring", cell=f"{b}x{L}", seqs=b, tokens=L, **common,
-                         **time_sequential(stub, b, L, args.n_scoring, vocab, target, args.transport))
+                         **time_sequential(stub, b, L, args.n_scoring, vocab, target, args.transport,
+                                                     args.client_spin_ms))
         if "bulk" in suites:
             for L, n_req in zip(map(int, args.bulk_lengths.split(",")), map(int, args.bulk_requests.split(","))):
                 if L <= info.max_seq_len:

@@ -42,7 +42,8 @@ def _config(r: dict) -> str:
     attn = (words[words.index("--attention") + 1] if "--attention" in words
             else "table" if "--attention-table" in words else "auto")
     stream = ", stream" if r.get("transport") == "grpc-stream" else ""
-    return attn + (" + compile" if "--compile" in words else "") + stream
+    spin = f", client spins {r['client_spin_ms']:g} ms" if r.get("client_spin_ms") else ""
+    return attn + (" + compile" if "--compile" in words else "") + stream + spin
 
 
 NONE = {"tulip-rust": float("nan"), "vllm-0.22": float("nan")}
@@ -183,6 +184,10 @@ def gemm_table(rows: list[dict], model: str) -> list[str]:
     return out + [f"GPU: {g[0]['gpu']}, {g[0]['when'][:10]}.", ""]
 
 
+def spin_client(r: dict) -> str:
+    return f" / client {r['client_spin_ms']:g}" if r.get("client_spin_ms") else ""
+
+
 def hop_table(rows: list[dict]) -> list[str]:
     """What a 1x128 request costs besides the GPU (benchmarks.hop), per machine."""
     hop = [r for r in rows if r.get("bench") == "hop"]
@@ -191,14 +196,14 @@ def hop_table(rows: list[dict]) -> list[str]:
     out = ["## The hop: one pre-tokenized 1x128 request at a time (benchmarks.hop)", "",
            "The gRPC floor (an echo servicer), then Tulip's engine loop in-process (submit -> result), then the",
            "same Tulip through gRPC: the differences are the breakdown. `spin` is Tulip's --spin-ms (0: the",
-           "completion is awaited in a waiter thread).", "",
+           "completion is awaited in a waiter thread), then the client's spin_ms where it polled too.", "",
            "| machine | server | device step | spin ms | path | p50 ms | p99 ms | n | git |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(hop, key=lambda r: (r["gpu"], r["server"] != "grpc echo", str(r.get("device_ms")),
                                         -(r.get("spin_ms") or 0), r["transport"] != "in-process engine loop")):
         step = "real" if "(" in r["server"] else ("-" if r.get("device_ms") is None else f"{r['device_ms']:g} ms")
         path = r["transport"] + ("" if r.get("socket") in (None, "tcp") else f" ({r['socket']} socket)")
         out.append(f"| {r['gpu']}, {r.get('cpus', '?')} cores | {r['server']} | {step} | "
-                   f"{'-' if r.get('spin_ms') is None else r['spin_ms']} | {path} | {r['p50_ms']:.2f} | "
+                   f"{'-' if r.get('spin_ms') is None else r['spin_ms']}{spin_client(r)} | {path} | {r['p50_ms']:.2f} | "
                    f"{r['p99_ms']:.2f} | {r['n']} | {r['git']} |")
     return out + [""]
 
@@ -209,10 +214,10 @@ def draw_hop(rows: list[dict], path: Path) -> bool:
     plt = pyplot()
     hop = [r for r in rows if r.get("bench") == "hop"]
     bars = []
-    for gpu, server, spin in sorted({(r["gpu"], r["server"], r.get("spin_ms") or 0) for r in hop
-                                     if r["server"] != "grpc echo"}):
+    for gpu, server, spin, client in sorted({(r["gpu"], r["server"], r.get("spin_ms") or 0, r.get("client_spin_ms") or 0)
+                                             for r in hop if r["server"] != "grpc echo"}):
         def latest(pred):
-            c = [r for r in hop if r["gpu"] == gpu and pred(r)]
+            c = [r for r in hop if r["gpu"] == gpu and (r.get("client_spin_ms") or 0) == client and pred(r)]
             return max(c, key=lambda r: r["when"]) if c else None
 
         def mine(r):
@@ -223,7 +228,8 @@ def draw_hop(rows: list[dict], path: Path) -> bool:
         echo = latest(lambda r: r["server"] == "grpc echo" and r["transport"] == "stream" and r.get("socket") == "tcp")
         if loop and stream and echo:
             rest = max(0.0, stream["p50_ms"] - loop["p50_ms"] - echo["p50_ms"])
-            bars.append((f"{gpu}\n{server}, spin {spin:g} ms", loop["p50_ms"], echo["p50_ms"], rest))
+            label = f"{gpu}\n{server}, spin {spin:g} ms" + (f", client spins {client:g} ms" if client else "")
+            bars.append((label, loop["p50_ms"], echo["p50_ms"], rest))
     if plt is None or not bars:
         return False
     fig, ax = plt.subplots(figsize=(9, 0.8 * len(bars) + 2.0))

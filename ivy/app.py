@@ -109,7 +109,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         nonlocal balancer
-        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport)
+        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms)
         app.state.balancer = balancer
         gc.collect()
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections

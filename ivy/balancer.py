@@ -23,8 +23,8 @@ DOWN_SECONDS = 2.0
 
 
 class Replica:
-    def __init__(self, target: str, transport: str = "stream"):
-        self.client = TulipClient(target, transport=transport)
+    def __init__(self, target: str, transport: str = "stream", spin_ms: float = 0.0):
+        self.client = TulipClient(target, transport=transport, spin_ms=spin_ms)
         self.target = target
         self.outstanding = 0  # tokens sent and not yet answered
         self.down_until = 0.0
@@ -43,8 +43,9 @@ def chunk(seqs: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
 
 
 class Balancer:
-    def __init__(self, targets: tuple[str, ...], max_chunk_tokens: int, transport: str = "stream"):
-        self.replicas = [Replica(t, transport) for t in targets]
+    def __init__(self, targets: tuple[str, ...], max_chunk_tokens: int, transport: str = "stream",
+                 spin_ms: float = 0.0):
+        self.replicas = [Replica(t, transport, spin_ms) for t in targets]
         self.max_chunk_tokens = max_chunk_tokens
         self._rr = itertools.count()
         self._info: tulip_pb2.InfoReply | None = None

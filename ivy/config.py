@@ -22,6 +22,8 @@ class IvyConfig:
     workers: int = field(1, "uvicorn worker processes")
     transport: str = field("stream", "how Ivy calls each Tulip: one open EmbedStream per replica, or unary Embed calls",
                            choices=("stream", "unary"))
+    tulip_spin_ms: float = field(0.0, "while a Tulip reply is due, keep the worker's event loop polling for up to "
+                                 "this long (lower latency, one busy core per worker meanwhile); 0: sleep until it comes")
     max_chunk_tokens: int = field(8192, "a request is cut into chunks of at most this many tokens, one per replica call")
     max_inputs: int = field(2048, "most inputs accepted in one request")
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
@@ -45,6 +47,8 @@ class IvyConfig:
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.tulip_spin_ms < 0:
+            raise ValueError(f"tulip_spin_ms {self.tulip_spin_ms} must be >= 0")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s {self.request_timeout_s} must be > 0")
 

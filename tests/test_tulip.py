@@ -95,15 +95,16 @@ def test_bad_requests_rejected_while_others_are_served(tulip_server, engine):
         assert message in err.details()
 
 
-def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine):
+@pytest.mark.parametrize("spin_ms", [0.0, 5.0])
+def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine, spin_ms):
     """One open EmbedStream: concurrent good requests get their own results, bad ones get their
-    own INVALID_ARGUMENT, and the stream keeps serving."""
+    own INVALID_ARGUMENT, and the stream keeps serving; the same with a client that spins."""
     target, _ = tulip_server
     goods = [rand_seqs(int(n)) for n in rng.integers(1, 200, 12)]
     refs = [engine.step(Batch.from_sequences(g)).synchronize().numpy() for g in goods]
 
     async def main():
-        async with TulipClient(target, transport="stream") as c:
+        async with TulipClient(target, transport="stream", spin_ms=spin_ms) as c:
             async def bad():
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await c.embed([[5, 99999]])
@@ -111,6 +112,7 @@ def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine):
 
             out = await asyncio.gather(*(c.embed(g) for g in goods), bad(), bad())
             after = await c.embed(goods[0])
+            assert c.outstanding == 0
             return out, after
 
     out, after = run(main())

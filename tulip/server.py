@@ -32,6 +32,7 @@ from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Request, Scheduler
+from tulip.spin import Spinner
 
 log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
@@ -163,9 +164,10 @@ class EngineLoop:
     launched only once a quarter of a batch's token budget is waiting; fewer requests wait
     for the running step and go together in the next. The oldest step is watched by
     polling its event from the event loop for up to `spin_ms` (a wake-up costs a few
-    microseconds, not a thread hand-off), then by a waiter thread. When it completes, the
-    next batch is launched, then its rows are scattered and finished requests answered, so
-    batch N+1 runs while batch N's results are sent.
+    microseconds, not a thread hand-off), then by a waiter thread; after a step completes the
+    loop keeps polling for `spin_ms` more (`Spinner`), so the next request is read at once.
+    When a step completes, the next batch is launched, then its rows are scattered and
+    finished requests answered, so batch N+1 runs while batch N's results are sent.
     """
 
     def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
@@ -186,6 +188,9 @@ class EngineLoop:
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._watching = False  # a _watch callback or _wait task owns the oldest step
+        # After a step completes the loop stays awake for spin_ms, so the next request (and the
+        # replies being written) are picked up without an epoll wake-up.
+        self._idle = Spinner(self._spin_s)
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -310,6 +315,7 @@ class EngineLoop:
 
     def _complete(self, step: _Step) -> None:
         self._watching = False
+        self._idle.kick()
         if not self._inflight or self._inflight[0] is not step:
             return  # stop() already failed it
         self._inflight.popleft()
