@@ -9,6 +9,13 @@ default), cuBLASLt (`preferred_blas_library`), and Inductor's autotuned choice
 (`torch.compile(mode="max-autotune-no-cudagraphs")`: Triton templates against cuBLAS, minutes
 to tune). Each row: microseconds per call, weight bandwidth (GB/s) and TFLOP/s. On a CPU only
 the default runs, as a harness check.
+
+Two candidates for the engine, not used by it yet (they run where asked with `--strategies`):
+`split-kS`: the reduction split S ways as one batched GEMM (S x [M, K/S] @ [K/S, N]) whose partial
+sums are added with the bias (in a step that addition would fuse into the residual + LayerNorm
+kernel that follows): more thread blocks for small M with long K. `gelu-epilogue` (the FFN's up
+projection only): bias + GELU in cuBLASLt's epilogue (`torch._addmm_activation`, tanh GELU), against
+`linear+gelu`, the same as two kernels.
 """
 
 from __future__ import annotations
@@ -59,11 +66,38 @@ def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def split_k(w: torch.Tensor, bias: torch.Tensor, parts: int):
+    """y = x @ w.T + bias with the reduction split `parts` ways as one batched GEMM, partials summed."""
+    n, k = w.shape
+    ws = w.view(n, parts, k // parts).permute(1, 2, 0).contiguous()  # [parts, K/parts, N]
+
+    def fn(x):
+        return torch.bmm(x.view(x.shape[0], parts, k // parts).transpose(0, 1), ws).sum(0) + bias
+    return fn
+
+
+def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
+    """The callable x -> y timed for `strategy`, or None where it does not apply to this layer."""
+    if strategy == "inductor-autotune":
+        return torch.compile(lambda x: F.linear(x, w, bias), mode="max-autotune-no-cudagraphs", dynamic=False)
+    if strategy.startswith("split-k"):
+        parts = int(strategy.removeprefix("split-k"))
+        return split_k(w, bias, parts) if w.shape[1] % parts == 0 else None
+    if strategy in ("linear+gelu", "gelu-epilogue"):
+        if layer != "up":
+            return None
+        if strategy == "gelu-epilogue":
+            return lambda x: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
+        return lambda x: F.gelu(F.linear(x, w, bias), approximate="tanh")
+    return lambda x: F.linear(x, w, bias)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
-    ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune")
+    ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune",
+                    help="also: split-k2, split-k4, split-k8, linear+gelu, gelu-epilogue")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -78,10 +112,9 @@ def main(argv=None) -> int:
         bias = torch.zeros(n, device=device, dtype=dtype)
         x = torch.randn(m, k, device=device, dtype=dtype)
         for strategy in strategies:
-            if strategy == "inductor-autotune":
-                fn = torch.compile(lambda x: F.linear(x, w, bias), mode="max-autotune-no-cudagraphs", dynamic=False)
-            else:
-                fn = lambda x: F.linear(x, w, bias)  # noqa: E731
+            fn = strategy_fn(strategy, name, w, bias)
+            if fn is None:
+                continue
             if cuda:
                 torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
             try:

@@ -68,3 +68,22 @@ def test_correctness_gate_aborts_on_perturbed_vectors(tiny, tmp_path):
     assert "correctness gate FAILED" in r.stderr
     rows = [json.loads(line) for line in next(out.glob("*.jsonl")).read_text().splitlines()]
     assert [row["bench"] for row in rows] == ["gate"] and rows[0]["passed"] is False
+
+
+def test_gemm_candidates_compute_the_same_linear():
+    """The GEMM probe's candidate strategies are the same maths as F.linear (+ GELU)."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.gemm import strategy_fn
+
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(5, 64, generator=g)
+    ref = F.linear(x, w, b)
+    for parts in (2, 4, 8):
+        torch.testing.assert_close(strategy_fn(f"split-k{parts}", "down", w, b)(x), ref, rtol=1e-5, atol=1e-5)
+    assert strategy_fn("split-k3", "down", w, b) is None  # 64 does not split 3 ways
+    assert strategy_fn("gelu-epilogue", "down", w, b) is None
+    gelu = F.gelu(ref, approximate="tanh")  # (the CPU kernel of _addmm_activation is exact GELU: within 1e-3)
+    for s in ("linear+gelu", "gelu-epilogue"):
+        torch.testing.assert_close(strategy_fn(s, "up", w, b)(x), gelu, rtol=1e-3, atol=1e-3)
