@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         info = stub.Info(tulip_pb2.InfoRequest())
         vocab = info.vocab_size
         common = dict(model=args.model, backend=f"trellis-tulip {args.tulip_args}".strip(),
-                      transport=f"grpc-{args.transport}")
+                      transport=f"grpc-{args.transport}", attention=info.attention)
         if args.client_spin_ms and args.transport == "stream":
             common["client_spin_ms"] = args.client_spin_ms
         cos = correctness_gate(stub, args.model, vocab)

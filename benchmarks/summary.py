@@ -39,8 +39,8 @@ def load(d: Path) -> list[dict]:
 
 def _config(r: dict) -> str:
     words = r.get("backend", "").split()
-    attn = (words[words.index("--attention") + 1] if "--attention" in words
-            else "table" if "--attention-table" in words else "auto")
+    attn = r.get("attention") or (words[words.index("--attention") + 1] if "--attention" in words
+                                  else "table" if "--attention-table" in words else "auto")
     stream = ", stream" if r.get("transport") == "grpc-stream" else ""
     spin = f", client spins {r['client_spin_ms']:g} ms" if r.get("client_spin_ms") else ""
     return attn + (" + compile" if "--compile" in words else "") + stream + spin

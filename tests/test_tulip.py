@@ -37,6 +37,7 @@ def test_info_and_health(tulip_server):
     assert (info.model, info.embedding_dim, info.max_seq_len, info.vocab_size) == ("all-MiniLM-L6-v2", 384, 256, 30522)
     assert (info.pooling, info.normalized, list(info.outputs)) == ("mean", True, [tulip_pb2.OUTPUT_DENSE])
     assert list(info.encodings) == [tulip_pb2.ENCODING_FLOAT32]
+    assert info.attention == "sdpa"  # the backend serving (on a GPU, e.g. "table(fa4+varlen)")
 
 
 def test_embed_matches_engine_and_dimensions(tulip_server, engine):

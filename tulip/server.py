@@ -391,6 +391,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             dtype=str(e.dtype).removeprefix("torch."),
             device=str(e.device),
             max_batch_tokens=loop.cfg.max_batch_tokens,
+            attention=e.attention.name,
             encodings=[tulip_pb2.ENCODING_FLOAT32] + (
                 [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
         )

@@ -84,7 +84,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings")
+    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class InfoReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     embedding_dim: int
     max_seq_len: int
@@ -107,4 +108,5 @@ class InfoReply(_message.Message):
     device: str
     max_batch_tokens: int
     encodings: _containers.RepeatedScalarFieldContainer[Encoding]
-    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ...) -> None: ...
+    attention: str
+    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ...) -> None: ...
