@@ -42,12 +42,13 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "git": os.environ.get("TRELLIS_GIT_REV") or _git_rev(),
     }
-    try:
-        import flashinfer
+    from importlib import metadata
 
-        env["flashinfer"] = flashinfer.__version__
-    except Exception:
-        pass
+    for key, dist in (("flashinfer", "flashinfer-python"), ("flash_attn_4", "flash-attn-4")):
+        try:
+            env[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
     return env
 
 
