@@ -286,3 +286,12 @@ def test_unix_domain_socket(tmp_path):
         assert out.shape == (1, 384) and healthy
     finally:
         proc.stop()
+
+
+def test_probe_exit_status(tulip_server):
+    """`python -m tulip.probe` (the compose health check) is 0 for a serving Tulip, 1 where none answers."""
+    from tulip import probe
+
+    target, _ = tulip_server
+    assert probe.main([target]) == 0
+    assert probe.main([f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
