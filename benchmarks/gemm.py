@@ -67,12 +67,15 @@ def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
 
 
 def split_k(w: torch.Tensor, bias: torch.Tensor, parts: int):
-    """y = x @ w.T + bias with the reduction split `parts` ways as one batched GEMM, partials summed."""
+    """y = x @ w.T + bias with the reduction split `parts` ways as one batched GEMM, partials summed
+    (kept in float32 on CUDA, as a fused implementation would keep them)."""
     n, k = w.shape
     ws = w.view(n, parts, k // parts).permute(1, 2, 0).contiguous()  # [parts, K/parts, N]
+    kw = {"out_dtype": torch.float32} if w.is_cuda else {}
 
     def fn(x):
-        return torch.bmm(x.view(x.shape[0], parts, k // parts).transpose(0, 1), ws).sum(0) + bias
+        parts_out = torch.bmm(x.view(x.shape[0], parts, k // parts).transpose(0, 1), ws, **kw)
+        return parts_out.sum(0).to(x.dtype) + bias
     return fn
 
 
@@ -89,6 +92,8 @@ def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
         if strategy == "gelu-epilogue":
             return lambda x: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
         return lambda x: F.gelu(F.linear(x, w, bias), approximate="tanh")
+    if strategy not in ("cublas", "cublaslt"):
+        raise ValueError(f"unknown GEMM strategy {strategy!r}")
     return lambda x: F.linear(x, w, bias)
 
 

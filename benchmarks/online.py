@@ -90,8 +90,8 @@ def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str =
     if transport == "stream":
         try:
             import uvloop
-            run = uvloop.run
-        except ImportError:
+            run = uvloop.run  # (uvloop >= 0.18)
+        except (ImportError, AttributeError):
             run = asyncio.run
         return run(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}", spin_ms))
     reqs = [_request(s) for s in seqs]

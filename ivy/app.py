@@ -102,6 +102,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     served = cfg.served_model_name or default_served_name(cfg.model, model_path)
     tokenizer = TextTokenizer(model_path, spec.max_seq_len, cfg.tokenize_offload_chars)
     templates = Templates(spec.prompts, Path(cfg.prompts_file) if cfg.prompts_file else None)
+    pool_without_prompt = spec.pooling == "mean" and not spec.include_prompt  # sentence-transformers' include_prompt
     metrics = Metrics()
     created = int(time.time())
     balancer: Balancer  # gRPC channels must be made on the server's event loop: see lifespan
@@ -160,7 +161,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         if req.model is not None and req.model != served:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{served}'", "model", "model_not_found")
         info = await model_info()
-        seqs = await _sequences(req, info)
+        seqs, pool_from = await _sequences(req, info)
         dims = 0
         if req.dimensions is not None:
             if not 1 <= req.dimensions <= info.embedding_dim:
@@ -177,7 +178,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                 name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
                 raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
         try:
-            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs)
+            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs, pool_from)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         tokens = int(sum(len(s) for s in seqs))
@@ -195,7 +196,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         return _json({"object": "list", "data": data, "model": served,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> list[np.ndarray]:
+    async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], list[int]]:
+        """Token-id arrays for the request's inputs, and per input the leading prompt tokens mean
+        pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         inp = req.input
         if isinstance(inp, str):
             inp = [inp]
@@ -207,7 +210,12 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            return await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate)
+            prefix = templates.prefix(req.input_type, req.instruction)
+            seqs = await tokenizer.encode([prefix + t for t in inp] if prefix else inp, req.truncate)
+            if prefix and pool_without_prompt:
+                n = tokenizer.prompt_length(prefix)
+                return seqs, [min(n, len(s) - 1) for s in seqs]
+            return seqs, []
         if req.input_type is not None or req.instruction is not None:
             raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
         if isinstance(inp[0], int):
@@ -227,7 +235,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                         "shorten it or send \"truncate\": true", "input", "context_length_exceeded")
                 a = a[: info.max_seq_len]
             seqs.append(a.astype(np.int32))
-        return seqs
+        return seqs, []
 
     return app
 

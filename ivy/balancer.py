@@ -79,7 +79,7 @@ class Balancer:
         return any(checks)
 
     async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
-                    deadline: float) -> EmbedResult:
+                    deadline: float, pool_from: list[int]) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -88,7 +88,7 @@ class Balancer:
             r.outstanding += tokens
             try:
                 out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
-                                                  encoding, outputs)
+                                                  encoding, outputs, pool_from)
                 r.down_until = 0.0
                 return out
             except grpc.aio.AioRpcError as e:
@@ -103,13 +103,15 @@ class Balancer:
         raise last
 
     async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
-                    outputs: tuple = ()) -> EmbedResult:
-        """Embed all `seqs` (chunked over replicas); results per sequence, in input order."""
+                    outputs: tuple = (), pool_from: list[int] = ()) -> EmbedResult:
+        """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
+        `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, dimensions, encoding, outputs, deadline)
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline))
+            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from)
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
+                                                  pool_from[a:b] if pool_from else ()))
                  for a, b in runs]
         try:
             parts = await asyncio.gather(*tasks)

@@ -42,15 +42,18 @@ class Templates:
 
     def apply(self, texts: list[str], input_type: str | None, instruction: str | None) -> list[str]:
         """Prefix `texts` with the prompt for `input_type`, or with `instruction` (queries only)."""
+        prefix = self.prefix(input_type, instruction)
+        return [prefix + t for t in texts] if prefix else texts
+
+    def prefix(self, input_type: str | None, instruction: str | None) -> str:
+        """The text put before each input: the prompt for `input_type`, or the instruction's."""
         if instruction is not None:
             if not self.instruction_tuned():
                 raise APIError(400, "'instruction' is only accepted by instruction-tuned models", "instruction")
             if input_type == "document":
                 raise APIError(400, "'instruction' applies to queries; documents take none", "instruction")
-            prefix = f"Instruct: {instruction}\nQuery:"
-        elif input_type is None:
-            return texts
-        else:
-            prompts = self.prompts()
-            prefix = next((prompts[k] for k in ALIASES[input_type] if k in prompts), "")
-        return [prefix + t for t in texts] if prefix else texts
+            return f"Instruct: {instruction}\nQuery:"
+        if input_type is None:
+            return ""
+        prompts = self.prompts()
+        return next((prompts[k] for k in ALIASES[input_type] if k in prompts), "")

@@ -26,6 +26,15 @@ class TextTokenizer:
         self.truncating.enable_truncation(max_len)
         self.max_len = max_len
         self.offload_chars = offload_chars
+        self._prompt_lengths: dict[str, int] = {}
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens a prompt takes at the start of an input, counted as sentence-transformers counts
+        them for `include_prompt: false`: the prompt encoded alone, special tokens included, minus one."""
+        n = self._prompt_lengths.get(prompt)
+        if n is None:
+            n = self._prompt_lengths[prompt] = max(0, len(self.exact.encode(prompt).ids) - 1)
+        return n
 
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""

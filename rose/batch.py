@@ -26,8 +26,9 @@ class Batch:
     max_seqlen: longest sequence in the batch, in tokens.
     seq_lens:   host copy of the N lengths (the engine reads it without a
                 device sync).
-    seq_ids:    int64 [T]   index of the sequence each token belongs to
-                (mean pooling and the CPU attention path use it).
+    seq_ids:    int64 [T]   index of the sequence each token belongs to (mean pooling and
+                the CPU attention path use it); tokens mean pooling must leave out (a prompt
+                prefix, see `from_sequences`) carry N instead: pooling drops that row.
     """
 
     input_ids: torch.Tensor
@@ -46,10 +47,17 @@ class Batch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def from_sequences(cls, seqs: Sequence[Sequence[int] | np.ndarray]) -> "Batch":
-        """Pack token-id sequences (lists or int arrays) into one ragged batch."""
+    def from_sequences(cls, seqs: Sequence[Sequence[int] | np.ndarray],
+                       pool_from: Sequence[int] | None = None) -> "Batch":
+        """Pack token-id sequences (lists or int arrays) into one ragged batch. `pool_from[i]`:
+        how many leading tokens of sequence i mean pooling leaves out (they still attend)."""
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
+        if pool_from is not None and any(pool_from):
+            b = cls.from_sequences(seqs)
+            seq_ids = b.seq_ids.numpy().copy()
+            seq_ids[b.positions.numpy() < np.repeat(np.asarray(pool_from, dtype=np.int64), b.seq_lens)] = b.num_seqs
+            return cls(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen, b.seq_lens, torch.from_numpy(seq_ids))
         if len(seqs) == 1:  # the online case: skip the ragged bookkeeping
             ids = np.asarray(seqs[0], dtype=np.int64)
             n = ids.shape[0]

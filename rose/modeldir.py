@@ -63,6 +63,8 @@ class ModelSpec:
                  truncates to), else the position table's size.
     prompts:     named prompts from config_sentence_transformers.json.
     special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
+    include_prompt: False when the Pooling config says `include_prompt: false`: mean pooling then
+                 leaves a prompt's tokens (and the first special token) out, as sentence-transformers does.
     """
 
     path: Path
@@ -73,6 +75,7 @@ class ModelSpec:
     max_seq_len: int
     prompts: dict[str, str] = field(default_factory=dict)
     special_token_ids: tuple[int, ...] = ()
+    include_prompt: bool = True
 
     @property
     def hidden_size(self) -> int:
@@ -93,7 +96,7 @@ class ModelSpec:
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
         modules = _read_json(path / "modules.json") or []
-        pooling, normalize = _default_pooling(config), False
+        pooling, normalize, include_prompt = _default_pooling(config), False, True
         for m in modules:
             # By class name: sentence-transformers writes "sentence_transformers.models.Pooling" or,
             # in newer releases, e.g. "sentence_transformers.sentence_transformer.modules.pooling.Pooling".
@@ -101,7 +104,8 @@ class ModelSpec:
             if kind == "Normalize":
                 normalize = True
             elif kind == "Pooling":
-                pooling = _pooling_mode(_read_json(path / m.get("path", "") / "config.json") or {})
+                pcfg = _read_json(path / m.get("path", "") / "config.json") or {}
+                pooling, include_prompt = _pooling_mode(pcfg), bool(pcfg.get("include_prompt", True))
             elif kind != "Transformer":
                 raise ValueError(f"{path / 'modules.json'}: module {m.get('type')!r} is not supported "
                                  "(supported: Transformer, Pooling, Normalize)")
@@ -111,7 +115,8 @@ class ModelSpec:
         prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
-        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special)
+        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special,
+                   include_prompt)
 
 
 def _default_pooling(config: dict) -> str:

@@ -52,6 +52,9 @@ def test_dockerfile_copies_what_exists():
     # every package of the project is copied (the install is not editable)
     packages = {d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file() and d.name != "tests"}
     assert packages <= {s for c in copies for s in c.split()}
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert not ignored & {s for c in copies for s in c.split()}  # nothing copied is left out of the context
 
 
 def test_compose_commands_parse_and_ivy_reaches_the_tulips():

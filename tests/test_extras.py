@@ -86,3 +86,38 @@ def test_templates_unit(tmp_path):
     assert t.apply(["a"], None, "find") == ["Instruct: find\nQuery:a"]
     with pytest.raises(APIError, match="documents take none"):
         t.apply(["a"], "document", "find")
+
+
+@pytest.fixture(scope="module")
+def prompt_excluded(tmp_path_factory, model_path):
+    """all-MiniLM-L6-v2 with a query prompt and `include_prompt: false` in its pooling config (as
+    INSTRUCTOR-style models ship): sentence-transformers then leaves the prompt out of mean pooling."""
+    d = tmp_path_factory.mktemp("minilm-prompt-excluded") / "minilm"
+    shutil.copytree(model_path, d)
+    pooling = json.loads((d / "1_Pooling" / "config.json").read_text())
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "include_prompt": False}))
+    st_cfg = json.loads((d / "config_sentence_transformers.json").read_text())
+    st_cfg["prompts"] = {"query": "Represent this question for retrieving passages: "}
+    (d / "config_sentence_transformers.json").write_text(json.dumps(st_cfg))
+    port = free_port()
+    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
+                tmp_path_factory.mktemp("prompt-stack"))
+    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+    yield f"http://127.0.0.1:{port}", d
+    proc.stop(signal.SIGINT)
+
+
+def test_prompt_left_out_of_mean_pooling_matches_sentence_transformers(prompt_excluded):
+    from sentence_transformers import SentenceTransformer
+
+    url, d = prompt_excluded
+    texts = ["what is a tulip", "how do search engines rank documents by relevance"]
+    st = SentenceTransformer(str(d), device="cpu")
+    assert st[1].include_prompt is False  # the reference really pools without the prompt
+    want_q = st.encode(texts, prompt_name="query", convert_to_numpy=True)
+    want_plain = st.encode(texts, convert_to_numpy=True)
+    got_q = np.array([x["embedding"] for x in post(url, model=d.name, input=texts, input_type="query").json()["data"]])
+    got_plain = np.array([x["embedding"] for x in post(url, model=d.name, input=texts).json()["data"]])
+    cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)  # noqa: E731
+    assert cos(got_q, want_q).min() > 0.9999 and cos(got_plain, want_plain).min() > 0.9999
+    assert cos(got_q, want_plain).max() < 0.999  # the prompt still changes the vectors (it is attended to)

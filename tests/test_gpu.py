@@ -128,3 +128,25 @@ def test_flashinfer_refuses_head_dim_32(tmp_path):
     path, _ = save_checkpoint("bert", tmp_path, **{**MINILM, "num_attention_heads": 12})
     with pytest.raises(ValueError, match="head_dim 64, 128 or 256; this model has 32"):
         engine(path, attention="flashinfer-fa2")
+
+
+def test_graph_replay_leaves_prompt_tokens_out_of_mean_pooling(tmp_path):
+    """`pool_from` (a prompt left out of mean pooling) through captured graphs equals the eager path."""
+    import json
+
+    path, _ = save_checkpoint("bert", tmp_path / "m", **MINILM)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True, "include_prompt": False}))
+    graphed, eager = engine(path), engine(path, graphs="off")
+    seqs, skip = seqs_of([40, 7, 100]), [5, 0, 30]
+    for _ in range(3):  # eager warm-up, capture, replay
+        got = graphed.step(Batch.from_sequences(seqs, skip)).synchronize()
+    ref = eager.step(Batch.from_sequences(seqs, skip)).synchronize()
+    plain = eager.step(Batch.from_sequences(seqs)).synchronize()
+    assert graphed.runner.stats.replays >= 1
+    assert F.cosine_similarity(got, ref).min() >= 0.9999
+    assert (ref[[0, 2]] - plain[[0, 2]]).abs().amax(1).min() > 1e-4  # the prompt tokens really left
+    assert F.cosine_similarity(ref[1:2], plain[1:2]).min() >= 0.9999  # pool_from 0: unchanged

@@ -178,14 +178,16 @@ class TulipClient:
         return (await self.embed_result(seqs, dimensions, timeout, encoding)).vectors
 
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
-                           encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = ()) -> EmbedResult:
-        """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them."""
+                           encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
+                           pool_from: Sequence[int] = ()) -> EmbedResult:
+        """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them;
+        `pool_from`: per sequence, leading (prompt) tokens mean pooling leaves out."""
         ids, lengths = pack(seqs)
         req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
-                                     outputs=list(outputs))
+                                     outputs=list(outputs), pool_from=list(pool_from))
         self.outstanding += 1
-        self._spinner.kick()
         try:
+            self._spinner.kick()
             if self.transport == "stream":
                 return unpack_result(await self.stream.request(req, timeout))
             return unpack_result(await self.stub.Embed(req, timeout=timeout))

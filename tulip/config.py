@@ -30,8 +30,9 @@ class TulipConfig:
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512")
     max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs "
                               "(once a quarter of --max-batch-tokens is waiting)")
-    spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long (lowest "
-                           "latency, one busy core meanwhile), then wait in a thread; 0: always a thread")
+    spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long, then "
+                           "wait in a thread, and keep the loop polling this long after each step (lowest latency, "
+                           "one busy core meanwhile); 0: always a thread, no polling")
     max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")

@@ -23,6 +23,7 @@ _ZERO.setflags(write=False)
 class Request:
     """One caller's sequences, packed: `ids[offsets[i]:offsets[i] + lengths[i]]` is sequence i.
 
+    `pool_from[i]` (optional) is how many leading tokens of sequence i mean pooling leaves out.
     `rows` receives one output row per sequence as batches complete (and `sparse` /
     `colbert` the token-level outputs named in `extras`); `pending` counts sequences still
     missing. `cancelled` requests are skipped when batching. `on_done(request, rows, error)`
@@ -43,6 +44,7 @@ class Request:
     queued_at: float = 0.0  # monotonic time it entered the queue (for the queue-time metric)
     deadline: float = 0.0  # monotonic time after which its queued sequences are dropped (0: none)
     timer: object = None  # the owner's handle for the deadline, cancelled when the request completes
+    pool_from: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.lengths)

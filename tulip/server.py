@@ -38,9 +38,10 @@ log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
 
 
-def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tuple[np.ndarray, np.ndarray]:
-    """Check an EmbedRequest against the served model and unpack it; raise ValueError with a
-    caller-facing message."""
+def parse_request(req: tulip_pb2.EmbedRequest,
+                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Check an EmbedRequest against the served model and unpack it into (ids, lengths, pool_from
+    or None); raise ValueError with a caller-facing message."""
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
     lens = list(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     if not lens:
@@ -71,7 +72,16 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply) -> tup
             name = tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o
             raise ValueError(f"output {name} is not supported by this model "
                              f"(supported: {', '.join(tulip_pb2.Output.Name(x) for x in info.outputs)})")
-    return ids, np.array(lens, dtype=np.int64)
+    pool_from = None
+    if req.pool_from:
+        if len(req.pool_from) != len(lens):
+            raise ValueError(f"pool_from has {len(req.pool_from)} entries for {len(lens)} sequences")
+        pool_from = np.array(req.pool_from, dtype=np.int64)
+        bad = np.flatnonzero(pool_from >= np.array(lens))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"pool_from {int(pool_from[i])} leaves no token of sequence {i} ({lens[i]} tokens) to pool")
+    return ids, np.array(lens, dtype=np.int64), pool_from
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
@@ -268,7 +278,8 @@ class EngineLoop:
             extras = frozenset().union(*(r.extras for r, _ in slots))
             launched = time.monotonic()
             try:
-                batch = Batch.from_sequences([r.seq(i) for r, i in slots])
+                skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
+                batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip if any(skip) else None)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
                 else:
@@ -483,10 +494,11 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
     def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
         """Validate one request; raise RpcFailure(INVALID_ARGUMENT) with the reason."""
         try:
-            ids, lengths = parse_request(request, self.info)
+            ids, lengths, pool_from = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done)
+        return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done,
+                       pool_from=pool_from)
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
         """The reply for a completed request."""

@@ -4,6 +4,8 @@ A loop with nothing to run sleeps in epoll; the gRPC reply, request or CUDA comp
 wakes it then pays thread and scheduler wake-ups (tens to hundreds of microseconds, measured
 in `benchmarks.hop`). `Spinner` re-queues a no-op callback every loop iteration for a bounded
 time, so the loop polls its file descriptors without sleeping: one busy core for lower latency.
+Threads of the same process (a tokenizer offload, a step waiter) then compete with the spinning
+loop for the GIL: their hand-offs get slower while it spins.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ class Spinner:
             self._loop.call_soon(self._tick)
 
     def _tick(self) -> None:
-        if self.wanted() and time.monotonic() < self._until:
-            self._loop.call_soon(self._tick)
-        else:
-            self.spinning = False
+        again = False
+        try:
+            again = time.monotonic() < self._until and self.wanted()
+        finally:
+            if again:
+                self._loop.call_soon(self._tick)
+            else:
+                self.spinning = False

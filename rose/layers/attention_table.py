@@ -82,4 +82,7 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
         best = next((n for n in sorted(speed, key=speed.get, reverse=True) if available(n)), None)
         if best is not None:
             cells.append({**c, "winner": best})
+    if not cells:
+        log.warning("attention table %s: none of its backends is available here; using %s", path, fallback.name)
+        return fallback
     return TableBackend(cells, backends, fallback)

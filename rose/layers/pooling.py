@@ -11,8 +11,9 @@ POOLING_MODES = ("cls", "mean", "last")
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device.
 
-    Tokens with seq_id == N (padding) are pooled into a row that is dropped; empty
-    sequences (padding to a sequence bucket) give garbage rows the caller drops.
+    Tokens with seq_id == N (padding, or a prompt left out of mean pooling) are pooled into a
+    row that is dropped; mean pooling divides by the tokens each sequence kept. Empty sequences
+    (padding to a sequence bucket) give garbage rows the caller drops.
     """
     # Empty dummy sequences may start at T (a batch that fills its bucket): clamp to a valid row.
     if mode == "cls":
@@ -23,8 +24,9 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
         n = cu_seqlens.shape[0] - 1
         sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_ids, hidden.float())
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).clamp_(min=1).unsqueeze(1).float()
-        return sums[:n] / lens
+        counts = torch.zeros(n + 1, dtype=torch.float32, device=hidden.device)
+        counts.index_add_(0, seq_ids, torch.ones(seq_ids.shape[0], dtype=torch.float32, device=hidden.device))
+        return sums[:n] / counts[:n].clamp(min=1.0).unsqueeze(1)
     raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
 
 
