@@ -6,20 +6,24 @@
 #   bash benchmarks/offline.sh install .whl            # any directory of wheels (FlashInfer + tvm-ffi, web stack, ...)
 #   bash benchmarks/offline.sh stash .whl-fa4a         # a wheel split in parts: keep this call's part outside the tree
 #   bash benchmarks/offline.sh install .whl-fa4b       # joins stashed + carried *.partNN into their wheel, installs all
-#   TRELLIS_GIT_REV=abc1234 source benchmarks/offline.sh env   # PYTHONPATH (incl. FA4's dsl_packages), caches, revision
+#   export TRELLIS_GIT_REV=abc1234; source benchmarks/offline.sh env   # PYTHONPATH (incl. FA4's dsl_packages), caches
 #
 # A split wheel: `split -b 46000000 -d -a 2 W.whl W.whl.part` gives W.whl.part00, W.whl.part01, ...
-SITE=${TRELLIS_SITE:-/tmp/site}
-STASH=${TRELLIS_STASH:-/tmp/wheel-parts}
 
-if [ "${1:-}" = env ]; then  # sourced: set no shell options in the caller
-  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD"
+if [ "${1:-}" = env ]; then  # sourced: no shell options or helper variables are left in the caller
+  export PYTHONPATH="${TRELLIS_SITE:-/tmp/site}:${TRELLIS_SITE:-/tmp/site}/nvidia_cutlass_dsl/dsl_packages:$PWD"
   export TRELLIS_CACHE=/tmp/trellis-cache PYTHONUNBUFFERED=1
-  TRELLIS_GIT_REV=${TRELLIS_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  export TRELLIS_GIT_REV
+  export TRELLIS_GIT_REV="${TRELLIS_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   return 0 2>/dev/null || exit 0
 fi
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then
+  echo "offline.sh: only 'env' is meant to be sourced; run the others with bash" >&2
+  return 2
+fi
+
 set -euo pipefail
+SITE=${TRELLIS_SITE:-/tmp/site}
+STASH=${TRELLIS_STASH:-/tmp/wheel-parts}
 case "${1:-}" in
   stash)
     mkdir -p "$STASH" && cp "$2"/* "$STASH"/ && ls "$STASH" ;;
@@ -28,11 +32,17 @@ case "${1:-}" in
     for first in "$STASH"/*.part00; do
       [ -e "$first" ] || continue
       whl=${first%.part00}
-      cat "${whl}".part?? > "$whl" && rm "${whl}".part??
+      cat "$whl".part?? > "$whl"
+      if ! python3 -m zipfile -t "$whl" > /dev/null 2>&1; then
+        echo "offline.sh: $whl does not join into a valid wheel (parts: $(ls "$whl".part?? | xargs -n1 basename))" >&2
+        rm -f "$whl"
+        exit 1
+      fi
+      rm "$whl".part??
     done
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STASH"/*.whl 2>&1 | grep -v "already exists" || true
+    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STASH"/*.whl 2>&1 | { grep -v "already exists" || true; }
     rm -f "$STASH"/*.whl
-    ls "$SITE" | grep -c dist-info | xargs echo "dist-info directories in $SITE:" ;;
+    echo "$(find "$SITE" -maxdepth 1 -name '*.dist-info' | wc -l) packages in $SITE" ;;
   *)
     sed -n '2,11p' "$0"; exit 2 ;;
 esac

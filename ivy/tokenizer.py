@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +27,19 @@ class TextTokenizer:
         self.truncating.enable_truncation(max_len)
         self.max_len = max_len
         self.offload_chars = offload_chars
-        self._prompt_lengths: dict[str, int] = {}
+        self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
+        # bounded: instructions are caller text
+        self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
 
     def prompt_length(self, prompt: str) -> int:
-        """Tokens a prompt takes at the start of an input, counted as sentence-transformers counts
-        them for `include_prompt: false`: the prompt encoded alone, special tokens included, minus one."""
-        n = self._prompt_lengths.get(prompt)
-        if n is None:
-            n = self._prompt_lengths[prompt] = max(0, len(self.exact.encode(prompt).ids) - 1)
-        return n
+        """Tokens a prompt takes at the start of an input, counted as sentence-transformers (6.x)
+        counts them for `include_prompt: false`: the prompt encoded alone with the special tokens the
+        tokenizer adds, less a trailing special token (BERT's [SEP]; a BOS-only tokenizer keeps all)."""
+        return self._prompt_length(prompt)
+
+    def _count_prompt(self, prompt: str) -> int:
+        ids = self.exact.encode(prompt).ids
+        return len(ids) - (1 if ids and ids[-1] in self._special else 0)
 
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""

@@ -26,9 +26,9 @@ class Batch:
     max_seqlen: longest sequence in the batch, in tokens.
     seq_lens:   host copy of the N lengths (the engine reads it without a
                 device sync).
-    seq_ids:    int64 [T]   index of the sequence each token belongs to (mean pooling and
-                the CPU attention path use it); tokens mean pooling must leave out (a prompt
-                prefix, see `from_sequences`) carry N instead: pooling drops that row.
+    seq_ids:    int64 [T]   index of the sequence each token belongs to (pooling uses it);
+                tokens pooling must leave out (a prompt prefix, see `from_sequences`) carry N
+                instead: pooling drops that row.
     """
 
     input_ids: torch.Tensor
@@ -50,7 +50,7 @@ class Batch:
     def from_sequences(cls, seqs: Sequence[Sequence[int] | np.ndarray],
                        pool_from: Sequence[int] | None = None) -> "Batch":
         """Pack token-id sequences (lists or int arrays) into one ragged batch. `pool_from[i]`:
-        how many leading tokens of sequence i mean pooling leaves out (they still attend)."""
+        how many leading tokens of sequence i pooling leaves out (they still attend)."""
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
         if pool_from is not None and any(pool_from):

@@ -146,7 +146,10 @@ class Engine:
         return self.model(ids, positions, AttentionMetadata(cu, max_seqlen, seq_lens, self.causal), self.attention)
 
     def _pooled(self, hidden, cu, seq_ids) -> torch.Tensor:
-        out = pool(hidden, cu, seq_ids, self.spec.pooling)
+        # CLS pooling with include_prompt: false takes the first token after the prompt (as
+        # sentence-transformers does); only such models pay for finding it.
+        mode = "first" if self.spec.pooling == "cls" and not self.spec.include_prompt else self.spec.pooling
+        out = pool(hidden, cu, seq_ids, mode)
         return normalize(out) if self.spec.normalize else out.float()
 
     def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:

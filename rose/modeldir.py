@@ -64,7 +64,8 @@ class ModelSpec:
     prompts:     named prompts from config_sentence_transformers.json.
     special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
     include_prompt: False when the Pooling config says `include_prompt: false`: mean pooling then
-                 leaves a prompt's tokens (and the first special token) out, as sentence-transformers does.
+                 leaves a prompt's tokens (and the first special token) out and CLS pooling takes
+                 the first token after the prompt, as sentence-transformers does.
     """
 
     path: Path

@@ -130,8 +130,9 @@ def test_flashinfer_refuses_head_dim_32(tmp_path):
         engine(path, attention="flashinfer-fa2")
 
 
-def test_graph_replay_leaves_prompt_tokens_out_of_mean_pooling(tmp_path):
-    """`pool_from` (a prompt left out of mean pooling) through captured graphs equals the eager path."""
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_graph_replay_leaves_prompt_tokens_out_of_pooling(tmp_path, pooling):
+    """`pool_from` (a prompt left out of pooling) through captured graphs equals the eager path."""
     import json
 
     path, _ = save_checkpoint("bert", tmp_path / "m", **MINILM)
@@ -139,7 +140,8 @@ def test_graph_replay_leaves_prompt_tokens_out_of_mean_pooling(tmp_path):
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
     (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True, "include_prompt": False}))
+    mode = "pooling_mode_mean_tokens" if pooling == "mean" else "pooling_mode_cls_token"
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({mode: True, "include_prompt": False}))
     graphed, eager = engine(path), engine(path, graphs="off")
     seqs, skip = seqs_of([40, 7, 100]), [5, 0, 30]
     for _ in range(3):  # eager warm-up, capture, replay

@@ -99,3 +99,26 @@ def test_api_keys(tulip_server, tmp_path):
     finally:
         proc.stop()
     assert "Traceback" not in proc.output()
+
+
+def test_prompt_length_counts_as_sentence_transformers(tmp_path, model_path):
+    """The prompt's tokens as sentence-transformers 6 counts them: encoded alone, less a trailing
+    special token. BERT ends with [SEP] (dropped); a BOS-only tokenizer keeps every token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from ivy.tokenizer import TextTokenizer
+
+    bert = TextTokenizer(model_path, 256, 8192)
+    assert bert.prompt_length("query: ") == 3  # [CLS] query : ([SEP] dropped)
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "query": 3, ":": 4, "hi": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>", "<unk>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    (tmp_path / "bos").mkdir()
+    tok.save(str(tmp_path / "bos" / "tokenizer.json"))
+    bos = TextTokenizer(tmp_path / "bos", 64, 8192)
+    assert bos.prompt_length("query :") == 3  # <s> query : (nothing trailing to drop)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    tok.save(str(tmp_path / "bos" / "tokenizer.json"))
+    assert TextTokenizer(tmp_path / "bos", 64, 8192).prompt_length("query :") == 3  # </s> dropped

@@ -328,3 +328,27 @@ def test_gpu_backends_refuse_the_cpu(name):
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="fa4"):
         select_backend("flash", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_prompt_left_out_of_pooling(tmp_path, pooling):
+    """include_prompt: false (sentence-transformers' Pooling): with `pool_from` = k, CLS pooling takes
+    token k and mean pooling averages tokens k.. of the same forward pass (the prompt still attends)."""
+    path, hf = save_checkpoint("bert", tmp_path / "m")
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
+                    "include_prompt": False}))
+    e = Engine(EngineConfig(model=str(path), device="cpu"))
+    assert e.spec.include_prompt is False
+    seqs = [[2, 40, 41, 42, 7, 8, 9, 3], [2, 50, 3], [2, 60, 61, 62, 63, 3]]
+    skip = [4, 0, 2]
+    got = e.step(Batch.from_sequences(seqs, skip)).synchronize()
+    for i, (s, k) in enumerate(zip(seqs, skip)):
+        with torch.no_grad():
+            h = hf(input_ids=torch.tensor([s])).last_hidden_state[0]
+        want = h[k] if pooling == "cls" else h[k:].mean(0)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)

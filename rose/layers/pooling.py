@@ -11,15 +11,21 @@ POOLING_MODES = ("cls", "mean", "last")
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device.
 
-    Tokens with seq_id == N (padding, or a prompt left out of mean pooling) are pooled into a
-    row that is dropped; mean pooling divides by the tokens each sequence kept. Empty sequences
-    (padding to a sequence bucket) give garbage rows the caller drops.
+    Tokens with seq_id == N (padding, or a prompt left out of pooling) are pooled into a row
+    that is dropped; mean pooling divides by the tokens each sequence kept; "first" is CLS
+    pooling that takes each sequence's first kept token (after a prompt left out). Empty
+    sequences (padding to a sequence bucket) give garbage rows the caller drops.
     """
     # Empty dummy sequences may start at T (a batch that fills its bucket): clamp to a valid row.
     if mode == "cls":
         return hidden.index_select(0, cu_seqlens[:-1].long().clamp_(max=hidden.shape[0] - 1))
     if mode == "last":
         return hidden.index_select(0, (cu_seqlens[1:].long() - 1).clamp_(min=0))
+    if mode == "first":  # CLS pooling that may leave a prompt out: each sequence's first pooled token
+        t, n = hidden.shape[0], cu_seqlens.shape[0] - 1
+        first = torch.full((n + 1,), t - 1, dtype=torch.int64, device=hidden.device)
+        first.scatter_reduce_(0, seq_ids, torch.arange(t, device=hidden.device), reduce="amin")
+        return hidden.index_select(0, first[:n])
     if mode == "mean":
         n = cu_seqlens.shape[0] - 1
         sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
