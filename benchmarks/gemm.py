@@ -10,7 +10,9 @@ default), cuBLASLt (`preferred_blas_library`), and Inductor's autotuned choice
 to tune). Each row: microseconds per call, weight bandwidth (GB/s) and TFLOP/s. On a CPU only
 the default runs, as a harness check.
 
-Two candidates for the engine, not used by it yet (they run where asked with `--strategies`):
+Candidates for the engine, not used by it yet (they run where asked with `--strategies`):
+`triton-splitk` (`benchmarks/splitk.py`: tiles over M, N and K with float32 atomics; the fastest of a
+few tile shapes is kept and its config recorded);
 `split-kS`: the reduction split S ways as one batched GEMM (S x [M, K/S] @ [K/S, N]) whose partial
 sums are added with the bias (in a step that addition would fuse into the residual + LayerNorm
 kernel that follows): more thread blocks for small M with long K. `gelu-epilogue` (the FFN's up
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import splitk
 from benchmarks.common import Recorder, progress
 from rose.modeldir import ModelSpec, resolve_model_path
 
@@ -79,8 +82,13 @@ def split_k(w: torch.Tensor, bias: torch.Tensor, parts: int):
     return fn
 
 
-def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
-    """The callable x -> y timed for `strategy`, or None where it does not apply to this layer."""
+def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor, config=None):
+    """The callable x -> y timed for `strategy`, or None where it does not apply to this layer
+    (or, for `triton-splitk`, where Triton is missing)."""
+    if strategy == "triton-splitk":
+        if splitk.triton is None:
+            return None
+        return lambda x: splitk.splitk_linear(x, w, bias, config or splitk.CONFIGS[0])
     if strategy == "inductor-autotune":
         return torch.compile(lambda x: F.linear(x, w, bias), mode="max-autotune-no-cudagraphs", dynamic=False)
     if strategy.startswith("split-k"):
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
     ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune",
-                    help="also: split-k2, split-k4, split-k8, linear+gelu, gelu-epilogue")
+                    help="also: split-k2, split-k4, split-k8, triton-splitk, linear+gelu, gelu-epilogue")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -117,17 +125,25 @@ def main(argv=None) -> int:
         bias = torch.zeros(n, device=device, dtype=dtype)
         x = torch.randn(m, k, device=device, dtype=dtype)
         for strategy in strategies:
-            fn = strategy_fn(strategy, name, w, bias)
-            if fn is None:
+            best = None  # (seconds, config): strategies with several configs keep their fastest
+            for config in (splitk.CONFIGS if strategy == "triton-splitk" else [None]):
+                fn = strategy_fn(strategy, name, w, bias, config)
+                if fn is None:
+                    continue
+                if cuda:
+                    torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
+                try:
+                    s = time_call(fn, x, cuda)
+                except Exception as e:  # a strategy that cannot run here loses the cell
+                    print(f"gemm: {strategy} {config or ''} failed at {name} {m}x{k}x{n}: {e}")
+                    continue
+                if best is None or s < best[0]:
+                    best = (s, config)
+            if best is None:
                 continue
-            if cuda:
-                torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
-            try:
-                s = time_call(fn, x, cuda)
-            except Exception as e:  # a strategy that cannot run here loses the cell
-                print(f"gemm: {strategy} failed at {name} {m}x{k}x{n}: {e}")
-                continue
+            s, config = best
             rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy,
+                     **({"config": list(config)} if config else {}),
                      us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
                      tflop_s=round(2 * m * k * n / s / 1e12, 1))
     if cuda:
