@@ -130,7 +130,8 @@ class Engine:
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
-            self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg)
+            self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg,
+                                      forward_extras=self._forward_extras if self.heads is not None else None)
         log.info(
             "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s",
             self.spec.path, self.spec.model_type, self.device, self.dtype,
@@ -156,6 +157,15 @@ class Engine:
         """Device tensors in, float32 [N, dim] pooled (and normalised) embeddings out."""
         return self._pooled(self._encode(ids, positions, cu, max_seqlen, seq_lens), cu, seq_ids)
 
+    def _forward_extras(self, ids, positions, seq_ids, cu, max_seqlen, extras: frozenset, seq_lens=None):
+        """As `_forward`, plus the token-level outputs named in `extras` from the same hidden states:
+        (dense [N, dim], float32 weights [T] or empty, float32 vectors [T, colbert_dim] or empty)."""
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens)
+        empty = torch.empty(0, device=hidden.device)
+        return (self._pooled(hidden, cu, seq_ids),
+                self.heads.token_weights(hidden) if "sparse" in extras else empty,
+                self.heads.token_vectors(hidden) if "colbert" in extras else empty)
+
     @property
     def extra_outputs(self) -> tuple[str, ...]:
         """Token-level outputs this model has heads for: "sparse", "colbert"."""
@@ -168,25 +178,21 @@ class Engine:
 
         With `extras` ("sparse" and/or "colbert"), the LazyTensor holds a tuple (dense,
         token weights [T], token vectors [T, colbert_dim]); absent ones are empty tensors.
-        On CUDA a dense-only batch goes through the GraphRunner (padded to its bucket, graph
-        replayed); bigger batches, batches with extras, and any batch on CPU run eagerly.
+        On CUDA a batch goes through the GraphRunner (padded to its bucket, graph replayed; a
+        batch with extras through graphs of its own); bigger batches and any batch on CPU run eagerly.
         """
-        if self.runner is not None and not extras:
-            lazy = self.runner.step(batch)
+        unknown = set(extras) - set(self.extra_outputs)
+        if unknown:
+            raise ValueError(f"this model has no {sorted(unknown)} output")
+        if self.runner is not None:
+            lazy = self.runner.step(batch, frozenset(extras))
             if lazy is not None:
                 return lazy
         dev = self.device
         self.attention.prepare(None, batch.cu_seqlens.numpy(), batch.num_tokens)
-        cu = batch.cu_seqlens.to(dev, non_blocking=True)
-        hidden = self._encode(batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
-                              cu, batch.max_seqlen, batch.seq_lens)
-        out = self._pooled(hidden, cu, batch.seq_ids.to(dev, non_blocking=True))
+        args = (batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
+                batch.seq_ids.to(dev, non_blocking=True), batch.cu_seqlens.to(dev, non_blocking=True),
+                batch.max_seqlen)
         if not extras:
-            return LazyTensor.from_device(out)
-        unknown = set(extras) - set(self.extra_outputs)
-        if unknown:
-            raise ValueError(f"this model has no {sorted(unknown)} output")
-        empty = torch.empty(0, device=dev)
-        weights = self.heads.token_weights(hidden) if "sparse" in extras else empty
-        vectors = self.heads.token_vectors(hidden) if "colbert" in extras else empty
-        return LazyTensor.from_device((out, weights, vectors))
+            return LazyTensor.from_device(self._forward(*args, seq_lens=batch.seq_lens))
+        return LazyTensor.from_device(self._forward_extras(*args, frozenset(extras), seq_lens=batch.seq_lens))

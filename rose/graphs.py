@@ -1,6 +1,6 @@
 """`GraphRunner`: the one owner of CUDA-graph state, staging buffers and the engine stream.
 
-A step is keyed by (sequence bucket, token bucket, length bucket): sequence
+A step is keyed by (sequence bucket, token bucket, length bucket[, extras]): sequence
 counts round up to a power of two, token counts to multiples of `small_step` up
 to `small_max`, then of `large_step`, and the longest sequence to a power of two
 (at least 64, at most the token bucket; attention sizes its launch from it). Each key walks cold -> eager (first hit: kernels are
@@ -9,7 +9,9 @@ hit). All graphs share one memory pool and read one set of static input
 buffers; the host pads the batch to its bucket in page-locked memory and copies
 it in before replay. Padding tokens belong to no sequence (attention never sees
 them; mean pooling sends them to a discarded row), so they cannot change a real
-sequence's output. A batch larger than the biggest bucket runs eagerly.
+sequence's output. A batch larger than the biggest bucket runs eagerly. A step that
+also wants token-level outputs (BGE-M3's sparse weights, ColBERT vectors) has its own
+keys (the extras are the fourth element) and graphs, through `forward_extras`.
 
 Results leave through a ring of page-locked output buffers: the device-to-host
 copy is queued behind the forward on the engine's stream and an event is
@@ -37,9 +39,11 @@ log = logging.getLogger(__name__)
 
 # forward(ids, positions, seq_ids, cu_seqlens, max_seqlen) -> float32 [num_seqs, dim]
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# forward_extras(..., max_seqlen, extras) -> (dense [num_seqs, dim], weights [T] or empty, vectors [T, d] or empty)
+ForwardExtras = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # prepare(key, cu_seqlens on the host, token rows): the attention backend's host-side plan
 Prepare = Callable[[tuple, np.ndarray, int], None]
-Key = tuple[int, int, int]
+Key = tuple  # (sequence bucket, token bucket, length bucket) or the same + (extras, e.g. "colbert+sparse",)
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,9 @@ class CudaOps:
 
 class GraphRunner:
     def __init__(self, forward: Forward, prepare: Prepare, dim: int, device: torch.device, cfg: GraphConfig,
-                 ops=None):
+                 ops=None, forward_extras: ForwardExtras | None = None):
         self.forward = forward
+        self.forward_extras = forward_extras
         self.prepare = prepare
         self.cfg = cfg
         self.dim = dim
@@ -148,12 +153,16 @@ class GraphRunner:
         self._in_tok_np, self._in_cu_np = self._in_tok.numpy(), self._in_cu.numpy()
         self._slot_events = [None] * R
         self._slot = 0
+        self._out_tokens: list[torch.Tensor | None] = [None, None]  # rings for weights / vectors, made on first use
         self._hits: dict[Key, int] = {}
         self._graphs: dict[Key, tuple[object, torch.Tensor]] = {}
 
-    def key(self, batch: Batch) -> Key | None:
+    def key(self, batch: Batch, extras: frozenset = frozenset()) -> Key | None:
         n, t = self.cfg.seq_bucket(batch.num_seqs), self.cfg.token_bucket(batch.num_tokens)
-        return None if n is None or t is None else (n, t, self.cfg.len_bucket(batch.max_seqlen, t))
+        if n is None or t is None:
+            return None
+        key = (n, t, self.cfg.len_bucket(batch.max_seqlen, t))
+        return key + ("+".join(sorted(extras)),) if extras else key
 
     def state(self, key: Key) -> str:
         if key in self._graphs:
@@ -182,12 +191,14 @@ class GraphRunner:
         cu[: N + 1] = batch.cu_seqlens.numpy()
         cu[N + 1: nb + 1] = T  # empty dummy sequences
 
-    def _run_key(self, key: Key) -> torch.Tensor:
-        nb, tb, lb = key
+    def _run_key(self, key: Key):
+        nb, tb, lb = key[:3]
         tok, cu = self._tokens, self._cu
+        extras = frozenset(key[3].split("+")) if len(key) > 3 else None
 
-        def fwd() -> torch.Tensor:
-            return self.forward(tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
+        def fwd():
+            args = (tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
+            return self.forward(*args) if extras is None else self.forward_extras(*args, extras)
 
         if key in self._graphs:
             g, out = self._graphs[key]
@@ -216,13 +227,28 @@ class GraphRunner:
         self.stats.replays += 1
         return out
 
-    def step(self, batch: Batch) -> LazyTensor | None:
-        """Run `batch` through its bucket's graph; None if it is bigger than every bucket."""
-        key = self.key(batch)
+    def _token_host(self, i: int, out: torch.Tensor, slot: int, n: int) -> torch.Tensor:
+        """A page-locked landing place for the first `n` rows of token-level output `out` (ring slot)."""
+        if out.numel() == 0:
+            return torch.empty(0)
+        ring = self._out_tokens[i]
+        if ring is None or ring.shape[2:] != out.shape[1:]:
+            ring = self._out_tokens[i] = self.ops.pinned((self.cfg.ring, self.cfg.max_tokens, *out.shape[1:]), out.dtype)
+        host = ring[slot, :n]
+        host.copy_(out[:n], non_blocking=True)
+        return host
+
+    def step(self, batch: Batch, extras: frozenset = frozenset()) -> LazyTensor | None:
+        """Run `batch` through its bucket's graph; None if it is bigger than every bucket (or wants
+        `extras` and there is no `forward_extras`). With extras the result is a tuple (dense,
+        token weights [T], token vectors [T, d]), empty where not asked, as the eager step gives."""
+        if extras and self.forward_extras is None:
+            return None
+        key = self.key(batch, extras)
         if key is None:
             self.stats.oversize += 1
             return None
-        nb, tb, _ = key
+        nb, tb = key[0], key[1]
         slot = self._next_slot()
         self._stage(batch, slot, nb, tb)
         with self.ops.stream_ctx():
@@ -231,8 +257,11 @@ class GraphRunner:
             self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
             self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)
             out = self._run_key(key)
+            dense = out[0] if extras else out
             host = self._out[slot, : batch.num_seqs]
-            host.copy_(out[: batch.num_seqs], non_blocking=True)
+            host.copy_(dense[: batch.num_seqs], non_blocking=True)
+            if extras:
+                host = (host, *(self._token_host(i, t, slot, batch.num_tokens) for i, t in enumerate(out[1:])))
             ev = self.ops.event()
             ev.record()
         self._slot_events[slot] = ev

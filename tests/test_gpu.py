@@ -152,3 +152,21 @@ def test_graph_replay_leaves_prompt_tokens_out_of_pooling(tmp_path, pooling):
     assert F.cosine_similarity(got, ref).min() >= 0.9999
     assert (ref[[0, 2]] - plain[[0, 2]]).abs().amax(1).min() > 1e-4  # the prompt tokens really left
     assert F.cosine_similarity(ref[1:2], plain[1:2]).min() >= 0.9999  # pool_from 0: unchanged
+
+
+def test_token_level_outputs_through_graphs_on_gpu(tmp_path):
+    """Sparse weights and ColBERT vectors from captured graphs equal the eager step on the GPU."""
+    path, _ = save_checkpoint("xlm-roberta", tmp_path / "m3", **MINILM)
+    g = torch.Generator().manual_seed(1)
+    torch.save({"weight": torch.randn(1, 384, generator=g) * 0.1, "bias": torch.tensor([0.05])}, path / "sparse_linear.pt")
+    torch.save({"weight": torch.randn(64, 384, generator=g) * 0.1, "bias": torch.zeros(64)}, path / "colbert_linear.pt")
+    graphed, eager = engine(path), engine(path, graphs="off")
+    batch = Batch.from_sequences(seqs_of([40, 7, 100]))
+    extras = frozenset({"sparse", "colbert"})
+    for _ in range(3):  # eager warm-up, capture, replay
+        got = graphed.step(batch, extras).synchronize()
+    ref = eager.step(batch, extras).synchronize()
+    assert graphed.runner.stats.captures >= 1
+    assert F.cosine_similarity(got[0], ref[0]).min() >= 0.9999
+    assert torch.allclose(got[1], ref[1], rtol=2e-2, atol=2e-2) and got[1].shape == (147,)
+    assert F.cosine_similarity(got[2], ref[2]).min() >= 0.999 and got[2].shape == (147, 64)

@@ -35,7 +35,9 @@ class FakeGraph:
 
     def replay(self):
         self.replays += 1
-        self.out.copy_(self.fn())
+        new = self.fn()
+        for o, n in zip(*((self.out, new) if isinstance(self.out, tuple) else ((self.out,), (new,)))):
+            o.copy_(n)
 
 
 class FakeEvent:
@@ -72,17 +74,24 @@ class FakeOps:
 def make_runner(engine, **kw):
     masked = MaskedAttention()
 
-    def forward(ids, pos, seq_ids, cu, max_seqlen):
+    def masked_call(fn, *args):
         saved, engine.attention = engine.attention, masked
         try:
-            return engine._forward(ids, pos, seq_ids, cu, max_seqlen)
+            return fn(*args)
         finally:
             engine.attention = saved
+
+    def forward(ids, pos, seq_ids, cu, max_seqlen):
+        return masked_call(engine._forward, ids, pos, seq_ids, cu, max_seqlen)
+
+    def forward_extras(ids, pos, seq_ids, cu, max_seqlen, extras):
+        return masked_call(engine._forward_extras, ids, pos, seq_ids, cu, max_seqlen, extras)
 
     plans = []
     cfg = GraphConfig(**{"max_tokens": 2048, "max_seqs": 16, "ring": 3, **kw})
     runner = GraphRunner(forward, lambda key, cu, n: plans.append((key, cu.tolist(), n)), engine.embedding_dim,
-                         torch.device("cpu"), cfg, ops=FakeOps())
+                         torch.device("cpu"), cfg, ops=FakeOps(),
+                         forward_extras=forward_extras if engine.heads is not None else None)
     runner.plans = plans
     return runner
 
@@ -180,3 +189,34 @@ def test_graph_stats_are_exported_as_metrics():
     for line in ("tulip_graph_keys 3.0", "tulip_graph_captures 2.0", "tulip_graph_replays 40.0",
                  "tulip_graph_oversize 1.0", "tulip_graph_capture_ms 12.5"):
         assert line in text
+
+
+def test_token_level_outputs_through_graphs(tmp_path):
+    """BGE-M3's sparse weights and ColBERT vectors through captured graphs (keys of their own, padded
+    to the bucket, token rows cut back to the batch) equal the eager step; dense-only keys are unchanged."""
+    from rose.engine import Engine, EngineConfig
+    from tests.checkpoints import save_checkpoint
+
+    path, _ = save_checkpoint("xlm-roberta", tmp_path / "m3")
+    g = torch.Generator().manual_seed(1)
+    torch.save({"weight": torch.randn(1, 64, generator=g) * 0.3, "bias": torch.tensor([0.05])}, path / "sparse_linear.pt")
+    torch.save({"weight": torch.randn(48, 64, generator=g) * 0.2, "bias": torch.randn(48, generator=g) * 0.1},
+               path / "colbert_linear.pt")
+    e = Engine(EngineConfig(model=str(path), device="cpu"))
+    r = make_runner(e, max_tokens=256)
+    batch = Batch.from_sequences(seqs_of(5, 17, 9, vocab=500))  # 31 tokens in a 64-token bucket
+    for extras in ({"sparse"}, {"colbert"}, {"sparse", "colbert"}):
+        extras = frozenset(extras)
+        ref = e.step(batch, extras).synchronize()
+        for _ in range(3):  # eager, capture, replay
+            got = r.step(batch, extras).synchronize()
+        assert r.state(r.key(batch, extras)) == "captured" and len(r.key(batch, extras)) == 4
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert got[1].shape == (31,) and got[2].shape == (31, 48)
+    dense = r.step(batch).synchronize()  # the dense-only key is its own
+    assert isinstance(dense, torch.Tensor) and r.key(batch) == (4, 64, 64)
+    torch.testing.assert_close(dense, ref[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="no \\['bogus'\\] output"):
+        e.step(batch, frozenset({"bogus"}))
