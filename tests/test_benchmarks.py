@@ -121,3 +121,24 @@ for m, k, n in [(5, 256, 64), (130, 192, 96)]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_readme_performance_table_matches_the_committed_results():
+    """The README quotes the best committed run of every bge-m3 gRPC cell (benchmarks.summary's choice)."""
+    import re
+    from pathlib import Path
+
+    from benchmarks import summary
+
+    root = Path(__file__).resolve().parents[1]
+    _, cells = summary.tulip_table(summary.load(root / "benchmarks" / "results"), "bge-m3")
+    readme = (root / "README.md").read_text()
+    assert cells
+    for name, value, *_ in cells:
+        bench, shape = name.split(" ", 1)
+        n, rest = shape.split("x", 1)
+        label = f"{bench} {n} x {rest}"  # "online 1x128" -> "online 1 x 128"; bulk keeps ", 4 clients"
+        line = next((ln for ln in readme.splitlines() if ln.startswith(f"| {label} |")), None)
+        assert line is not None, f"README has no row for {label}"
+        quoted = float(re.search(r"[\d.]+", line.split("|")[2]).group())
+        assert abs(quoted - value) <= (0.5 if bench == "bulk" else 0.006), (label, quoted, value)
