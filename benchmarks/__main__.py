@@ -11,16 +11,25 @@
 Tulip settings through TULIP_* variables; `--replicas 1,2` repeats it with two Tulips on two GPUs); `engine` runs the in-process engine benchmark (benchmarks.engine); the end
 writes DIR/SUMMARY.md and the charts (benchmarks.summary). `--quick` shrinks every cell (few requests, short sequences)
 to check the harness end to end, e.g. on a CPU; its numbers are not results.
+
+Machines lent for a few minutes at a time: `--resume` skips the parts this same command (same revision and
+arguments) already finished in DIR (`DIR/run-state.json`), and `--max-minutes M` starts no new part after M
+minutes; re-issue the same command until it says it is complete. Each part writes into DIR/.partial/<part>
+first and is merged into DIR only when it finishes, so a part cut short leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
+import shutil
 import sys
+import time
 from pathlib import Path
 
 from benchmarks import concurrency, engine, gemm, hop, kernels, online, summary
+from benchmarks.common import environment
 
 SUITES = ("kernels", "gemm", "engine", "hop", "online", "scoring", "bulk", "concurrency")
 
@@ -39,39 +48,93 @@ def main(argv=None) -> int:
     run.add_argument("--engine-args", default="", help="extra flags for benchmarks.engine")
     run.add_argument("--replicas", default="1", help="concurrency: Tulip replicas behind Ivy, e.g. 1,2 (one GPU each)")
     run.add_argument("--quick", action="store_true", help="tiny cells: a harness check, not a measurement")
+    run.add_argument("--resume", action="store_true",
+                     help="skip the parts this same command already finished in --out (see run-state.json)")
+    run.add_argument("--max-minutes", type=float, default=0.0, help="start no new part after this long (0: no limit)")
     args = ap.parse_args(argv)
 
     suites = SUITES if args.suite == "all" else tuple(args.suite.split(","))
     unknown = set(suites) - set(SUITES)
     if unknown:
         ap.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)} or all")
-    out = str(args.out)
-    rc = 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = parts(args, suites)
+    state_path = args.out / "run-state.json"
+    signature = {"git": environment()["git"], "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
+                 "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
+                 "quick": args.quick}
+    done: list[str] = []
+    if args.resume and state_path.is_file():
+        state = json.loads(state_path.read_text())
+        if state.get("signature") == signature:
+            done = state["done"]
+        else:
+            print("benchmarks: run-state.json is for another revision or other arguments; starting over")
+    start, rc = time.monotonic(), 0
+    for name, fn in todo:
+        if name in done:
+            print(f"benchmarks: {name} already done (--resume)")
+            continue
+        if args.max_minutes and time.monotonic() - start > args.max_minutes * 60:
+            print(f"benchmarks: --max-minutes {args.max_minutes:g} reached; re-run with --resume to go on")
+            break
+        partial = args.out / ".partial" / name
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        part_rc = fn(str(partial))
+        rc |= part_rc
+        if part_rc == 0:
+            merge(partial, args.out)
+            done.append(name)
+            state_path.write_text(json.dumps({"signature": signature, "done": done}, indent=1))
+        shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(args.out / ".partial", ignore_errors=True)
+    left = [name for name, _ in todo if name not in done]
+    print("benchmarks: complete" if not left else f"benchmarks: not yet run: {', '.join(left)}")
+    summary.main([str(args.out)])
+    return rc
+
+
+def merge(src: Path, dst: Path) -> None:
+    """A finished part's files into the results: JSON lines appended, everything else replaced."""
+    for f in src.iterdir():
+        if f.suffix == ".jsonl":
+            with (dst / f.name).open("a") as out:
+                out.write(f.read_text())
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+
+
+def parts(args, suites) -> list[tuple[str, object]]:
+    """The run's parts in order, each (name, out_dir -> exit status); one Tulip serves online, scoring and bulk."""
+    q = args.quick
+    out: list[tuple[str, object]] = []
     if "kernels" in suites:
-        quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if args.quick else []
-        rc |= kernels.main(["--out", out, *quick])
+        quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if q else []
+        out.append(("kernels", lambda d, quick=quick: kernels.main(["--out", d, *quick])))
     if "gemm" in suites:
-        rc |= gemm.main(["--model", args.model, "--out", out, *(["--tokens", "16"] if args.quick else [])])
+        out.append(("gemm", lambda d: gemm.main(["--model", args.model, "--out", d, *(["--tokens", "16"] if q else [])])))
     if "engine" in suites:
-        quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if args.quick else []
-        rc |= engine.main(["--model", args.model, "--out", out, *quick, *shlex.split(args.engine_args)])
+        quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if q else []
+        out.append(("engine", lambda d, quick=quick: engine.main(["--model", args.model, "--out", d, *quick,
+                                                                  *shlex.split(args.engine_args)])))
     if "hop" in suites:
-        n = ["--n", "20"] if args.quick else []
-        rc |= hop.main(["--out", out, "--device-ms", "1", *n])
-        rc |= hop.main(["--out", out, "--model", args.model, *([] if args.quick else ["--compile"]), *n])
+        n = ["--n", "20"] if q else []
+        out.append(("hop", lambda d: hop.main(["--out", d, "--device-ms", "1", *n])
+                    | hop.main(["--out", d, "--model", args.model, *([] if q else ["--compile"]), *n])))
     grpc_suites = [s for s in suites if s in ("online", "scoring", "bulk")]
     if grpc_suites:
         quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",
-                  "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if args.quick else [])
-        rc |= online.main(["--model", args.model, "--out", out, "--suites", ",".join(grpc_suites),
-                           "--tulip-args", args.tulip_args, "--transport", args.transport, *quick])
+                  "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if q else [])
+        out.append(("+".join(grpc_suites), lambda d, quick=quick: online.main(
+            ["--model", args.model, "--out", d, "--suites", ",".join(grpc_suites), "--tulip-args", args.tulip_args,
+             "--transport", args.transport, *quick])))
     if "concurrency" in suites:
-        quick = ["--n", "8", "--levels", "1,4", "--length", "64", "--bulk-requests", "1"] if args.quick else []
+        quick = ["--n", "8", "--levels", "1,4", "--length", "64", "--bulk-requests", "1"] if q else []
         for r in args.replicas.split(","):
-            rc |= concurrency.main(["--model", args.model, "--out", out, "--replicas", r, *quick])
-    summary.main([out])
-    return rc
-
+            out.append((f"concurrency-replicas-{r}", lambda d, r=r, quick=quick: concurrency.main(
+                ["--model", args.model, "--out", d, "--replicas", r, *quick])))
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -70,6 +70,30 @@ def test_correctness_gate_aborts_on_perturbed_vectors(tiny, tmp_path):
     assert [row["bench"] for row in rows] == ["gate"] and rows[0]["passed"] is False
 
 
+
+def test_run_resumes_where_it_stopped(tiny, tmp_path):
+    """`--max-minutes` starts no new part once spent; `--resume` with the same command skips what is done
+    (nothing is appended twice) and finishes the rest; other arguments start over."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks", "run", "--suite", "gemm,engine", "--quick", "--model", str(tiny),
+           "--out", str(out), "--resume"]
+
+    def run(*extra):
+        r = subprocess.run([*cmd, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    first = run("--max-minutes", "0.0001")  # gemm runs, then the budget is spent
+    assert "not yet run: engine" in first and not list(out.glob("engine_*.jsonl"))
+    gemm_rows = (out / f"gemm_{tiny.name}.jsonl").read_text().count("\n")
+    second = run()
+    assert "gemm already done" in second and "benchmarks: complete" in second
+    assert (out / f"gemm_{tiny.name}.jsonl").read_text().count("\n") == gemm_rows  # not run again
+    assert list(out.glob("engine_*.jsonl")) and not (out / ".partial").exists()
+    assert json.loads((out / "run-state.json").read_text())["done"] == ["gemm", "engine"]
+    third = run("--engine-args", "--iters 3")  # another command: starts over
+    assert "starting over" in third and "already done" not in third
+
 def test_gemm_candidates_compute_the_same_linear():
     """The GEMM probe's candidate strategies are the same maths as F.linear (+ GELU)."""
     import torch
