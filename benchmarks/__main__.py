@@ -47,6 +47,7 @@ def main(argv=None) -> int:
                      help="online/scoring: messages on one open EmbedStream (Ivy's default) or unary calls")
     run.add_argument("--engine-args", default="", help="extra flags for benchmarks.engine")
     run.add_argument("--replicas", default="1", help="concurrency: Tulip replicas behind Ivy, e.g. 1,2 (one GPU each)")
+    run.add_argument("--ivy-workers", default="1", help="concurrency: Ivy worker processes")
     run.add_argument("--quick", action="store_true", help="tiny cells: a harness check, not a measurement")
     run.add_argument("--resume", action="store_true",
                      help="skip the parts this same command already finished in --out (see run-state.json)")
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     state_path = args.out / "run-state.json"
     signature = {"git": environment()["git"], "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
                  "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
-                 "quick": args.quick}
+                 "ivy_workers": args.ivy_workers, "quick": args.quick}
     done: list[str] = []
     if args.resume and state_path.is_file():
         state = json.loads(state_path.read_text())
@@ -133,7 +134,7 @@ def parts(args, suites) -> list[tuple[str, object]]:
         quick = ["--n", "8", "--levels", "1,4", "--length", "64", "--bulk-requests", "1"] if q else []
         for r in args.replicas.split(","):
             out.append((f"concurrency-replicas-{r}", lambda d, r=r, quick=quick: concurrency.main(
-                ["--model", args.model, "--out", d, "--replicas", r, *quick])))
+                ["--model", args.model, "--out", d, "--replicas", r, "--ivy-workers", args.ivy_workers, *quick])))
     return out
 
 if __name__ == "__main__":
