@@ -220,3 +220,9 @@ def test_token_level_outputs_through_graphs(tmp_path):
     torch.testing.assert_close(dense, ref[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no \\['bogus'\\] output"):
         e.step(batch, frozenset({"bogus"}))
+    from tulip.server import warm_up
+
+    warm_up(e, ("2x16+sparse+colbert", "1x8"))  # Tulip's --warmup runs the steps with those outputs
+    with pytest.raises(ValueError, match="no \\['colbert'\\] output"):
+        warm_up(Engine(EngineConfig(model=str(save_checkpoint("bert", tmp_path / "plain")[0]), device="cpu")),
+                ("1x8+colbert",))

@@ -27,7 +27,8 @@ class TulipConfig:
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
-    warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512")
+    warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512; "
+                                    "NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
     max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs "
                               "(once a quarter of --max-batch-tokens is waiting)")
     spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long, then "
@@ -49,9 +50,12 @@ class TulipConfig:
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
             )
         for w in self.warmup:
-            n, x, length = w.partition("x")
+            shape, *extras = w.split("+")
+            n, x, length = shape.partition("x")
             if not (x and n.isdigit() and length.isdigit() and int(n) > 0 and int(length) > 0):
                 raise ValueError(f"warmup shape {w!r} is not NxL (e.g. 1x128)")
+            if not set(extras) <= {"sparse", "colbert"}:
+                raise ValueError(f"warmup shape {w!r}: outputs after '+' are sparse and/or colbert")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight {self.max_inflight} must be >= 1")
         if self.spin_ms < 0:

@@ -107,15 +107,17 @@ def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
 
 
 def warm_up(engine: Engine, shapes: tuple[str, ...]) -> None:
-    """Run each "NxL" shape (N sequences of L tokens) three times: eager, capture, replay."""
-    for shape in shapes:
+    """Run each "NxL" shape (N sequences of L tokens; "+sparse", "+colbert": with those outputs)
+    three times: eager, capture, replay. A model without an asked output raises ValueError."""
+    for spec in shapes:
+        shape, *extras = spec.split("+")
         n, _, length = shape.partition("x")
         n, length = int(n), min(int(length), engine.spec.max_seq_len)
         batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
         t0 = time.perf_counter()
         for _ in range(3):
-            engine.step(batch).synchronize()
-        log.info("warmed up %dx%d in %.0f ms", n, length, (time.perf_counter() - t0) * 1e3)
+            engine.step(batch, frozenset(extras)).synchronize()
+        log.info("warmed up %s in %.0f ms", spec, (time.perf_counter() - t0) * 1e3)
 
 
 def encode(vectors: np.ndarray, encoding: int) -> bytes:
