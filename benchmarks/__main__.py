@@ -15,7 +15,8 @@ to check the harness end to end, e.g. on a CPU; its numbers are not results.
 Machines lent for a few minutes at a time: `--resume` skips the parts this same command (same revision and
 arguments) already finished in DIR (`DIR/run-state.json`), and `--max-minutes M` starts no new part after M
 minutes; re-issue the same command until it says it is complete. Each part writes into DIR/.partial/<part>
-first and is merged into DIR only when it finishes, so a part cut short leaves nothing behind.
+first and is merged into DIR only when it finishes (replacing its files of an earlier run), so a part cut
+short leaves nothing behind; a part that fails leaves its server logs.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def main(argv=None) -> int:
                  "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
                  "ivy_workers": args.ivy_workers, "quick": args.quick}
     done: list[str] = []
-    if args.resume and state_path.is_file():
+    if args.resume and signature["git"] == "unknown":
+        print("benchmarks: no git revision (set TRELLIS_GIT_REV) to resume against; starting over")
+    elif args.resume and state_path.is_file():
         state = json.loads(state_path.read_text())
         if state.get("signature") == signature:
             done = state["done"]
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
             merge(partial, args.out)
             done.append(name)
             state_path.write_text(json.dumps({"signature": signature, "done": done}, indent=1))
+        else:
+            merge(partial, args.out, "*.log")  # the Tulip / stack logs say why
         shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(args.out / ".partial", ignore_errors=True)
     left = [name for name, _ in todo if name not in done]
@@ -96,13 +101,10 @@ def main(argv=None) -> int:
     return rc
 
 
-def merge(src: Path, dst: Path) -> None:
-    """A finished part's files into the results: JSON lines appended, everything else replaced."""
-    for f in src.iterdir():
-        if f.suffix == ".jsonl":
-            with (dst / f.name).open("a") as out:
-                out.write(f.read_text())
-        elif f.is_file():
+def merge(src: Path, dst: Path, pattern: str = "*") -> None:
+    """A part's files into the results, replacing what an earlier run of it wrote (as its Recorder would)."""
+    for f in src.glob(pattern):
+        if f.is_file():
             shutil.copy(f, dst / f.name)
 
 

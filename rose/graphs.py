@@ -222,7 +222,8 @@ class GraphRunner:
         self.stats.capture_ms += ms
         self.stats.capture_ms_by_key[key] = ms
         self._graphs[key] = (g, out)
-        log.info("graph captured for %d seqs x %d tokens (max length %d) in %.1f ms", nb, tb, lb, ms)
+        log.info("graph captured for %d seqs x %d tokens (max length %d)%s in %.1f ms", nb, tb, lb,
+                 f" with {key[3]}" if len(key) > 3 else "", ms)
         g.replay()
         self.stats.replays += 1
         return out

@@ -334,8 +334,12 @@ class EngineLoop:
         self._inflight.popleft()
         try:
             result = step.lazy.synchronize()
-            # Copy: the host buffer belongs to the engine's ring and is reused a few steps later.
-            out = (result[0] if isinstance(result, tuple) else result).numpy().copy()
+            # Copy before the next launch: the host buffers belong to the engine's ring, which the
+            # steps launched after this one write into.
+            if isinstance(result, tuple):
+                out, weights, vectors = (t.numpy().copy() for t in result)
+            else:
+                out = result.numpy().copy()
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)
@@ -344,7 +348,7 @@ class EngineLoop:
         if out is not None:
             try:
                 if isinstance(result, tuple):
-                    self._scatter_extras(step.slots, result[1].numpy(), result[2].numpy())
+                    self._scatter_extras(step.slots, weights, vectors)
                 for row, (r, i) in enumerate(step.slots):
                     r.rows[i] = out[row]
                     r.pending -= 1
@@ -369,7 +373,7 @@ class EngineLoop:
             if "sparse" in r.extras:
                 r.sparse[i] = lexical_weights(r.seq(i), weights[start:start + n], self._special)
             if "colbert" in r.extras:
-                r.colbert[i] = vectors[start + 1:start + n].copy()  # every token after the first
+                r.colbert[i] = vectors[start + 1:start + n]  # every token after the first (a copy already)
             start += n
 
 
@@ -529,6 +533,9 @@ async def serve(cfg: TulipConfig) -> int:
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "
             f"{engine.spec.max_seq_len}"
         )
+    if engine.runner is not None and cfg.max_inflight > engine.runner.cfg.ring:
+        raise ValueError(f"max_inflight {cfg.max_inflight} exceeds the engine's ring of {engine.runner.cfg.ring} "
+                         "result buffers")
     warm_up(engine, cfg.warmup)
     # Everything loaded so far lives as long as the process: keep it out of the collector's
     # scans, so a full collection while serving is short.
