@@ -14,7 +14,7 @@ to check the harness end to end, e.g. on a CPU; its numbers are not results.
 
 Machines lent for a few minutes at a time: `--resume` skips the parts this same command (same revision and
 arguments) already finished in DIR (`DIR/run-state.json`), and `--max-minutes M` starts no new part after M
-minutes; re-issue the same command until it says it is complete. Each part writes into DIR/.partial/<part>
+minutes; re-issue the same command until it says it is complete (exit status 3 until then). Each part writes into DIR/.partial/<part>
 first and is merged into DIR only when it finishes (replacing its files of an earlier run), so a part cut
 short leaves nothing behind; a part that fails leaves its server logs.
 """
@@ -33,6 +33,7 @@ from benchmarks import concurrency, engine, gemm, hop, kernels, online, summary
 from benchmarks.common import environment
 
 SUITES = ("kernels", "gemm", "engine", "hop", "online", "scoring", "bulk", "concurrency")
+INCOMPLETE = 3  # exit status of a run that stopped at --max-minutes with parts left (re-issue it with --resume)
 
 
 def main(argv=None) -> int:
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     left = [name for name, _ in todo if name not in done]
     print("benchmarks: complete" if not left else f"benchmarks: not yet run: {', '.join(left)}")
     summary.main([str(args.out)])
-    return rc
+    return rc or (INCOMPLETE if left else 0)
 
 
 def merge(src: Path, dst: Path, pattern: str = "*") -> None:
