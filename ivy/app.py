@@ -211,9 +211,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            prefix = templates.prefix(req.input_type, req.instruction)
-            seqs = await tokenizer.encode([prefix + t for t in inp] if prefix else inp, req.truncate)
-            if prefix and pool_without_prompt:
+            seqs = await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate)
+            prefix = templates.prefix(req.input_type, req.instruction) if pool_without_prompt else ""
+            if prefix:
                 n = tokenizer.prompt_length(prefix)
                 return seqs, [min(n, len(s) - 1) for s in seqs]
             return seqs, []

@@ -118,6 +118,10 @@ class Engine:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = bool(getattr(self.model, "causal", False))
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
+        # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
+        # takes the first token after it, mean divides by the tokens kept; only such models pay for it.
+        self._pool_mode = self.spec.pooling if self.spec.include_prompt else \
+            {"cls": "first", "mean": "mean_kept"}.get(self.spec.pooling, self.spec.pooling)
         if cfg.compile:
             compile_blocks(self.model.blocks)
         c = self.spec.config
@@ -147,10 +151,7 @@ class Engine:
         return self.model(ids, positions, AttentionMetadata(cu, max_seqlen, seq_lens, self.causal), self.attention)
 
     def _pooled(self, hidden, cu, seq_ids) -> torch.Tensor:
-        # CLS pooling with include_prompt: false takes the first token after the prompt (as
-        # sentence-transformers does); only such models pay for finding it.
-        mode = "first" if self.spec.pooling == "cls" and not self.spec.include_prompt else self.spec.pooling
-        out = pool(hidden, cu, seq_ids, mode)
+        out = pool(hidden, cu, seq_ids, self._pool_mode)
         return normalize(out) if self.spec.normalize else out.float()
 
     def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:

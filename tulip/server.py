@@ -280,8 +280,10 @@ class EngineLoop:
             extras = frozenset().union(*(r.extras for r, _ in slots))
             launched = time.monotonic()
             try:
-                skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
-                batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip if any(skip) else None)
+                skip = None  # prompts left out of pooling: only requests from Ivy for such models carry them
+                if any(r.pool_from is not None for r, _ in slots):
+                    skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
+                batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
                 else:

@@ -11,10 +11,11 @@ POOLING_MODES = ("cls", "mean", "last")
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
     """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device.
 
-    Tokens with seq_id == N (padding, or a prompt left out of pooling) are pooled into a row
-    that is dropped; mean pooling divides by the tokens each sequence kept; "first" is CLS
-    pooling that takes each sequence's first kept token (after a prompt left out). Empty
-    sequences (padding to a sequence bucket) give garbage rows the caller drops.
+    Tokens with seq_id == N (padding) are pooled into a row that is dropped. Two modes serve
+    models that leave a prompt out of pooling (its tokens carry seq_id == N too): "first" (CLS
+    pooling: each sequence's first kept token) and "mean_kept" (mean pooling divided by the
+    tokens kept, one more kernel than "mean"). Empty sequences (padding to a sequence bucket)
+    give garbage rows the caller drops.
     """
     # Empty dummy sequences may start at T (a batch that fills its bucket): clamp to a valid row.
     if mode == "cls":
@@ -26,13 +27,17 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
         first = torch.full((n + 1,), t - 1, dtype=torch.int64, device=hidden.device)
         first.scatter_reduce_(0, seq_ids, torch.arange(t, device=hidden.device), reduce="amin")
         return hidden.index_select(0, first[:n])
-    if mode == "mean":
+    if mode in ("mean", "mean_kept"):
         n = cu_seqlens.shape[0] - 1
         sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_ids, hidden.float())
-        counts = torch.zeros(n + 1, dtype=torch.float32, device=hidden.device)
-        counts.index_add_(0, seq_ids, torch.ones(seq_ids.shape[0], dtype=torch.float32, device=hidden.device))
-        return sums[:n] / counts[:n].clamp(min=1.0).unsqueeze(1)
+        if mode == "mean":
+            counts = (cu_seqlens[1:] - cu_seqlens[:-1]).float()
+        else:
+            counts = torch.zeros(n + 1, dtype=torch.float32, device=hidden.device)
+            counts.index_add_(0, seq_ids, torch.ones(seq_ids.shape[0], dtype=torch.float32, device=hidden.device))
+            counts = counts[:n]
+        return sums[:n] / counts.clamp(min=1.0).unsqueeze(1)
     raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
 
 
