@@ -84,7 +84,11 @@ def split_k(w: torch.Tensor, bias: torch.Tensor, parts: int):
 
 def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor, config=None):
     """The callable x -> y timed for `strategy`, or None where it does not apply to this layer
-    (or, for `triton-splitk`, where Triton is missing)."""
+    (or, for `triton-splitk`, where Triton is missing). `S@compile` is strategy S under
+    `torch.compile`, so its epilogue (partial sums, bias, cast) fuses as it would in a compiled step."""
+    if strategy.endswith("@compile"):
+        fn = strategy_fn(strategy.removesuffix("@compile"), layer, w, bias, config)
+        return None if fn is None else torch.compile(fn, dynamic=False)
     if strategy == "triton-splitk":
         if splitk.triton is None:
             return None
@@ -110,7 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
     ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune",
-                    help="also: split-k2, split-k4, split-k8, triton-splitk, linear+gelu, gelu-epilogue")
+                    help="also: split-k2, split-k4, split-k8, triton-splitk, linear+gelu, gelu-epilogue; "
+                         "any of them with @compile (e.g. split-k4@compile)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
         x = torch.randn(m, k, device=device, dtype=dtype)
         for strategy in strategies:
             best = None  # (seconds, config): strategies with several configs keep their fastest
-            for config in (splitk.CONFIGS if strategy == "triton-splitk" else [None]):
+            for config in (splitk.CONFIGS if strategy.startswith("triton-splitk") else [None]):
                 fn = strategy_fn(strategy, name, w, bias, config)
                 if fn is None:
                     continue

@@ -20,7 +20,8 @@ except ImportError:  # the CPU machines have no Triton: the probe skips this str
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps) tried per shape; the probe keeps the fastest.
 CONFIGS = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 2, 4), (64, 64, 64, 8, 4),
-           (128, 128, 64, 2, 8), (32, 64, 128, 8, 4)]
+           (128, 128, 64, 2, 8), (32, 64, 128, 8, 4), (128, 64, 64, 8, 4), (128, 64, 128, 4, 8),
+           (128, 128, 64, 4, 8), (64, 32, 128, 8, 4), (128, 32, 64, 8, 4)]
 
 if triton is not None:
     @triton.jit
