@@ -10,14 +10,11 @@ default), cuBLASLt (`preferred_blas_library`), and Inductor's autotuned choice
 to tune). Each row: microseconds per call, weight bandwidth (GB/s) and TFLOP/s. On a CPU only
 the default runs, as a harness check.
 
-Candidates for the engine, not used by it yet (they run where asked with `--strategies`):
-`triton-splitk` (`benchmarks/splitk.py`: tiles over M, N and K with float32 atomics; the fastest of a
-few tile shapes is kept and its config recorded);
-`split-kS`: the reduction split S ways as one batched GEMM (S x [M, K/S] @ [K/S, N]) whose partial
-sums are added with the bias (in a step that addition would fuse into the residual + LayerNorm
-kernel that follows): more thread blocks for small M with long K. `gelu-epilogue` (the FFN's up
-projection only): bias + GELU in cuBLASLt's epilogue (`torch._addmm_activation`, tanh GELU), against
-`linear+gelu`, the same as two kernels.
+Also `linear+gelu` against `gelu-epilogue` (the FFN's up projection only: bias + GELU in cuBLASLt's
+epilogue, `torch._addmm_activation`, tanh GELU) and `S@compile` (strategy S under `torch.compile`).
+Split-K (as a batched GEMM, and as a Triton kernel with float32 atomics, eleven tile shapes) was
+tried here on the H200 (revision 11d1795, `results/history/gemm_bge-m3_candidates.jsonl`): it lost to
+cuBLAS in every cell, 1.4-4x slower, and was removed.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import splitk
 from benchmarks.common import Recorder, progress
 from rose.modeldir import ModelSpec, resolve_model_path
 
@@ -69,35 +65,14 @@ def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def split_k(w: torch.Tensor, bias: torch.Tensor, parts: int):
-    """y = x @ w.T + bias with the reduction split `parts` ways as one batched GEMM, partials summed
-    (kept in float32 on CUDA, as a fused implementation would keep them)."""
-    n, k = w.shape
-    ws = w.view(n, parts, k // parts).permute(1, 2, 0).contiguous()  # [parts, K/parts, N]
-    kw = {"out_dtype": torch.float32} if w.is_cuda else {}
-
-    def fn(x):
-        parts_out = torch.bmm(x.view(x.shape[0], parts, k // parts).transpose(0, 1), ws, **kw)
-        return parts_out.sum(0).to(x.dtype) + bias
-    return fn
-
-
-def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor, config=None):
-    """The callable x -> y timed for `strategy`, or None where it does not apply to this layer
-    (or, for `triton-splitk`, where Triton is missing). `S@compile` is strategy S under
-    `torch.compile`, so its epilogue (partial sums, bias, cast) fuses as it would in a compiled step."""
+def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
+    """The callable x -> y timed for `strategy`, or None where it does not apply to this layer.
+    `S@compile` is strategy S under `torch.compile`, its epilogue fused as in a compiled step."""
     if strategy.endswith("@compile"):
-        fn = strategy_fn(strategy.removesuffix("@compile"), layer, w, bias, config)
+        fn = strategy_fn(strategy.removesuffix("@compile"), layer, w, bias)
         return None if fn is None else torch.compile(fn, dynamic=False)
-    if strategy == "triton-splitk":
-        if splitk.triton is None:
-            return None
-        return lambda x: splitk.splitk_linear(x, w, bias, config or splitk.CONFIGS[0])
     if strategy == "inductor-autotune":
         return torch.compile(lambda x: F.linear(x, w, bias), mode="max-autotune-no-cudagraphs", dynamic=False)
-    if strategy.startswith("split-k"):
-        parts = int(strategy.removeprefix("split-k"))
-        return split_k(w, bias, parts) if w.shape[1] % parts == 0 else None
     if strategy in ("linear+gelu", "gelu-epilogue"):
         if layer != "up":
             return None
@@ -113,9 +88,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
-    ap.add_argument("--strategies", default="cublas,cublaslt,inductor-autotune",
-                    help="also: split-k2, split-k4, split-k8, triton-splitk, linear+gelu, gelu-epilogue; "
-                         "any of them with @compile (e.g. split-k4@compile)")
+    ap.add_argument("--strategies", default="cublas,cublaslt,linear+gelu,gelu-epilogue",
+                    help="also: inductor-autotune (minutes to tune); any of them with @compile")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -130,26 +104,17 @@ def main(argv=None) -> int:
         bias = torch.zeros(n, device=device, dtype=dtype)
         x = torch.randn(m, k, device=device, dtype=dtype)
         for strategy in strategies:
-            best = None  # (seconds, config): strategies with several configs keep their fastest
-            for config in (splitk.CONFIGS if strategy.startswith("triton-splitk") else [None]):
-                fn = strategy_fn(strategy, name, w, bias, config)
-                if fn is None:
-                    continue
-                if cuda:
-                    torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
-                try:
-                    s = time_call(fn, x, cuda)
-                except Exception as e:  # a strategy that cannot run here loses the cell
-                    print(f"gemm: {strategy} {config or ''} failed at {name} {m}x{k}x{n}: {e}")
-                    continue
-                if best is None or s < best[0]:
-                    best = (s, config)
-            if best is None:
+            fn = strategy_fn(strategy, name, w, bias)
+            if fn is None:
                 continue
-            s, config = best
-            rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy,
-                     **({"config": list(config)} if config else {}),
-                     us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
+            if cuda:
+                torch.backends.cuda.preferred_blas_library("cublaslt" if strategy == "cublaslt" else "cublas")
+            try:
+                s = time_call(fn, x, cuda)
+            except Exception as e:  # a strategy that cannot run here loses the cell
+                print(f"gemm: {strategy} failed at {name} {m}x{k}x{n}: {e}")
+                continue
+            rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy, us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
                      tflop_s=round(2 * m * k * n / s / 1e12, 1))
     if cuda:
         torch.backends.cuda.preferred_blas_library("cublas")

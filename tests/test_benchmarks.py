@@ -104,47 +104,13 @@ def test_gemm_candidates_compute_the_same_linear():
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(5, 64, generator=g)
     ref = F.linear(x, w, b)
-    for parts in (2, 4, 8):
-        torch.testing.assert_close(strategy_fn(f"split-k{parts}", "down", w, b)(x), ref, rtol=1e-5, atol=1e-5)
-    assert strategy_fn("split-k3", "down", w, b) is None  # 64 does not split 3 ways
+    torch.testing.assert_close(strategy_fn("cublas", "down", w, b)(x), ref)
     assert strategy_fn("gelu-epilogue", "down", w, b) is None
     torch.testing.assert_close(strategy_fn("linear+gelu", "up", w, b)(x), F.gelu(ref, approximate="tanh"))
     # cuBLASLt's epilogue is tanh GELU; the CPU kernel of _addmm_activation is exact GELU
     torch.testing.assert_close(strategy_fn("gelu-epilogue", "up", w, b)(x), F.gelu(ref))
     with pytest.raises(ValueError, match="unknown GEMM strategy"):
         strategy_fn("cublass", "up", w, b)
-
-
-def test_triton_splitk_candidate():
-    """The Triton split-K GEMM equals F.linear (run by Triton's interpreter on CPU, where Triton is
-    installed; the GEMM probe skips the strategy where it is not)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    from benchmarks import splitk
-    from benchmarks.gemm import strategy_fn
-
-    if splitk.triton is None:
-        import torch
-
-        assert strategy_fn("triton-splitk", "down", torch.zeros(4, 4), torch.zeros(4)) is None
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed here (the CPU build of torch does not bring it)")
-    code = """
-import torch, torch.nn.functional as F
-from benchmarks.splitk import splitk_linear, CONFIGS
-g = torch.Generator().manual_seed(0)
-for m, k, n in [(5, 256, 64), (130, 192, 96)]:
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
-    for c in CONFIGS:
-        c = (min(c[0], 64), min(c[1], 64), min(c[2], 64), c[3], c[4])
-        torch.testing.assert_close(splitk_linear(x, w, b, c), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-"""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_readme_performance_table_matches_the_committed_results():
