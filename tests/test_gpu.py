@@ -170,3 +170,17 @@ def test_token_level_outputs_through_graphs_on_gpu(tmp_path):
     assert F.cosine_similarity(got[0], ref[0]).min() >= 0.9999
     assert torch.allclose(got[1], ref[1], rtol=2e-2, atol=2e-2) and got[1].shape == (147,)
     assert F.cosine_similarity(got[2], ref[2]).min() >= 0.999 and got[2].shape == (147, 64)
+
+
+def test_linear_gelu_is_the_tanh_gelu_of_the_linear_on_cuda():
+    """cuBLASLt's bias + GELU epilogue (the tanh approximation) against the same maths in two steps."""
+    from rose.layers.activation import linear_gelu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 7, 128, 4096):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=g) / 32
+        b = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        want = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh")
+        got = linear_gelu(x, w, b).float()
+        assert F.cosine_similarity(got, want).min().item() >= 0.9999

@@ -13,7 +13,7 @@ import re
 import torch
 from torch import nn
 
-from rose.layers.activation import get_activation
+from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -68,12 +68,18 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """`dense` then the activation. GELU models in half precision on CUDA run both as one GEMM
+    (`linear_gelu`); float32 and CPU keep the two steps, with the exact activation: the reference."""
+
     def __init__(self, cfg: dict):
         super().__init__()
         self.dense = nn.Linear(cfg["hidden_size"], cfg["intermediate_size"])
         self.act = get_activation(cfg.get("hidden_act", "gelu"))
+        self.gelu = cfg.get("hidden_act", "gelu") in GELUS
 
     def forward(self, x):
+        if self.gelu and x.is_cuda and x.dtype != torch.float32:
+            return linear_gelu(x, self.dense.weight, self.dense.bias)
         return self.act(self.dense(x))
 
 
