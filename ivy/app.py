@@ -6,6 +6,7 @@ Routes: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gc
 import hmac
@@ -113,9 +114,11 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         nonlocal balancer
         balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms)
         app.state.balancer = balancer
+        info = asyncio.ensure_future(balancer.fetch_info())
         gc.collect()
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
+        info.cancel()
         await balancer.close()
 
     app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)

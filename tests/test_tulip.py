@@ -210,6 +210,30 @@ def test_balancer_retries_on_another_replica_and_keeps_order(tulip_server, engin
     assert marked_down
 
 
+def test_balancer_fetches_info_once_a_replica_answers(tmp_path):
+    """Ivy asks for Info at start-up until a replica answers, whether or not it is up yet."""
+    port = free_port()
+
+    async def main(proc_box):
+        b = Balancer((f"127.0.0.1:{port}",), max_chunk_tokens=200)
+        try:
+            task = asyncio.ensure_future(b.fetch_info(every=0.1))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # nothing listens yet
+            proc_box.append(Proc(["-m", "tulip", "--port", str(port), "--device", "cpu"], tmp_path))
+            return await asyncio.wait_for(task, 120)
+        finally:
+            await b.close()
+
+    procs = []
+    try:
+        info = run(main(procs))
+    finally:
+        for p in procs:
+            p.stop()
+    assert info.embedding_dim == 384
+
+
 def test_chunking_on_token_budget():
     seqs = [np.zeros(n) for n in (50, 50, 10, 200, 1, 1)]
     assert chunk(seqs, 100) == [(0, 2), (2, 3), (3, 4), (4, 6)]
