@@ -347,6 +347,34 @@ def test_gpu_backends_refuse_the_cpu(name):
         select_backend(name, torch.device("cpu"), torch.float32, (4, 4, 64))
 
 
+def test_flashinfer_workspace_grows_with_the_plan(monkeypatch):
+    """fa2 keeps float32 partial outputs per token in the workspace: a plan over more tokens than
+    128 MiB holds gets a bigger one, and wrappers made before keep theirs (their graphs point at it).
+    FlashInfer itself needs a GPU: a stand-in module records what the backend hands it."""
+    import sys
+    import types
+
+    from rose.layers.attention import FlashInferBackend
+
+    class Wrapper:
+        def __init__(self, workspace, layout, use_cuda_graph=False, qo_indptr_buf=None, kv_indptr_buf=None,
+                     backend="auto"):
+            self.workspace = workspace
+
+        def plan(self, *args, **kw):
+            pass
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=Wrapper))
+    b = FlashInferBackend("fa2", torch.device("cpu"), 16, 8, 128, torch.bfloat16)
+    b.prepare(("small", 512), [0, 512], 512)
+    small = b._current.workspace
+    assert small.numel() == 128 << 20
+    b.prepare(("big", 16384), [0, 16384], 16384)
+    assert b._current.workspace.numel() >= 16384 * 16 * 129 * 4
+    b.prepare(("small", 512), [0, 512], 512)
+    assert b._current.workspace is small
+
+
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="fa4"):
         select_backend("flash", torch.device("cpu"), torch.float32)

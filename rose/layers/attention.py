@@ -159,15 +159,27 @@ class FlashInferBackend(AttentionBackend):
         self._current = None
         self.causal = False
 
-    def _wrapper(self, key, batch: int):
+    def _workspace_for(self, tokens: int) -> torch.Tensor:
+        """The float workspace for plans over `tokens` rows. fa2 may split each row's KV range and keep
+        the partial outputs and log-sum-exps in float32 there, tokens x heads x (head_dim + 1) x 4
+        bytes: 128 MiB did not hold 16,384 tokens of 16 x 128 heads (kernel sweep, H200). It grows and
+        never shrinks; a wrapper keeps the buffer it was made with, so captured graphs keep theirs."""
+        h, _, d = self.shape
+        need = tokens * h * (d + 1) * 4 + (16 << 20)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _wrapper(self, key, batch: int, tokens: int):
         w = self._wrappers.get(key)
         if w is None:
+            workspace = self._workspace_for(tokens)
             if key is None:
-                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=self.backend)
+                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=self.backend)
             else:
                 buf = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
                 w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
-                    self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf, kv_indptr_buf=buf,
+                    workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf, kv_indptr_buf=buf,
                     backend=self.backend)
                 self._wrappers[key] = w
         return w
@@ -176,7 +188,7 @@ class FlashInferBackend(AttentionBackend):
         # Always one more sequence holding the padding tokens (maybe none), so a key's batch
         # size and row count never change between plans.
         indptr = torch.from_numpy(np.append(np.asarray(cu_host, dtype=np.int32), np.int32(num_tokens)))
-        w = self._wrapper(key, len(indptr) - 1)
+        w = self._wrapper(key, len(indptr) - 1, num_tokens)
         h, hk, d = self.shape
         w.plan(indptr, indptr, h, hk, d, causal=self.causal, q_data_type=self.dtype)
         self._current = w
