@@ -7,7 +7,7 @@ check (>= 1.9x one replica).
     python -m benchmarks.concurrency --model bge-m3 --out benchmarks/results [--replicas 1] [--n 2000]
 
 Starts `deploy.local` (one GPU per replica; Tulip settings through TULIP_* variables, e.g.
-TULIP_COMPILE=true TULIP_WARMUP=1x512), checks correctness first (the served vector of the
+TULIP_COMPILE=true TULIP_WARMUP=1-16x512,32x512: every batch 1..16 clients form), checks correctness first (the served vector of the
 benchmark text against a float32 eager engine on the same tokens: cosine >= 0.999, else abort),
 then runs each level.
 """
@@ -31,7 +31,8 @@ PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22":
 
 
 def text_of(tokenizer_path: Path, L: int) -> str:
-    """A text that tokenizes to at least L tokens (sent with truncate: exactly L, or the model's max)."""
+    """A text that tokenizes to L tokens, special tokens included (or as close below as the
+    tokenizer allows), so a request is the published 1 x L and not a bucket above it."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
@@ -43,6 +44,8 @@ def text_of(tokenizer_path: Path, L: int) -> str:
     while len(tok.encode(text).ids) < L:
         text += words[i % len(words)] + " "
         i += 1
+    while len(tok.encode(text).ids) > L:
+        text = text[:-1]
     return text
 
 

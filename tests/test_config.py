@@ -17,6 +17,10 @@ def test_flags_env_and_defaults(monkeypatch):
     assert TulipConfig.from_args(["--compile", "false"]).compile is False
     assert TulipConfig.from_args(["--warmup", "1x128", "--warmup", "4x512"]).warmup == ("1x128", "4x512")
     assert TulipConfig.from_args(["--warmup", "1x128+sparse+colbert"]).warmup == ("1x128+sparse+colbert",)
+    from tulip.config import warmup_shapes
+
+    assert warmup_shapes(("1-3x512", "2x64+sparse")) == [(1, 512, frozenset()), (2, 512, frozenset()),
+                                                         (3, 512, frozenset()), (2, 64, frozenset({"sparse"}))]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.port = 1
 
@@ -42,6 +46,8 @@ def test_repeated_and_env_list(monkeypatch):
     (TulipConfig, ["--dtype", "fp8"], "invalid choice: 'fp8'"),
     (TulipConfig, ["--port", "abc"], "invalid int value: 'abc'"),
     (TulipConfig, ["--warmup", "128"], "warmup shape '128' is not NxL"),
+    (TulipConfig, ["--warmup", "4-2x128"], "warmup shape '4-2x128' is not NxL or A-BxL"),
+    (TulipConfig, ["--warmup", "0x128"], "is not NxL"),
     (TulipConfig, ["--warmup", "1x128+dense"], "outputs after '+' are sparse and/or colbert"),
     (IvyConfig, [], "at least one --tulip"),
     (IvyConfig, ["--tulip", "nohostport"], "'nohostport' is not HOST:PORT or unix:PATH"),

@@ -28,7 +28,8 @@ class TulipConfig:
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512; "
-                                    "NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
+                                    "A-BxL: every N from A to B (e.g. 1-16x512, the batches 16 concurrent callers "
+                                    "form); NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
     max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs "
                               "(once a quarter of --max-batch-tokens is waiting)")
     spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long, then "
@@ -49,13 +50,7 @@ class TulipConfig:
             raise ValueError(
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
             )
-        for w in self.warmup:
-            shape, *extras = w.split("+")
-            n, x, length = shape.partition("x")
-            if not (x and n.isdigit() and length.isdigit() and int(n) > 0 and int(length) > 0):
-                raise ValueError(f"warmup shape {w!r} is not NxL (e.g. 1x128)")
-            if not set(extras) <= {"sparse", "colbert"}:
-                raise ValueError(f"warmup shape {w!r}: outputs after '+' are sparse and/or colbert")
+        warmup_shapes(self.warmup)
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight {self.max_inflight} must be >= 1")
         if self.spin_ms < 0:
@@ -68,3 +63,20 @@ class TulipConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "TulipConfig":
         return parse(cls, argv, "TULIP")
+
+
+def warmup_shapes(specs: tuple[str, ...]) -> list[tuple[int, int, frozenset]]:
+    """--warmup values -> (sequences, length, outputs) per shape: "NxL", "A-BxL" (N = A..B), each
+    optionally "+sparse" / "+colbert". Raises ValueError naming the bad value."""
+    out = []
+    for w in specs:
+        shape, *extras = w.split("+")
+        n, x, length = shape.partition("x")
+        lo, dash, hi = n.partition("-")
+        if not (x and lo.isdigit() and (hi.isdigit() or not dash) and length.isdigit()
+                and 0 < int(lo) <= int(hi or lo) and int(length) > 0):
+            raise ValueError(f"warmup shape {w!r} is not NxL or A-BxL (e.g. 1x128, 1-16x512)")
+        if not set(extras) <= {"sparse", "colbert"}:
+            raise ValueError(f"warmup shape {w!r}: outputs after '+' are sparse and/or colbert")
+        out += [(k, int(length), frozenset(extras)) for k in range(int(lo), int(hi or lo) + 1)]
+    return out

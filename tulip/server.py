@@ -29,7 +29,7 @@ from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.config import TulipConfig
+from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Request, Scheduler
 from tulip.spin import Spinner
@@ -106,18 +106,17 @@ def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
 
 
-def warm_up(engine: Engine, shapes: tuple[str, ...]) -> None:
-    """Run each "NxL" shape (N sequences of L tokens; "+sparse", "+colbert": with those outputs)
+def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
+    """Run each --warmup shape (`warmup_shapes`: N sequences of L tokens, with the outputs after "+")
     three times: eager, capture, replay. A model without an asked output raises ValueError."""
-    for spec in shapes:
-        shape, *extras = spec.split("+")
-        n, _, length = shape.partition("x")
-        n, length = int(n), min(int(length), engine.spec.max_seq_len)
+    for n, length, extras in warmup_shapes(specs):
+        length = min(length, engine.spec.max_seq_len)
         batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
         t0 = time.perf_counter()
         for _ in range(3):
-            engine.step(batch, frozenset(extras)).synchronize()
-        log.info("warmed up %s in %.0f ms", spec, (time.perf_counter() - t0) * 1e3)
+            engine.step(batch, extras).synchronize()
+        log.info("warmed up %dx%d%s in %.0f ms", n, length, "".join(f"+{e}" for e in sorted(extras)),
+                 (time.perf_counter() - t0) * 1e3)
 
 
 def encode(vectors: np.ndarray, encoding: int) -> bytes:
