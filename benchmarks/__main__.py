@@ -3,6 +3,12 @@
     python -m benchmarks run [--suite kernels|gemm|engine|hop|online|scoring|bulk|concurrency|all] [--model bge-m3] [--out DIR]
                              [--tulip-args "..."] [--quick]
 
+`--model` takes several models, comma-separated, each optionally with its own suites after `=`
+(joined by `+`): `--model bge-m3,pplx-embed-1-0.6b=engine+online+bulk` runs `--suite` for bge-m3 and
+those three for pplx. The kernel sweep runs once (it covers both head shapes), the hop with the first
+model. Give the Tulip and the engine `--attention-table benchmarks/results` (the directory) so each
+model takes the table of its own head shape.
+
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
 `kernels` sweeps the attention backends and writes the selection table (benchmarks.kernels);
 `gemm` times the model's linear layers per GEMM strategy (benchmarks.gemm);
@@ -57,11 +63,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     suites = SUITES if args.suite == "all" else tuple(args.suite.split(","))
-    unknown = set(suites) - set(SUITES)
+    models = []  # (model, its suites)
+    for spec in args.model.split(","):
+        name, eq, own = spec.partition("=")
+        models.append((name, tuple(own.split("+")) if eq else suites))
+    unknown = {s for _, ss in models for s in ss} - set(SUITES)
     if unknown:
         ap.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)} or all")
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = parts(args, suites)
+    todo = [part for i, (model, ss) in enumerate(models) for part in parts(args, model, ss, first=i == 0)]
     state_path = args.out / "run-state.json"
     signature = {"git": environment()["git"], "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
                  "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
@@ -109,36 +119,39 @@ def merge(src: Path, dst: Path, pattern: str = "*") -> None:
             shutil.copy(f, dst / f.name)
 
 
-def parts(args, suites) -> list[tuple[str, object]]:
-    """The run's parts in order, each (name, out_dir -> exit status); one Tulip serves online, scoring and bulk."""
+def parts(args, model: str, suites, first: bool = True) -> list[tuple[str, object]]:
+    """One model's parts in order, each (name, out_dir -> exit status); one Tulip serves online, scoring
+    and bulk. Parts of models after the first are named `part@model`; the kernel sweep and the hop
+    run with the first model only."""
     q = args.quick
     out: list[tuple[str, object]] = []
-    if "kernels" in suites:
+    if "kernels" in suites and first:
         quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if q else []
         out.append(("kernels", lambda d, quick=quick: kernels.main(["--out", d, *quick])))
     if "gemm" in suites:
-        out.append(("gemm", lambda d: gemm.main(["--model", args.model, "--out", d, *(["--tokens", "16"] if q else [])])))
+        out.append(("gemm", lambda d: gemm.main(["--model", model, "--out", d, *(["--tokens", "16"] if q else [])])))
     if "engine" in suites:
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if q else []
-        out.append(("engine", lambda d, quick=quick: engine.main(["--model", args.model, "--out", d, *quick,
+        out.append(("engine", lambda d, quick=quick: engine.main(["--model", model, "--out", d, *quick,
                                                                   *shlex.split(args.engine_args)])))
-    if "hop" in suites:
+    if "hop" in suites and first:
         n = ["--n", "20"] if q else []
         out.append(("hop", lambda d: hop.main(["--out", d, "--device-ms", "1", *n])
-                    | hop.main(["--out", d, "--model", args.model, *([] if q else ["--compile"]), *n])))
+                    | hop.main(["--out", d, "--model", model, *([] if q else ["--compile"]), *n])))
     grpc_suites = [s for s in suites if s in ("online", "scoring", "bulk")]
     if grpc_suites:
         quick = (["--n", "5", "--n-scoring", "2", "--lengths", "16,64", "--scoring-length", "32",
                   "--bulk-lengths", "32,64", "--bulk-requests", "1,1"] if q else [])
         out.append(("+".join(grpc_suites), lambda d, quick=quick: online.main(
-            ["--model", args.model, "--out", d, "--suites", ",".join(grpc_suites), "--tulip-args", args.tulip_args,
+            ["--model", model, "--out", d, "--suites", ",".join(grpc_suites), "--tulip-args", args.tulip_args,
              "--transport", args.transport, *quick])))
     if "concurrency" in suites:
         quick = ["--n", "8", "--levels", "1,4", "--length", "64", "--bulk-requests", "1"] if q else []
         for r in args.replicas.split(","):
             out.append((f"concurrency-replicas-{r}", lambda d, r=r, quick=quick: concurrency.main(
-                ["--model", args.model, "--out", d, "--replicas", r, "--ivy-workers", args.ivy_workers, *quick])))
-    return out
+                ["--model", model, "--out", d, "--replicas", r, "--ivy-workers", args.ivy_workers, *quick])))
+    return out if first else [(f"{name}@{model}", fn) for name, fn in out]
+
 
 if __name__ == "__main__":
     sys.exit(main())

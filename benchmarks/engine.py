@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
-    name = args.model.replace("/", "_")
+    name = Path(args.model).name
     attention = "table" if args.attention_table and args.attention == "auto" else args.attention
     tag = f"{name}_{attention}_{args.graphs}" + ("_compiled" if args.compile else "")
     rec = Recorder(args.out, f"engine_{tag}")

@@ -126,7 +126,7 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
                 engine = Engine(EngineConfig(model=args["model"], attention=args["attention"], compile=args["compile"]))
             else:
                 engine = NullEngine(args["device_ms"])
-            loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"]))
+            loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"], max_batch_tokens=16384))
             loop.start()
             info = await _in_process(loop, args["n"])
             servicer = TulipServicer(loop, "null")

@@ -22,6 +22,7 @@ import torch
 
 from benchmarks.common import Recorder, progress, pyplot
 from rose.layers.attention import BACKENDS, AttentionMetadata, select_backend
+from rose.layers.attention_table import table_file
 
 
 def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int) -> float:
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                  "gpu": rec.env["gpu"], "torch": rec.env["torch"], "when": rec.env["when"], "cells": cells}
         if args.out is not None:
             tag = "x".join(map(str, heads))
-            (args.out / f"attention_table_{tag}.json").write_text(json.dumps(table, indent=1))
+            (args.out / table_file(heads)).write_text(json.dumps(table, indent=1))
             heat_map(table, args.out / f"kernels_{tag}.png")
     return 0
 

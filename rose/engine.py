@@ -49,7 +49,8 @@ class EngineConfig:
     compile:   fuse the post-attention elementwise work of each layer with torch.compile
                (Inductor); compiled on first use of each shape, so warm up before serving.
     attention_table: with attention "auto", a JSON table from `python -m benchmarks.kernels`
-               choosing the backend per (sequences, max length); "" uses the default choice.
+               choosing the backend per (sequences, max length), or a directory of them (the one for
+               the model's head shape is used); "" uses the default choice.
     """
 
     model: str = "default"

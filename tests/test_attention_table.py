@@ -8,7 +8,7 @@ import torch
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.layers.attention import AttentionBackend, SdpaBackend
-from rose.layers.attention_table import TableBackend, load_table
+from rose.layers.attention_table import TableBackend, load_table, table_file
 from tests.checkpoints import save_checkpoint
 
 
@@ -63,6 +63,11 @@ def test_load_table_checks_heads_and_drops_unavailable(tmp_path):
     path.write_text(json.dumps({"heads": [4, 4, 16], "causal": False, "cells": cells}))
     t = load_table(path, (4, 4, 16), False, make, fb)
     assert t.pick(1, 128).name == "b" and t.pick(16, 4096).name == "a"
+
+    # A directory of the sweep's tables: the one named for the model's head shape, else the default.
+    path.rename(tmp_path / table_file((4, 4, 16)))
+    assert isinstance(load_table(tmp_path, (4, 4, 16), False, make, fb), TableBackend)
+    assert load_table(tmp_path, (8, 4, 16), False, make, fb) is fb
 
 
 def test_engine_uses_a_table(tmp_path):

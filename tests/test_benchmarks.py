@@ -94,6 +94,20 @@ def test_run_resumes_where_it_stopped(tiny, tmp_path):
     third = run("--engine-args", "--iters 3")  # another command: starts over
     assert "starting over" in third and "already done" not in third
 
+def test_run_takes_several_models_each_with_its_suites(tiny, tmp_path):
+    """`--model A,B=engine` runs --suite for A and only the engine for B, B's parts named part@B."""
+    other = tmp_path / "other-model"
+    save_checkpoint("xlm-roberta", other, vocab_size=30522, max_position_embeddings=130)
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--suite", "gemm", "--quick", "--model",
+                        f"{tiny},{other}=engine", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "run-state.json").read_text())["done"] == ["gemm", f"engine@{other}"]
+    assert (out / f"gemm_{tiny.name}.jsonl").is_file() and list(out.glob("engine_other-model*.jsonl"))
+    assert not list(out.glob(f"engine_{tiny.name}*.jsonl"))
+
+
 def test_gemm_candidates_compute_the_same_linear():
     """The GEMM probe's candidate strategies are the same maths as F.linear (+ GELU)."""
     import torch

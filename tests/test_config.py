@@ -42,7 +42,7 @@ def test_repeated_and_env_list(monkeypatch):
 
 @pytest.mark.parametrize("cls, argv, fragment", [
     (TulipConfig, ["--port", "70000"], "port 70000"),
-    (TulipConfig, ["--max-batch-tokens", "0"], "max_batch_tokens 0"),
+    (TulipConfig, ["--max-batch-tokens", "-1"], "max_batch_tokens -1"),
     (TulipConfig, ["--dtype", "fp8"], "invalid choice: 'fp8'"),
     (TulipConfig, ["--port", "abc"], "invalid int value: 'abc'"),
     (TulipConfig, ["--warmup", "128"], "warmup shape '128' is not NxL"),

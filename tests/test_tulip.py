@@ -38,6 +38,28 @@ def test_info_and_health(tulip_server):
     assert (info.pooling, info.normalized, list(info.outputs)) == ("mean", True, [tulip_pb2.OUTPUT_DENSE])
     assert list(info.encodings) == [tulip_pb2.ENCODING_FLOAT32]
     assert info.attention == "sdpa"  # the backend serving (on a GPU, e.g. "table(fa4+varlen)")
+    assert info.max_batch_tokens == 16384  # the default budget, the model's 256 being shorter
+
+
+def test_default_batch_budget_fits_a_long_model(tmp_path):
+    """Without --max-batch-tokens, a model longer than 16384 tokens (Qwen3's 32768) still starts:
+    the step budget is its max sequence length."""
+    from tests.checkpoints import save_checkpoint
+
+    path, _ = save_checkpoint("bert", tmp_path / "long", max_position_embeddings=20000)
+    port = free_port()
+    proc = Proc(["-m", "tulip", "--model", str(path), "--port", str(port), "--device", "cpu"], tmp_path)
+    try:
+        proc.wait_for(lambda: "TULIP_READY" in proc.output())
+
+        async def main():
+            async with TulipClient(f"127.0.0.1:{port}") as c:
+                return await c.info()
+
+        info = run(main())
+    finally:
+        proc.stop()
+    assert (info.max_seq_len, info.max_batch_tokens) == (20000, 20000)
 
 
 def test_embed_matches_engine_and_dimensions(tulip_server, engine):

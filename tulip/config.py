@@ -23,7 +23,8 @@ class TulipConfig:
     attention: str = field("auto", "attention backend",
                            choices=("auto", *BACKENDS))
     attention_table: str = field("", "with --attention auto: JSON table from `python -m benchmarks.kernels` choosing "
-                                 "the backend per batch shape")
+                                 "the backend per batch shape, or a directory of them (e.g. benchmarks/results: the "
+                                 "one for the model's head shape)")
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
@@ -35,7 +36,8 @@ class TulipConfig:
     spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long, then "
                            "wait in a thread, and keep the loop polling this long after each step (lowest latency, "
                            "one busy core meanwhile); 0: always a thread, no polling")
-    max_batch_tokens: int = field(16384, "token budget of one engine step (>= the model's max sequence length)")
+    max_batch_tokens: int = field(0, "token budget of one engine step, >= the model's max sequence length; "
+                                  "0: 16384, or that length where it is longer (e.g. 32768 for Qwen3)")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
@@ -44,8 +46,8 @@ class TulipConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} {getattr(self, name)} is not in 0..65535")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be >= 1 (or 0: from the model)")
         if self.max_queued_tokens < self.max_batch_tokens:
             raise ValueError(
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"

@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -36,6 +36,7 @@ from tulip.spin import Spinner
 
 log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
+DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens 0: this, or the model's max sequence length where longer
 
 
 def parse_request(req: tulip_pb2.EmbedRequest,
@@ -182,6 +183,8 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
+        if cfg.max_batch_tokens < 1:
+            raise ValueError("EngineLoop needs max_batch_tokens >= 1 (serve() resolves 0 from the model)")
         self.engine = engine
         self.cfg = cfg
         self.metrics = metrics or TulipMetrics()
@@ -529,6 +532,8 @@ async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table))
+    if not cfg.max_batch_tokens:
+        cfg = replace(cfg, max_batch_tokens=max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len))
     if cfg.max_batch_tokens < engine.spec.max_seq_len:
         raise ValueError(
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "

@@ -53,14 +53,26 @@ class TableBackend(AttentionBackend):
         return self._current(q, k, v, meta)
 
 
+def table_file(heads: tuple[int, int, int]) -> str:
+    """The file name the kernel sweep gives the table of a head shape (q heads, kv heads, head dim)."""
+    return "attention_table_{}x{}x{}.json".format(*heads)
+
+
 def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backend, fallback) -> AttentionBackend:
-    """A TableBackend from `path`, or `fallback` (with a log line) when the table does not fit.
+    """A TableBackend from `path` (a table, or a directory holding the sweep's tables: the one for
+    `heads` is used), or `fallback` (with a log line) when there is none or it does not fit.
 
     make_backend(name) builds a backend or raises (not installed / unsupported). A cell whose winner
     is unavailable here takes the fastest backend that is (its `tokens_per_s`), so a table swept with
     an optional backend (FlashAttention 4) still fits a machine without it; a cell with none is dropped.
     """
-    table = json.loads(Path(path).read_text())
+    path = Path(path)
+    if path.is_dir():
+        path = path / table_file(heads)
+        if not path.is_file():
+            log.warning("no attention table for heads %s in %s; using %s", heads, path.parent, fallback.name)
+            return fallback
+    table = json.loads(path.read_text())
     if tuple(table.get("heads", ())) != tuple(heads) or bool(table.get("causal")) != causal:
         log.warning("attention table %s is for heads %s causal=%s, not %s causal=%s; using %s", path,
                     table.get("heads"), table.get("causal"), heads, causal, fallback.name)
