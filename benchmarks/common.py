@@ -148,6 +148,26 @@ def spawn_until_ready(module_args: list[str], ready_text: str, log: Path, timeou
     raise TimeoutError(f"{module_args[0]} was not ready after {timeout:.0f} s")
 
 
+_CLIENT_LOOP = None
+
+
+def run_client(coro):
+    """Run a gRPC client coroutine on this process's one client event loop (uvloop where installed,
+    as Ivy runs). grpc.aio ties its completion-queue poller to the loops it has served: a fresh
+    `asyncio.run` per cell left it waking closed loops ("Event loop is closed")."""
+    global _CLIENT_LOOP
+    if _CLIENT_LOOP is None:
+        try:
+            import uvloop
+
+            _CLIENT_LOOP = uvloop.new_event_loop()
+        except ImportError:
+            import asyncio
+
+            _CLIENT_LOOP = asyncio.new_event_loop()
+    return _CLIENT_LOOP.run_until_complete(coro)
+
+
 def free_port() -> int:
     import socket
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles
+from benchmarks.common import Recorder, free_port, percentiles, run_client
 
 
 class TimedEvent:
@@ -170,7 +170,6 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="with --model")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    import uvloop
 
     rec = Recorder(args.out, f"hop_{Path(args.model).name if args.model else f'null-{args.device_ms:g}ms'}")
     ctx = mp.get_context("spawn")
@@ -191,8 +190,7 @@ def main(argv=None) -> int:
                 rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
             for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
                                       ("stream", f"unix:{uds}")):
-                uvloop.install()
-                r = asyncio.run(_measure(target, transport, args.n, args.client_spin_ms))
+                r = run_client(_measure(target, transport, args.n, args.client_spin_ms))
                 rec.emit(**common, transport=transport, socket="unix" if target.startswith("unix") else "tcp", **r)
         finally:
             p.terminate()

@@ -14,7 +14,6 @@ under 0.1%, or the run aborts), then measures, as published in ../shared/DESIGN.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
 import sys
 import time
@@ -30,6 +29,7 @@ from benchmarks.common import (
     percentiles,
     progress,
     pyplot,
+    run_client,
     spawn_until_ready,
 )
 
@@ -88,12 +88,7 @@ def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str =
     (from a uvloop event loop where uvloop is installed, as Ivy runs; `spin_ms`: TulipClient's)."""
     seqs = [rand_seqs(n_seqs, L, vocab, seed=i) for i in range(8)]
     if transport == "stream":
-        try:
-            import uvloop
-            run = uvloop.run  # (uvloop >= 0.18)
-        except (ImportError, AttributeError):
-            run = asyncio.run
-        return run(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}", spin_ms))
+        return run_client(_sequential_stream(target, seqs, n, f"{n_seqs}x{L}", spin_ms))
     reqs = [_request(s) for s in seqs]
     for r in reqs:  # warm every graph key this cell uses
         stub.Embed(r)
@@ -203,7 +198,7 @@ def main(argv=None) -> int:
         port = free_port()
         proc = spawn_tulip(args.model, args.tulip_args, port, log)
         target = f"127.0.0.1:{port}"
-    name = args.model.replace("/", "_")
+    name = Path(args.model).name
     rec = Recorder(args.out, f"online_{name}")
     try:
         ch, stub = _stub(target)
