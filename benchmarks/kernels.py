@@ -25,8 +25,10 @@ from rose.layers.attention import BACKENDS, AttentionMetadata, select_backend
 from rose.layers.attention_table import table_file
 
 
-def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int) -> float:
-    """Median seconds per layer of attention over n sequences of L tokens, timed the way a step runs it.
+def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int,
+                 budget_s: float = 1.0) -> float:
+    """Median seconds per layer of attention over n sequences of L tokens, timed the way a step runs it
+    (`iters` times, or at least 3 and as many as fit in `budget_s`).
 
     On CUDA a capturable backend is planned once (`prepare`, on the host) and then replays a
     CUDA graph of `layers` calls, as a model's forward does; the time includes the plan and its
@@ -60,8 +62,10 @@ def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, laye
             backend(q, k, v, meta)
         per_call = 1
     run()
-    ts = []
+    ts, t_end = [], time.perf_counter() + budget_s
     for _ in range(iters):
+        if len(ts) >= 3 and time.perf_counter() > t_end:  # slow cells (SDPA at 24 x 8192) stop early
+            break
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
