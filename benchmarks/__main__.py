@@ -5,8 +5,8 @@
 
 `--model` takes several models, comma-separated, each optionally with its own suites after `=`
 (joined by `+`): `--model bge-m3,pplx-embed-1-0.6b=engine+online+bulk` runs `--suite` for bge-m3 and
-those three for pplx. The kernel sweep runs once (it covers both head shapes), the hop with the first
-model. Give the Tulip and the engine `--attention-table benchmarks/results` (the directory) so each
+those three for pplx. The kernel sweep runs once (it covers both head shapes), and so does the hop,
+each with the first model that lists it. Give the Tulip and the engine `--attention-table benchmarks/results` (the directory) so each
 model takes the table of its own head shape.
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)} or all")
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = [part for i, (model, ss) in enumerate(models) for part in parts(args, model, ss, first=i == 0)]
+    once: set[str] = set()  # model-independent parts (the sweep; the hop, done with one model) run once
+    todo = [part for i, (model, ss) in enumerate(models) for part in parts(args, model, ss, i == 0, once)]
     state_path = args.out / "run-state.json"
     signature = {"git": environment()["git"], "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
                  "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
@@ -119,13 +120,15 @@ def merge(src: Path, dst: Path, pattern: str = "*") -> None:
             shutil.copy(f, dst / f.name)
 
 
-def parts(args, model: str, suites, first: bool = True) -> list[tuple[str, object]]:
+def parts(args, model: str, suites, first: bool = True, once: set | None = None) -> list[tuple[str, object]]:
     """One model's parts in order, each (name, out_dir -> exit status); one Tulip serves online, scoring
     and bulk. Parts of models after the first are named `part@model`; the kernel sweep and the hop
-    run with the first model only."""
+    run once, with the first model that lists them (`once` collects what has been placed)."""
+    once = set() if once is None else once
     q = args.quick
     out: list[tuple[str, object]] = []
-    if "kernels" in suites and first:
+    if "kernels" in suites and "kernels" not in once:
+        once.add("kernels")
         quick = ["--heads", "4,4,16", "--seqs", "1,4", "--lengths", "16,64", "--iters", "3"] if q else []
         out.append(("kernels", lambda d, quick=quick: kernels.main(["--out", d, *quick])))
     if "gemm" in suites:
@@ -134,7 +137,8 @@ def parts(args, model: str, suites, first: bool = True) -> list[tuple[str, objec
         quick = ["--iters", "5", "--repeats", "1", "--lengths", "16,64"] if q else []
         out.append(("engine", lambda d, quick=quick: engine.main(["--model", model, "--out", d, *quick,
                                                                   *shlex.split(args.engine_args)])))
-    if "hop" in suites and first:
+    if "hop" in suites and "hop" not in once:
+        once.add("hop")
         n = ["--n", "20"] if q else []
         out.append(("hop", lambda d: hop.main(["--out", d, "--device-ms", "1", *n])
                     | hop.main(["--out", d, "--model", model, *([] if q else ["--compile"]), *n])))

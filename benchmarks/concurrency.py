@@ -40,11 +40,14 @@ def text_of(tokenizer_path: Path, L: int) -> str:
     tok.no_padding()
     words = ("search engines rank documents by relevance to a query using many signals and learned "
              "representations of meaning ").split()
+    floor = len(tok.encode("").ids)  # the special tokens alone
+    if L <= floor:
+        raise ValueError(f"--length {L}: this tokenizer adds {floor} special tokens; ask for more")
     text, i = "", 0
     while len(tok.encode(text).ids) < L:
         text += words[i % len(words)] + " "
         i += 1
-    while len(tok.encode(text).ids) > L:
+    while len(tok.encode(text).ids) > L and len(text) > 1:
         text = text[:-1]
     return text
 

@@ -86,15 +86,17 @@ def time_throughput(engine: Engine, lens, repeats: int) -> dict:
 
 def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str, compiled: bool):
     """Hugging Face transformers on the same shapes (bf16, SDPA, in-process: no network): eager, or
-    under torch.compile(mode="reduce-overhead") (CUDA graphs per shape; compiled on first use)."""
+    under torch.compile(mode="reduce-overhead") (CUDA graphs per shape; compiled on first use). The
+    model is transformers' class for the family (`AutoModel`), named in the rows' backend."""
     import transformers
 
-    cfg_cls = transformers.XLMRobertaConfig if spec.model_type == "xlm-roberta" else transformers.BertConfig
-    cfg = cfg_cls(**{k: v for k, v in spec.config.items() if k not in ("architectures", "model_type")})
-    cls = transformers.XLMRobertaModel if spec.model_type == "xlm-roberta" else transformers.BertModel
-    model = cls(cfg, add_pooling_layer=False).to("cuda", torch.bfloat16).eval()
+    cfg = transformers.AutoConfig.for_model(
+        spec.model_type, **{k: v for k, v in spec.config.items() if k not in ("architectures", "model_type")})
+    kw = {"add_pooling_layer": False} if spec.model_type in ("bert", "xlm-roberta") else {}
+    model = transformers.AutoModel.from_config(cfg, **kw).to("cuda", torch.bfloat16).eval()
     model.config._attn_implementation = "sdpa"
-    backend = "hf-compile-reduce-overhead" if compiled else "hf-eager-sdpa"
+    # transformers' own class for the family (Qwen3Model is causal even where the served model is not)
+    backend = ("hf-compile-reduce-overhead" if compiled else "hf-eager-sdpa") + f" ({type(model).__name__})"
     run = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
 
     def embed(ids):

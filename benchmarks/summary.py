@@ -115,8 +115,10 @@ def engine_table(rows: list[dict], model: str) -> list[str]:
     best_thr = max((r["emb_per_s"] for r in eng if r["cell"] == "100x512 throughput"), default=None)
     for name, label in (("hf-eager-sdpa", "HF transformers eager bf16 SDPA (padded, same shapes)"),
                         ("hf-compile-reduce-overhead", "HF + torch.compile(mode=reduce-overhead)")):
-        hf = {r["cell"]: r for r in rows if r.get("backend") == name and r.get("model") == model}
+        hf = {r["cell"]: r for r in rows if r.get("backend", "").startswith(name) and r.get("model") == model}
         if hf:
+            cls = next(iter(hf.values()))["backend"].removeprefix(name).strip()  # e.g. "(XLMRobertaModel)"
+            label = f"{label} {cls}".rstrip()
             def p50(L, hf=hf):
                 r = hf.get(f"step 1x{L}")
                 if not r:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import hmac
 import logging
@@ -119,6 +120,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
         info.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await info
         await balancer.close()
 
     app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)

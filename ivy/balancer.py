@@ -77,9 +77,13 @@ class Balancer:
     async def fetch_info(self, every: float = 0.5) -> tulip_pb2.InfoReply:
         """Ask for Info until a replica answers: run at start-up, so no request waits on it (a worker
         asking first under load once met a 2 s Info timeout on both busy replicas and answered 503)."""
-        while (info := await self.info()) is None:
+        while True:
+            try:
+                if (info := await self.info()) is not None:
+                    return info
+            except Exception:  # not an RPC status (those info() absorbs): say so and keep asking
+                log.exception("asking the replicas for Info failed")
             await asyncio.sleep(every)
-        return info
 
     async def ready(self) -> bool:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))

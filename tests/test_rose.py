@@ -370,7 +370,7 @@ def test_flashinfer_workspace_grows_with_the_plan(monkeypatch):
     small = b._current.workspace
     assert small.numel() == 128 << 20
     b.prepare(("big", 16384), [0, 16384], 16384)
-    assert b._current.workspace.numel() >= 16384 * 16 * 129 * 4
+    assert b._current.workspace.numel() >= (16384 + 128 * 3) * 16 * 129 * 4
     b.prepare(("small", 512), [0, 512], 512)
     assert b._current.workspace is small
 

@@ -533,7 +533,11 @@ async def serve(cfg: TulipConfig) -> int:
     engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table))
     if not cfg.max_batch_tokens:
-        cfg = replace(cfg, max_batch_tokens=max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len))
+        budget = max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len)
+        if cfg.max_queued_tokens < budget:
+            raise ValueError(f"max_queued_tokens {cfg.max_queued_tokens} is below this model's step budget {budget} "
+                             f"({DEFAULT_BATCH_TOKENS}, or its maximum length where longer); raise it")
+        cfg = replace(cfg, max_batch_tokens=budget)
     if cfg.max_batch_tokens < engine.spec.max_seq_len:
         raise ValueError(
             f"max_batch_tokens {cfg.max_batch_tokens} is smaller than the model's max sequence length "

@@ -159,21 +159,22 @@ class FlashInferBackend(AttentionBackend):
         self._current = None
         self.causal = False
 
-    def _workspace_for(self, tokens: int) -> torch.Tensor:
-        """The float workspace for plans over `tokens` rows. fa2 may split each row's KV range and keep
-        the partial outputs and log-sum-exps in float32 there, tokens x heads x (head_dim + 1) x 4
-        bytes: 128 MiB did not hold 16,384 tokens of 16 x 128 heads (kernel sweep, H200). It grows and
+    def _workspace_for(self, tokens: int, batch: int) -> torch.Tensor:
+        """The float workspace for plans over `tokens` rows in `batch` sequences. fa2 may split each
+        row's KV range and keep the partial outputs and log-sum-exps in float32 there, about
+        (tokens + 128 per sequence of tile padding) x heads x (head_dim + 1) x 4 bytes: 128 MiB did
+        not hold 16,384 tokens of 16 x 128 heads (kernel sweep, H200). It grows in powers of two and
         never shrinks; a wrapper keeps the buffer it was made with, so captured graphs keep theirs."""
         h, _, d = self.shape
-        need = tokens * h * (d + 1) * 4 + (16 << 20)
+        need = (tokens + 128 * (batch + 1)) * h * (d + 1) * 4 + (16 << 20)
         if self._workspace.numel() < need:
-            self._workspace = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._workspace = torch.empty(1 << (need - 1).bit_length(), dtype=torch.uint8, device=self.device)
         return self._workspace
 
     def _wrapper(self, key, batch: int, tokens: int):
         w = self._wrappers.get(key)
         if w is None:
-            workspace = self._workspace_for(tokens)
+            workspace = self._workspace_for(tokens, batch)
             if key is None:
                 w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=self.backend)
             else:
