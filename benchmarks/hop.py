@@ -100,7 +100,8 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
 
     from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
     from tulip.config import TulipConfig
-    from tulip.server import EngineLoop, TulipServicer
+    from tulip.loop import EngineLoop
+    from tulip.server import TulipServicer
 
     class Echo(tulip_pb2_grpc.TulipServicer):
         reply = tulip_pb2.EmbedReply(embeddings=bytes(4096), shape=[1, 1024], prompt_tokens=128)

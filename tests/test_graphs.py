@@ -220,7 +220,7 @@ def test_token_level_outputs_through_graphs(tmp_path):
     torch.testing.assert_close(dense, ref[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no \\['bogus'\\] output"):
         e.step(batch, frozenset({"bogus"}))
-    from tulip.server import warm_up
+    from tulip.loop import warm_up
 
     warm_up(e, ("2x16+sparse+colbert", "1x8"))  # Tulip's --warmup runs the steps with those outputs
     with pytest.raises(ValueError, match="no \\['colbert'\\] output"):

@@ -1,0 +1,301 @@
+"""Tulip's engine loop: FCFS batches from the `Scheduler`, launched on the engine while up to
+`max_inflight - 1` earlier steps still run, each step's rows scattered to its requests' callbacks.
+
+`EngineLoop` owns the scheduler and the engine; the gRPC servicer (`tulip.server`) only validates,
+submits and replies. `warm_up` runs the --warmup shapes before serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from rose.batch import Batch
+from rose.engine import Engine
+from tulip.config import TulipConfig, warmup_shapes
+from tulip.metrics import TulipMetrics
+from tulip.scheduler import Request, Scheduler
+from tulip.spin import Spinner
+
+log = logging.getLogger("tulip")
+
+
+def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Max weight per token id in first-occurrence order; special tokens and weights <= 0 dropped."""
+    keep = (weights > 0) & ~np.isin(ids, special)
+    ids, weights = ids[keep], weights[keep]
+    uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    best = np.zeros(len(uniq), dtype=np.float32)
+    np.maximum.at(best, inverse, weights)
+    order = np.argsort(first, kind="stable")
+    return uniq[order], best[order]
+
+def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
+    """Run each --warmup shape (`warmup_shapes`: N sequences of L tokens, with the outputs after "+")
+    three times: eager, capture, replay. A model without an asked output raises ValueError."""
+    for n, length, extras in warmup_shapes(specs):
+        length = min(length, engine.spec.max_seq_len)
+        batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            engine.step(batch, extras).synchronize()
+        log.info("warmed up %dx%d%s in %.0f ms", n, length, "".join(f"+{e}" for e in sorted(extras)),
+                 (time.perf_counter() - t0) * 1e3)
+
+
+def _deliver(req: Request, rows, error) -> None:
+    """Call a request's completion callback; its failure is its own, never the engine loop's."""
+    if req.timer is not None:
+        req.timer.cancel()
+    try:
+        req.on_done(req, rows, error)
+    except Exception:
+        log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
+
+
+def _run_step(engine: Engine, batch: Batch, extras: frozenset):
+    return engine.step(batch, extras).synchronize()
+
+
+class _StepThread:
+    """A CPU step running in the step thread, with LazyTensor's ready / synchronize / await."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self):
+        return self.future.result()
+
+    def __await__(self):
+        return asyncio.wrap_future(self.future).__await__()
+
+
+@dataclass(eq=False)
+class _Step:
+    slots: list
+    lazy: object  # LazyTensor, or _StepThread on CPU
+    launched: float
+    watched_from: float = 0.0
+
+
+class EngineLoop:
+    """Owns the scheduler and the engine; answers each request through its `on_done` callback.
+
+    No task sits between a request and the GPU: `submit_nowait` queues the request and,
+    when a step slot is free (at most `max_inflight` in flight), launches the next FCFS
+    batch at once (on CUDA `engine.step` only queues work). While a step runs, another is
+    launched only once a quarter of a batch's token budget is waiting; fewer requests wait
+    for the running step and go together in the next. The oldest step is watched by
+    polling its event from the event loop for up to `spin_ms` (a wake-up costs a few
+    microseconds, not a thread hand-off), then by a waiter thread; after a step completes the
+    loop keeps polling for `spin_ms` more (`Spinner`), so the next request is read at once.
+    When a step completes, the next batch is launched, then its rows are scattered and
+    finished requests answered, so batch N+1 runs while batch N's results are sent.
+    """
+
+    def __init__(self, engine: Engine, cfg: TulipConfig, metrics: TulipMetrics | None = None):
+        if cfg.max_batch_tokens < 1:
+            raise ValueError("EngineLoop needs max_batch_tokens >= 1 (serve() resolves 0 from the model)")
+        self.engine = engine
+        self.cfg = cfg
+        self.metrics = metrics or TulipMetrics()
+        self.scheduler = Scheduler(cfg.max_batch_tokens)
+        self.metrics.queue_tokens.set_function(lambda: self.scheduler.queued_tokens)
+        self.metrics.queue_requests.set_function(lambda: len(self.scheduler))
+        self._inflight: deque[_Step] = deque()
+        # On CPU the forward runs in the step; keep it off the event loop.
+        self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
+        self._spin_s = cfg.spin_ms / 1e3 if self._executor is None else 0.0
+        # A step launched while another runs pays a step's fixed cost (~0.9 ms for BGE-M3 on an
+        # H200) for whatever is queued; for a few requests that costs more than waiting for the
+        # running step and joining the next, larger one.
+        self._overlap_tokens = cfg.max_batch_tokens // 4
+        self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._watching = False  # a _watch callback or _wait task owns the oldest step
+        # After a step completes the loop stays awake for spin_ms, so the next request (and the
+        # replies being written) are picked up without an epoll wake-up.
+        self._idle = Spinner(self._spin_s)
+
+    def start(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Wait (up to `timeout` s) for the steps in flight, fail what is left, release the step thread."""
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        if self._inflight:
+            log.warning("tulip: %d steps still running after %.1f s; failing their requests",
+                        len(self._inflight), timeout)
+            while self._inflight:
+                self._fail(self._inflight.popleft().slots, RuntimeError("the server is stopping"))
+        if self._executor:
+            self._executor.shutdown(wait=False)
+
+    def cancel(self, req: Request) -> None:
+        """The caller is gone: drop what is still queued of `req`; its computed rows are discarded."""
+        self.scheduler.drop(req)
+        req.cancelled = True
+        if req.timer is not None:
+            req.timer.cancel()
+
+    def submit_nowait(self, req: Request) -> None:
+        """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
+        when the queue is full. Launches a step at once if a slot is free."""
+        if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
+            raise OverflowError(
+                f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds {req.num_tokens}, "
+                f"limit {self.cfg.max_queued_tokens}"
+            )
+        req.queued_at = time.monotonic()
+        self.scheduler.add(req)
+        if req.deadline:
+            req.timer = self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
+        self._pump()
+
+    def _expire(self, req: Request) -> None:
+        """A deadline passed: a request still (partly) queued is answered now; one fully running completes."""
+        if not req.cancelled and self.scheduler.drop(req):
+            _deliver(req, None, TimeoutError("deadline passed while the request was queued"))
+
+    async def submit(self, req: Request) -> np.ndarray:
+        """Queue `req` and wait for its [n, dim] float32 rows; cancelling the caller drops the request."""
+        fut = self._aloop.create_future()
+
+        def done(r, rows, error):
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(rows)
+
+        req.on_done = done
+        self.submit_nowait(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.cancel(req)
+            raise
+
+    def _record_launch(self, tokens: int, seqs: int, waits: list[float]) -> None:
+        m = self.metrics
+        m.batch_tokens.observe(tokens)
+        m.batch_seqs.observe(seqs)
+        for w in waits:
+            m.queue_seconds.observe(w)
+
+    def _pump(self) -> None:
+        """Launch FCFS batches while a step slot is free."""
+        sched = self.scheduler
+        while (len(self._inflight) < self.cfg.max_inflight and len(sched)
+               and (not self._inflight or sched.queued_tokens >= self._overlap_tokens)):
+            slots = sched.next_batch()
+            if not slots:
+                break
+            extras = frozenset().union(*(r.extras for r, _ in slots))
+            launched = time.monotonic()
+            try:
+                skip = None  # prompts left out of pooling: only requests from Ivy for such models carry them
+                if any(r.pool_from is not None for r, _ in slots):
+                    skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
+                batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
+                if self._executor is None:
+                    lazy = self.engine.step(batch, extras)
+                else:
+                    lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+            except Exception as e:  # an engine failure fails this batch only
+                log.exception("engine step failed for %d sequences", len(slots))
+                self._fail(slots, e)
+                continue
+            self._inflight.append(_Step(slots, lazy, launched))
+            # Metrics on a later loop iteration, while the step runs: off the request's path.
+            self._aloop.call_soon(self._record_launch, batch.num_tokens, batch.num_seqs,
+                                  [launched - r.queued_at for r, i in slots if i == 0])
+        if self._inflight and not self._watching:
+            self._watching = True
+            self._aloop.call_soon(self._watch)
+
+    def _watch(self) -> None:
+        """Complete the oldest step if it is done; otherwise poll again on the next loop
+        iteration, or hand the wait to a thread once it has run for `spin_ms`."""
+        if not self._inflight:  # stop() gave up on the steps
+            self._watching = False
+            return
+        step = self._inflight[0]
+        now = time.monotonic()
+        if step.watched_from == 0.0:
+            step.watched_from = now  # the spin budget counts from when a step becomes the oldest
+        try:
+            ready = step.lazy.ready()
+        except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
+            ready = True
+        if ready:
+            self._complete(step)
+        elif now - step.watched_from < self._spin_s:
+            self._aloop.call_soon(self._watch)
+        else:
+            self._aloop.create_task(self._wait(step))
+
+    async def _wait(self, step: _Step) -> None:
+        try:
+            await step.lazy
+        except Exception:
+            pass  # raised again, and reported, by _complete
+        self._complete(step)
+
+    def _complete(self, step: _Step) -> None:
+        self._watching = False
+        self._idle.kick()
+        if not self._inflight or self._inflight[0] is not step:
+            return  # stop() already failed it
+        self._inflight.popleft()
+        try:
+            result = step.lazy.synchronize()
+            # Copy before the next launch: the host buffers belong to the engine's ring, which the
+            # steps launched after this one write into.
+            if isinstance(result, tuple):
+                out, weights, vectors = (t.numpy().copy() for t in result)
+            else:
+                out = result.numpy().copy()
+        except Exception as e:
+            log.exception("engine step failed for %d sequences", len(step.slots))
+            self._fail(step.slots, e)
+            out = None
+        self._pump()  # feed the GPU before the replies are built
+        if out is not None:
+            try:
+                if isinstance(result, tuple):
+                    self._scatter_extras(step.slots, weights, vectors)
+                for row, (r, i) in enumerate(step.slots):
+                    r.rows[i] = out[row]
+                    r.pending -= 1
+                    if r.pending == 0 and not r.cancelled:
+                        _deliver(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
+            except Exception as e:
+                log.exception("scattering a step's results failed")
+                self._fail(step.slots, e)
+        self._aloop.call_soon(self.metrics.step_seconds.observe, time.monotonic() - step.launched)
+
+    def _fail(self, slots, e: Exception) -> None:
+        """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
+        for r, _ in slots:
+            if not r.cancelled and r.pending > 0:
+                self.cancel(r)
+                _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
+
+    def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
+        start = 0
+        for r, i in slots:
+            n = int(r.lengths[i])
+            if "sparse" in r.extras:
+                r.sparse[i] = lexical_weights(r.seq(i), weights[start:start + n], self._special)
+            if "colbert" in r.extras:
+                r.colbert[i] = vectors[start + 1:start + n]  # every token after the first (a copy already)
+            start += n
