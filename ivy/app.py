@@ -1,7 +1,8 @@
 """Ivy's FastAPI application: the OpenAI-compatible HTTP API in front of Tulip.
 
-Routes: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /health
-(process alive), GET /ready (a Tulip answers its health check), GET /metrics.
+Routes: POST /v1/embeddings, POST /v1/rerank (documents by cosine similarity to a query),
+POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready
+(a Tulip answers its health check), GET /metrics.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ivy import errors
 from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.errors import APIError
-from ivy.schemas import EmbeddingRequest
+from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
 from rose.modeldir import ModelSpec, default_served_name, resolve_model_path
@@ -52,11 +53,14 @@ def _json(body: dict, status: int = 200) -> Response:
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
 
 
-ROUTES = {"/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
+ROUTES = {"/v1/embeddings", "/v1/rerank", "/v1/tokenize", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
              "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
-EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": EmbeddingRequest.model_json_schema()}}}}
+
+
+def body(model) -> dict:
+    """OpenAPI for a route that parses its raw body itself (errors.parse_body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 class LimitAndCount:
@@ -161,12 +165,11 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             raise APIError(404, f"model '{model_id}' does not exist; this server serves '{served}'", "model", "model_not_found")
         return model_card()
 
-    @app.post("/v1/embeddings", openapi_extra=EMBEDDINGS_BODY)
+    @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest))
     async def embeddings(request: Request):
         t0 = time.perf_counter()
         req = errors.parse_body(EmbeddingRequest, await request.body())
-        if req.model is not None and req.model != served:
-            raise APIError(404, f"model '{req.model}' does not exist; this server serves '{served}'", "model", "model_not_found")
+        check_model(req.model)
         info = await model_info()
         seqs, pool_from = await _sequences(req, info)
         dims = 0
@@ -203,6 +206,69 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         return _json({"object": "list", "data": data, "model": served,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served:
+            raise APIError(404, f"model '{model}' does not exist; this server serves '{served}'", "model", "model_not_found")
+
+    def check_count(n: int, param: str) -> None:
+        if n > cfg.max_inputs:
+            raise APIError(400, f"'{param}' has {n} items; at most {cfg.max_inputs} are accepted per request", param)
+
+    @app.post("/v1/rerank", openapi_extra=body(RerankRequest))
+    async def rerank(request: Request):
+        req = errors.parse_body(RerankRequest, await request.body())
+        check_model(req.model)
+        if not req.documents:
+            raise APIError(400, "'documents' must not be empty", "documents")
+        check_count(len(req.documents) + 1, "documents")
+        if req.top_n is not None and req.top_n < 1:
+            raise APIError(400, f"top_n must be at least 1, got {req.top_n}", "top_n")
+        for i, d in enumerate([req.query, *req.documents]):
+            if not d:
+                raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
+                               "query" if i == 0 else "documents")
+        await model_info()
+        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate)
+        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate)
+        pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
+        try:
+            result = await balancer.embed(q + d, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_grpc(e) from None
+        v = result.vectors.astype(np.float64)
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        scores = v[1:] @ v[0]
+        order = np.argsort(-scores, kind="stable")[: req.top_n]
+        tokens = int(sum(len(s) for s in q + d))
+        metrics.tokens.inc(tokens)
+        results = [{"index": int(i), "relevance_score": float(scores[i]),
+                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
+        return _json({"model": served, "results": results, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    @app.post("/v1/tokenize", openapi_extra=body(TokenizeRequest))
+    async def tokenize(request: Request):
+        req = errors.parse_body(TokenizeRequest, await request.body())
+        check_model(req.model)
+        inp = [req.input] if isinstance(req.input, str) else req.input
+        if not inp:
+            raise APIError(400, "'input' must not be empty", "input")
+        check_count(len(inp), "input")
+        seqs = await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate,
+                                      check_length=False)
+        return _json({"object": "list", "model": served, "max_model_len": tokenizer.max_len,
+                      "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]})
+
+    async def _text_sequences(texts: list[str], input_type: str | None, instruction: str | None,
+                              truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+        """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
+        tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
+        seqs = await tokenizer.encode(templates.apply(texts, input_type, instruction), truncate)
+        prefix = templates.prefix(input_type, instruction) if pool_without_prompt else ""
+        if prefix:
+            n = tokenizer.prompt_length(prefix)
+            return seqs, [min(n, len(s) - 1) for s in seqs]
+        return seqs, []
+
     async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], list[int]]:
         """Token-id arrays for the request's inputs, and per input the leading prompt tokens mean
         pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
@@ -211,18 +277,12 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             inp = [inp]
         if not inp:
             raise APIError(400, "'input' must not be empty", "input")
-        if len(inp) > cfg.max_inputs:
-            raise APIError(400, f"'input' has {len(inp)} items; at most {cfg.max_inputs} are accepted per request", "input")
+        check_count(len(inp), "input")
         if isinstance(inp[0], str):
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            seqs = await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate)
-            prefix = templates.prefix(req.input_type, req.instruction) if pool_without_prompt else ""
-            if prefix:
-                n = tokenizer.prompt_length(prefix)
-                return seqs, [min(n, len(s) - 1) for s in seqs]
-            return seqs, []
+            return await _text_sequences(inp, req.input_type, req.instruction, req.truncate)
         if req.input_type is not None or req.instruction is not None:
             raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
         if isinstance(inp[0], int):

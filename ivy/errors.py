@@ -70,6 +70,8 @@ def _validation_error(errs: list) -> APIError:
         return APIError(400, "'input' must be a string, an array of strings, an array of token ids, "
                         "or an array of token-id arrays", "input")
     where = ".".join(loc)
+    if where and first.get("type") == "missing":
+        return APIError(400, f"'{where}' is required", param)
     return APIError(400, f"invalid value for '{where}': {first['msg']}" if where else first["msg"], param)
 
 

@@ -36,3 +36,39 @@ class EmbeddingRequest(BaseModel):
     instruction: StrictStr | None = None
     return_sparse: bool = False
     return_colbert: bool = False
+
+
+class RerankRequest(BaseModel):
+    """POST /v1/rerank, in the shape Jina's and Cohere's rerank APIs take: the documents ordered by
+    the cosine similarity of their embeddings to the query's (the query with the model's query
+    prompt, the documents with its document prompt).
+
+    top_n:            return only the best `top_n` (default: all).
+    return_documents: echo each document's text in its result.
+    truncate:         cut texts longer than the model's maximum instead of answering 400.
+    instruction:      a task for instruction-tuned models, applied to the query.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: StrictStr
+    documents: list[StrictStr]
+    model: StrictStr | None = None
+    top_n: StrictInt | None = None
+    return_documents: bool = False
+    truncate: bool = False
+    instruction: StrictStr | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: the token ids the model would see for each text (special tokens and, with
+    `input_type` / `instruction`, the prompt included), and their count. Texts longer than the
+    model's maximum are counted whole unless `truncate` is set."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: StrictStr | list[StrictStr]
+    model: StrictStr | None = None
+    input_type: Literal["query", "document"] | None = None
+    instruction: StrictStr | None = None
+    truncate: bool = False

@@ -149,6 +149,51 @@ def test_malformed_and_oversized_bodies(stack):
     assert r.status_code == 200
 
 
+def test_rerank_orders_documents_by_cosine_as_sentence_transformers(stack, st_model):
+    url = stack[0] + "/v1/rerank"
+    query, docs = SENTENCES[0], SENTENCES[1:9]
+    r = httpx.post(url, json={"query": query, "documents": docs, "return_documents": True, "model": MODEL}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ref = st_model.encode([query, *docs], normalize_embeddings=True)
+    got = {x["index"]: x["relevance_score"] for x in body["results"]}
+    assert sorted(got) == list(range(len(docs)))
+    np.testing.assert_allclose([got[i] for i in range(len(docs))], ref[1:] @ ref[0], atol=1e-4)
+    scores = [x["relevance_score"] for x in body["results"]]
+    assert scores == sorted(scores, reverse=True)
+    assert all(x["document"]["text"] == docs[x["index"]] for x in body["results"])
+    assert body["usage"]["prompt_tokens"] == sum(len(st_model.tokenizer(t)["input_ids"]) for t in [query, *docs])
+    top = httpx.post(url, json={"query": query, "documents": docs, "top_n": 2}, timeout=60).json()["results"]
+    assert [x["index"] for x in top] == [x["index"] for x in body["results"][:2]] and "document" not in top[0]
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"query": "q", "documents": []}, 400, "'documents' must not be empty"),
+    ({"query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n must be at least 1"),
+    ({"query": "", "documents": ["a"]}, 400, "'query' is an empty string"),
+    ({"query": "q", "documents": ["a", ""]}, 400, "document 1 is an empty string"),
+    ({"query": "q", "documents": ["a"], "model": "nope"}, 404, "does not exist"),
+    ({"query": "q"}, 400, "'documents' is required"),
+    ({"query": "q", "documents": "a"}, 400, "invalid value for 'documents'"),
+])
+def test_rerank_errors(stack, body, status, fragment):
+    r = httpx.post(stack[0] + "/v1/rerank", json=body)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_tokenize_shows_what_the_model_sees(stack, st_model):
+    url = stack[0] + "/v1/tokenize"
+    long = " ".join(["word"] * 400)
+    body = httpx.post(url, json={"input": [SENTENCES[0], long]}).json()
+    assert body["data"][0]["tokens"] == st_model.tokenizer(SENTENCES[0])["input_ids"]
+    assert body["data"][1]["count"] == len(st_model.tokenizer(long)["input_ids"]) > body["max_model_len"]
+    cut = httpx.post(url, json={"input": long, "truncate": True}).json()["data"][0]
+    assert cut["count"] == body["max_model_len"]
+    r = httpx.post(url, json={"input": []})
+    assert r.status_code == 400 and "'input' must not be empty" in r.json()["error"]["message"]
+
+
 def test_metrics_count_requests(stack):
     text = httpx.get(stack[0] + "/metrics").text
     assert re.search(r'ivy_requests_total\{route="/v1/embeddings",status="200"\} [1-9]', text)

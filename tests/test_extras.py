@@ -121,3 +121,12 @@ def test_prompt_left_out_of_mean_pooling_matches_sentence_transformers(prompt_ex
     cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)  # noqa: E731
     assert cos(got_q, want_q).min() > 0.9999 and cos(got_plain, want_plain).min() > 0.9999
     assert cos(got_q, want_plain).max() < 0.999  # the prompt still changes the vectors (it is attended to)
+
+    # /v1/rerank embeds the query with the query prompt (left out of pooling) and the documents
+    # without one, as sentence-transformers would.
+    docs = ["tulips are spring flowers", "search engines rank documents", "the cat sat on the mat"]
+    q = st.encode([texts[0]], prompt_name="query", normalize_embeddings=True)[0]
+    dv = st.encode(docs, normalize_embeddings=True)
+    r = httpx.post(url + "/v1/rerank", json={"query": texts[0], "documents": docs}, timeout=60).json()
+    np.testing.assert_allclose([x["relevance_score"] for x in sorted(r["results"], key=lambda x: x["index"])],
+                               dv @ q, atol=1e-4)
