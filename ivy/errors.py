@@ -57,18 +57,20 @@ def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e.errors()) from None
+        raise _validation_error(e.errors(), getattr(model, "input_kinds", None)) from None
 
 
-def _validation_error(errs: list) -> APIError:
+EMBEDDING_INPUTS = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
+
+
+def _validation_error(errs: list, input_kinds: str | None = None) -> APIError:
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     if param == "input":
         if first.get("type") == "missing":
             return APIError(400, "'input' is required", "input")
-        return APIError(400, "'input' must be a string, an array of strings, an array of token ids, "
-                        "or an array of token-id arrays", "input")
+        return APIError(400, f"'input' must be {input_kinds or EMBEDDING_INPUTS}", "input")
     where = ".".join(loc)
     if where and first.get("type") == "missing":
         return APIError(400, f"'{where}' is required", param)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
@@ -66,6 +66,7 @@ class TokenizeRequest(BaseModel):
     model's maximum are counted whole unless `truncate` is set."""
 
     model_config = ConfigDict(extra="ignore")
+    input_kinds: ClassVar[str] = "a string or an array of strings"
 
     input: StrictStr | list[StrictStr]
     model: StrictStr | None = None

@@ -192,6 +192,8 @@ def test_tokenize_shows_what_the_model_sees(stack, st_model):
     assert cut["count"] == body["max_model_len"]
     r = httpx.post(url, json={"input": []})
     assert r.status_code == 400 and "'input' must not be empty" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"input": [101, 102]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "'input' must be a string or an array of strings"
 
 
 def test_metrics_count_requests(stack):
