@@ -7,8 +7,9 @@
 #   bash benchmarks/offline.sh stash .whl-fa4a         # a wheel split in parts: keep this call's part outside the tree
 #   bash benchmarks/offline.sh install .whl-fa4b       # joins stashed + carried *.partNN into their wheel, installs all
 #   export TRELLIS_GIT_REV=abc1234; source benchmarks/offline.sh env   # PYTHONPATH (incl. FA4's dsl_packages), caches
-#   TRELLIS_GIT_REV=abc1234 bash benchmarks/offline.sh run [DIR [ARGS]]  # the one benchmark command (README), one part
-#       per call (re-issue it until it says complete), results into DIR (/tmp/res) and $OUT/results.tgz;
+#   TRELLIS_GIT_REV=abc1234 bash benchmarks/offline.sh run [DIR [ARGS]]  # the one benchmark command (README): part
+#       after another while under MAX_MINUTES (2.5: no part runs past a 10-minute call), re-issued until it says
+#       complete; results into DIR (/tmp/res) and $OUT/results.tgz;
 #       ARGS are added to `python -m benchmarks run` (a later --model or --tulip-args wins)
 #   TRELLIS_GIT_REV=abc1234 bash benchmarks/offline.sh test         # the GPU tests, on the same caches
 #
@@ -54,7 +55,7 @@ case "${1:-}" in
     export TULIP_COMPILE=true TULIP_WARMUP=1-16x512,32x512 TULIP_ATTENTION_TABLE="$RES"
     rc=0
     python3 -m benchmarks run --suite all --model bge-m3,pplx-embed-1-0.6b=engine+online+bulk --out "$RES" \
-      --replicas "$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)" --ivy-workers 4 --resume --max-minutes "${MAX_MINUTES:-0.01}" \
+      --replicas "$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)" --ivy-workers 4 --resume --max-minutes "${MAX_MINUTES:-2.5}" \
       --tulip-args "--compile --attention-table $RES --warmup 1x128 --warmup 1x512 --warmup 1x4096 --warmup 32x512 --max-queued-tokens 4000000" \
       --engine-args "--compile --attention-table $RES --hf-baseline --hf-compile" "${@:3}" || rc=$?
     if [ -n "${OUT:-}" ] && [ -d "$RES" ]; then tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
@@ -63,5 +64,5 @@ case "${1:-}" in
     source "$0" env
     python3 -m pytest -q tests/test_gpu.py ;;
   *)
-    sed -n '2,14p' "$0"; exit 2 ;;
+    sed -n '2,16p' "$0"; exit 2 ;;
 esac
