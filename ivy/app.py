@@ -228,8 +228,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                 raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
                                "query" if i == 0 else "documents")
         await model_info()
-        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate)
-        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate)
+        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query")
+        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents")
         pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         try:
             result = await balancer.embed(q + d, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
@@ -259,10 +259,10 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                       "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]})
 
     async def _text_sequences(texts: list[str], input_type: str | None, instruction: str | None,
-                              truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+                              truncate: bool, param: str = "input") -> tuple[list[np.ndarray], list[int]]:
         """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
         tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
-        seqs = await tokenizer.encode(templates.apply(texts, input_type, instruction), truncate)
+        seqs = await tokenizer.encode(templates.apply(texts, input_type, instruction), truncate, param=param)
         prefix = templates.prefix(input_type, instruction) if pool_without_prompt else ""
         if prefix:
             n = tokenizer.prompt_length(prefix)

@@ -49,9 +49,11 @@ class TextTokenizer:
         # encode_batch_fast skips the character offsets we never use (15-25 % faster).
         return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts)]
 
-    async def encode(self, texts: list[str], truncate: bool, check_length: bool = True) -> list[np.ndarray]:
+    async def encode(self, texts: list[str], truncate: bool, check_length: bool = True,
+                     param: str = "input") -> list[np.ndarray]:
         """Encode; large batches go to a worker thread (the Rust encoder releases the GIL). Without
-        `truncate`, a text over the maximum is a 400 unless `check_length` is off (counting only)."""
+        `truncate`, a text over the maximum is a 400 naming `param` (the request field the texts came
+        from), unless `check_length` is off (counting only)."""
         if sum(map(len, texts)) > self.offload_chars:
             seqs = await asyncio.to_thread(self._encode, texts, truncate)
         else:
@@ -59,10 +61,11 @@ class TextTokenizer:
         if not truncate and check_length:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:
+                    which = param if len(texts) == 1 and param != "input" else f"{param.removesuffix('s')} {i}"
                     raise APIError(
                         400,
-                        f"input {i} has {len(s)} tokens, more than this model's maximum of {self.max_len}; "
+                        f"{which} has {len(s)} tokens, more than this model's maximum of {self.max_len}; "
                         "shorten it or send \"truncate\": true",
-                        "input", "context_length_exceeded",
+                        param, "context_length_exceeded",
                     )
         return seqs

@@ -175,11 +175,14 @@ def test_rerank_orders_documents_by_cosine_as_sentence_transformers(stack, st_mo
     ({"query": "q", "documents": ["a"], "model": "nope"}, 404, "does not exist"),
     ({"query": "q"}, 400, "'documents' is required"),
     ({"query": "q", "documents": "a"}, 400, "invalid value for 'documents'"),
+    ({"query": "q", "documents": ["a", "word " * 300]}, 400, "document 1 has 302 tokens, more than this model's maximum of 256"),
+    ({"query": "word " * 300, "documents": ["a"]}, 400, "query has 302 tokens"),
 ])
 def test_rerank_errors(stack, body, status, fragment):
     r = httpx.post(stack[0] + "/v1/rerank", json=body)
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] in ("query", "documents", "top_n", "model")
 
 
 def test_tokenize_shows_what_the_model_sees(stack, st_model):
