@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,24 @@ def test_run_takes_several_models_each_with_its_suites(tiny, tmp_path):
     assert json.loads((out / "run-state.json").read_text())["done"] == ["gemm", f"engine@{other}"]
     assert (out / f"gemm_{tiny.name}.jsonl").is_file() and list(out.glob("engine_other-model*.jsonl"))
     assert not list(out.glob(f"engine_{tiny.name}*.jsonl"))
+
+
+def test_offline_run_script_drives_the_one_command(tiny, tmp_path):
+    """`offline.sh run` (what a lent GPU machine is given, call after call) passes its flags to
+    `benchmarks run` as they are today, and tars the results into $OUT every call."""
+    import os
+
+    out, res = tmp_path / "out", tmp_path / "res"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "TRELLIS_GIT_REV": "test", "TRELLIS_SITE": str(tmp_path / "site"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "benchmarks/offline.sh", "run", str(res), "--quick", "--suite", "gemm,engine",
+                        "--model", str(tiny), "--engine-args", ""], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "benchmarks: complete" in r.stdout
+    names = subprocess.run(["tar", "tzf", str(out / "results.tgz")], capture_output=True, text=True).stdout
+    assert f"res/gemm_{tiny.name}.jsonl" in names and "res/run-state.json" in names
 
 
 def test_gemm_candidates_compute_the_same_linear():
