@@ -104,26 +104,29 @@ async def _clients(url: str, body: dict, clients: int, per: int) -> list[float]:
     if http_client().startswith("aiohttp"):
         import aiohttp
 
-        async def client():
-            async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=120)) as s:
-                for i in range(per + 1):  # the first warms the connection and graphs
-                    t0 = time.perf_counter()
-                    async with s.post("/v1/embeddings", data=payload, headers=headers) as r:
-                        await r.read()
-                        r.raise_for_status()
-                    if i:
-                        lat.append((time.perf_counter() - t0) * 1e3)
+        def session():
+            return aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=120))
+
+        async def post(s):
+            async with s.post("/v1/embeddings", data=payload, headers=headers) as r:
+                await r.read()
+                r.raise_for_status()
     else:
         import httpx
 
-        async def client():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                for i in range(per + 1):
-                    t0 = time.perf_counter()
-                    r = await c.post("/v1/embeddings", content=payload, headers=headers)
-                    r.raise_for_status()
-                    if i:
-                        lat.append((time.perf_counter() - t0) * 1e3)
+        def session():
+            return httpx.AsyncClient(base_url=url, timeout=120)
+
+        async def post(c):
+            (await c.post("/v1/embeddings", content=payload, headers=headers)).raise_for_status()
+
+    async def client():
+        async with session() as s:
+            for i in range(per + 1):  # the first warms the connection and graphs
+                t0 = time.perf_counter()
+                await post(s)
+                if i:
+                    lat.append((time.perf_counter() - t0) * 1e3)
 
     await asyncio.gather(*(client() for _ in range(clients)))
     return lat

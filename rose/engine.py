@@ -183,8 +183,7 @@ class Engine:
         On CUDA a batch goes through the GraphRunner (padded to its bucket, graph replayed; a
         batch with extras through graphs of its own); bigger batches and any batch on CPU run eagerly.
         """
-        unknown = set(extras) - set(self.extra_outputs)
-        if unknown:
+        if extras and (unknown := set(extras) - set(self.extra_outputs)):
             raise ValueError(f"this model has no {sorted(unknown)} output")
         if self.runner is not None:
             lazy = self.runner.step(batch, frozenset(extras))
