@@ -7,9 +7,7 @@ POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process ali
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import gc
 import hmac
 import logging
@@ -53,6 +51,7 @@ def _json(body: dict, status: int = 200) -> Response:
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
 
 
+INFO_WAIT_S = 5.0  # a request reaching a worker that has not heard from a replica yet waits this long, then 503
 ROUTES = {"/v1/embeddings", "/v1/rerank", "/v1/tokenize", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
              "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
@@ -119,13 +118,10 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         nonlocal balancer
         balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms)
         app.state.balancer = balancer
-        info = asyncio.ensure_future(balancer.fetch_info())
+        balancer.start()
         gc.collect()
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
-        info.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await info
         await balancer.close()
 
     app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
@@ -133,7 +129,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     errors.install(app)
 
     async def model_info() -> tulip_pb2.InfoReply:
-        info = await balancer.info()
+        info = await balancer.info(wait=INFO_WAIT_S)
         if info is None:
             raise APIError(503, "no inference server is reachable yet; retry shortly", None, "replica_unavailable")
         return info

@@ -6,6 +6,7 @@ another replica when one is unavailable. Results come back in input order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -49,9 +50,7 @@ class Balancer:
         self.max_chunk_tokens = max_chunk_tokens
         self._rr = itertools.count()
         self._info: tulip_pb2.InfoReply | None = None
-
-    async def close(self) -> None:
-        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+        self._fetch: asyncio.Future | None = None
 
     def pick(self, exclude: set[Replica]) -> Replica | None:
         """Least outstanding tokens among replicas not excluded; replicas marked down come last."""
@@ -63,15 +62,33 @@ class Balancer:
         n = len(self.replicas)
         return min(candidates, key=lambda r: (r.down_until > now, r.outstanding, (self.replicas.index(r) - turn) % n))
 
-    async def info(self) -> tulip_pb2.InfoReply | None:
-        """The served model's Info, from the first replica that answers (cached)."""
-        if self._info is None:
-            for r in self.replicas:
-                try:
-                    self._info = await r.client.info(timeout=2.0)
-                    break
-                except grpc.aio.AioRpcError:
-                    continue
+    def start(self) -> None:
+        """Ask for Info in the background from now on (call on the serving event loop)."""
+        self._fetch = asyncio.ensure_future(self.fetch_info())
+
+    async def close(self) -> None:
+        if self._fetch is not None:
+            self._fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fetch
+        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+
+    async def info(self, wait: float = 0.0) -> tulip_pb2.InfoReply | None:
+        """The served model's Info (cached), or None when no replica has answered. `wait`: seconds to
+        wait for the start-up fetch first. Each Ivy worker has its own channels: a request can reach a
+        worker that has not heard from a replica another worker already reached."""
+        if self._info is None and wait > 0 and self._fetch is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._fetch), wait)
+        return self._info
+
+    async def _ask_info(self) -> tulip_pb2.InfoReply | None:
+        for r in self.replicas:
+            try:
+                self._info = await r.client.info(timeout=2.0)
+                break
+            except grpc.aio.AioRpcError:
+                continue
         return self._info
 
     async def fetch_info(self, every: float = 0.5) -> tulip_pb2.InfoReply:
@@ -79,13 +96,16 @@ class Balancer:
         asking first under load once met a 2 s Info timeout on both busy replicas and answered 503)."""
         while True:
             try:
-                if (info := await self.info()) is not None:
+                if (info := await self._ask_info()) is not None:
                     return info
-            except Exception:  # not an RPC status (those info() absorbs): say so and keep asking
+            except Exception:  # not an RPC status (those _ask_info absorbs): say so and keep asking
                 log.exception("asking the replicas for Info failed")
             await asyncio.sleep(every)
 
     async def ready(self) -> bool:
+        """This worker can serve: it knows the model and a replica answers its health check."""
+        if self._info is None:
+            return False
         checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))
         return any(checks)
 

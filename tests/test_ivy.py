@@ -1,6 +1,8 @@
 """Ivy with no reachable Tulip: alive, not ready, and a clean 503 (never a 500)."""
 
 
+import time
+
 import httpx
 import pytest
 
@@ -122,3 +124,25 @@ def test_prompt_length_counts_as_sentence_transformers(tmp_path, model_path):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
     tok.save(str(tmp_path / "bos" / "tokenizer.json"))
     assert TextTokenizer(tmp_path / "bos", 64, 8192).prompt_length("query :") == 3  # </s> dropped
+
+
+def test_workers_started_before_tulip_serve_as_soon_as_ready(tmp_path):
+    """Ivy's workers each have their own channels. Started before Tulip, every worker must serve once
+    /ready says ready (a request reaching a worker that has not heard from Tulip yet waits for it
+    instead of answering 503; the benchmark's first request once met that on an H200)."""
+    tulip_port, port = free_port(), free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{tulip_port}", "--workers", "4"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    tulip = None
+    try:
+        ivy.wait_for(lambda: http_status(url + "/health") == 200, timeout=90)
+        time.sleep(6)  # the workers' channels back off while nothing listens (gRPC's default grows past 10 s)
+        tulip = Proc(["-m", "tulip", "--port", str(tulip_port), "--device", "cpu"], tmp_path)
+        ivy.wait_for(lambda: http_status(url + "/ready") == 200, timeout=120)
+        codes = [httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30).status_code for _ in range(24)]
+        assert codes == [200] * 24
+    finally:
+        if tulip is not None:
+            tulip.stop()
+        ivy.stop()
+    assert "Traceback" not in ivy.output()

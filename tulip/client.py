@@ -154,6 +154,11 @@ class TulipClient:
             ("grpc.max_receive_message_length", mb),
             ("grpc.max_send_message_length", mb),
             ("grpc.keepalive_time_ms", 30_000),
+            # a replica that starts (or comes back) is reached within a second: the default backoff
+            # grows to two minutes, which left Ivy workers unready long after Tulip was serving
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self.stub = tulip_pb2_grpc.TulipStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
