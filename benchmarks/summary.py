@@ -205,9 +205,10 @@ def hop_table(rows: list[dict]) -> list[str]:
     out = ["## The hop: one pre-tokenized 1x128 request at a time (benchmarks.hop)", "",
            "The gRPC floor (an echo servicer), then Tulip's engine loop in-process (submit -> result), then the",
            "same Tulip through gRPC: the differences are the breakdown. `spin` is Tulip's --spin-ms (0: the",
-           "completion is awaited in a waiter thread), then the client's spin_ms where it polled too.", "",
+           "completion is awaited in a waiter thread), then the client's spin_ms where it polled too. Each run of",
+           "benchmarks.hop measures its own echo floor just before its Tulip (the two echo rows show the noise).", "",
            "| machine | server | device step | spin ms | path | p50 ms | p99 ms | n | git |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(hop, key=lambda r: (r["gpu"], r["server"] != "grpc echo", str(r.get("device_ms")),
+    for r in sorted(hop, key=lambda r: (r["gpu"], r.get("when", ""), r["server"] != "grpc echo", str(r.get("device_ms")),
                                         -(r.get("spin_ms") or 0), r["transport"] != "in-process engine loop")):
         step = "real" if "(" in r["server"] else ("-" if r.get("device_ms") is None else f"{r['device_ms']:g} ms")
         path = r["transport"] + ("" if r.get("socket") in (None, "tcp") else f" ({r['socket']} socket)")
