@@ -93,6 +93,7 @@ BAD = [
     (dict(token_ids=pack([[5]])[0], lengths=[1], encoding=1), "ENCODING_INT8 is not supported"),
     (dict(token_ids=pack([[5, 6], [7]])[0], lengths=[2, 1], pool_from=[1]), "pool_from has 1 entries for 2"),
     (dict(token_ids=pack([[5, 6], [7]])[0], lengths=[2, 1], pool_from=[1, 1]), "leaves no token of sequence 1"),
+    (dict(token_ids=pack([[5, 6], [7]])[0], lengths=[2, 1], pool_from=[1, 0]), "pools its prompt with the text"),
 ]
 
 

@@ -227,6 +227,10 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             ids, lengths, pool_from = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if pool_from is not None and pool_from.any() and self.loop.engine.spec.include_prompt:
+            # this model's pooling takes the prompt with the text (the engine pools every token)
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
+                             "text (sentence-transformers include_prompt: true); send no pool_from")
         return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done,
                        pool_from=pool_from)
 
