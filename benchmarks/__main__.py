@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks import concurrency, engine, gemm, hop, kernels, online, summary
-from benchmarks.common import environment
+from benchmarks.common import git_rev
 
 SUITES = ("kernels", "gemm", "engine", "hop", "online", "scoring", "bulk", "concurrency")
 INCOMPLETE = 3  # exit status of a run that stopped at --max-minutes with parts left (re-issue it with --resume)
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     once: set[str] = set()  # model-independent parts (the sweep; the hop, done with one model) run once
     todo = [part for i, (model, ss) in enumerate(models) for part in parts(args, model, ss, i == 0, once)]
     state_path = args.out / "run-state.json"
-    signature = {"git": environment()["git"], "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
+    signature = {"git": git_rev(), "suites": list(suites), "model": args.model, "tulip_args": args.tulip_args,
                  "engine_args": args.engine_args, "transport": args.transport, "replicas": args.replicas,
                  "ivy_workers": args.ivy_workers, "quick": args.quick}
     done: list[str] = []

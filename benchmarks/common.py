@@ -40,7 +40,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "python": sys.version.split()[0],
-        "git": os.environ.get("TRELLIS_GIT_REV") or _git_rev(),
+        "git": git_rev(),
     }
     from importlib import metadata
 
@@ -50,6 +50,11 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return env
+
+
+def git_rev() -> str:
+    """TRELLIS_GIT_REV (machines without the repository's .git), else the checkout's short revision."""
+    return os.environ.get("TRELLIS_GIT_REV") or _git_rev()
 
 
 def _git_rev() -> str:

@@ -157,8 +157,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id != served:
-            raise APIError(404, f"model '{model_id}' does not exist; this server serves '{served}'", "model", "model_not_found")
+        check_model(model_id)
         return model_card()
 
     @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest))
@@ -210,6 +209,14 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         if n > cfg.max_inputs:
             raise APIError(400, f"'{param}' has {n} items; at most {cfg.max_inputs} are accepted per request", param)
 
+    def input_list(inp) -> list:
+        """A request's 'input' as a non-empty list of at most max_inputs items."""
+        inp = [inp] if isinstance(inp, str) else inp
+        if not inp:
+            raise APIError(400, "'input' must not be empty", "input")
+        check_count(len(inp), "input")
+        return inp
+
     @app.post("/v1/rerank", openapi_extra=body(RerankRequest))
     async def rerank(request: Request):
         req = errors.parse_body(RerankRequest, await request.body())
@@ -227,15 +234,16 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query")
         d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents")
         pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
+        seqs = q + d
         try:
-            result = await balancer.embed(q + d, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
+            result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         v = result.vectors.astype(np.float64)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
         scores = v[1:] @ v[0]
         order = np.argsort(-scores, kind="stable")[: req.top_n]
-        tokens = int(sum(len(s) for s in q + d))
+        tokens = int(sum(len(s) for s in seqs))
         metrics.tokens.inc(tokens)
         results = [{"index": int(i), "relevance_score": float(scores[i]),
                     **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
@@ -245,10 +253,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     async def tokenize(request: Request):
         req = errors.parse_body(TokenizeRequest, await request.body())
         check_model(req.model)
-        inp = [req.input] if isinstance(req.input, str) else req.input
-        if not inp:
-            raise APIError(400, "'input' must not be empty", "input")
-        check_count(len(inp), "input")
+        inp = input_list(req.input)
         seqs = await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate,
                                       check_length=False)
         return _json({"object": "list", "model": served, "max_model_len": tokenizer.max_len,
@@ -258,9 +263,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                               truncate: bool, param: str = "input") -> tuple[list[np.ndarray], list[int]]:
         """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
         tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
-        seqs = await tokenizer.encode(templates.apply(texts, input_type, instruction), truncate, param=param)
-        prefix = templates.prefix(input_type, instruction) if pool_without_prompt else ""
-        if prefix:
+        prefix = templates.prefix(input_type, instruction)
+        seqs = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param)
+        if prefix and pool_without_prompt:
             n = tokenizer.prompt_length(prefix)
             return seqs, [min(n, len(s) - 1) for s in seqs]
         return seqs, []
@@ -268,12 +273,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], list[int]]:
         """Token-id arrays for the request's inputs, and per input the leading prompt tokens mean
         pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
-        inp = req.input
-        if isinstance(inp, str):
-            inp = [inp]
-        if not inp:
-            raise APIError(400, "'input' must not be empty", "input")
-        check_count(len(inp), "input")
+        inp = input_list(req.input)
         if isinstance(inp[0], str):
             for i, s in enumerate(inp):
                 if not s:

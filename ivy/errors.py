@@ -67,13 +67,11 @@ def _validation_error(errs: list, input_kinds: str | None = None) -> APIError:
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
-    if param == "input":
-        if first.get("type") == "missing":
-            return APIError(400, "'input' is required", "input")
-        return APIError(400, f"'input' must be {input_kinds or EMBEDDING_INPUTS}", "input")
     where = ".".join(loc)
     if where and first.get("type") == "missing":
         return APIError(400, f"'{where}' is required", param)
+    if param == "input":
+        return APIError(400, f"'input' must be {input_kinds or EMBEDDING_INPUTS}", "input")
     return APIError(400, f"invalid value for '{where}': {first['msg']}" if where else first["msg"], param)
 
 

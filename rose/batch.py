@@ -54,10 +54,10 @@ class Batch:
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
         if pool_from is not None and any(pool_from):
-            b = cls.from_sequences(seqs)
-            seq_ids = b.seq_ids.numpy().copy()
-            seq_ids[b.positions.numpy() < np.repeat(np.asarray(pool_from, dtype=np.int64), b.seq_lens)] = b.num_seqs
-            return cls(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen, b.seq_lens, torch.from_numpy(seq_ids))
+            b = cls.from_sequences(seqs)  # its seq_ids are its own: mark the left-out tokens in place
+            b.seq_ids.numpy()[b.positions.numpy() < np.repeat(np.asarray(pool_from, dtype=np.int64), b.seq_lens)] = \
+                b.num_seqs
+            return b
         if len(seqs) == 1:  # the online case: skip the ragged bookkeeping
             ids = np.asarray(seqs[0], dtype=np.int64)
             n = ids.shape[0]

@@ -194,11 +194,12 @@ class GraphRunner:
     def _run_key(self, key: Key):
         nb, tb, lb = key[:3]
         tok, cu = self._tokens, self._cu
-        extras = frozenset(key[3].split("+")) if len(key) > 3 else None
 
-        def fwd():
+        def fwd():  # eager and capture steps only: a replay needs none of this
             args = (tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
-            return self.forward(*args) if extras is None else self.forward_extras(*args, extras)
+            if len(key) == 3:
+                return self.forward(*args)
+            return self.forward_extras(*args, frozenset(key[3].split("+")))
 
         if key in self._graphs:
             g, out = self._graphs[key]
