@@ -231,8 +231,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                 raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
                                "query" if i == 0 else "documents")
         await model_info()
-        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query")
-        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents")
+        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query", None)
+        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents", "document")
         pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
         try:
@@ -260,11 +260,13 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                       "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]})
 
     async def _text_sequences(texts: list[str], input_type: str | None, instruction: str | None,
-                              truncate: bool, param: str = "input") -> tuple[list[np.ndarray], list[int]]:
+                              truncate: bool, param: str = "input",
+                              item: str | None = "input") -> tuple[list[np.ndarray], list[int]]:
         """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
         tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         prefix = templates.prefix(input_type, instruction)
-        seqs = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param)
+        seqs = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param,
+                                      item=item)
         if prefix and pool_without_prompt:
             n = tokenizer.prompt_length(prefix)
             return seqs, [min(n, len(s) - 1) for s in seqs]

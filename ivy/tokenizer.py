@@ -50,10 +50,11 @@ class TextTokenizer:
         return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts)]
 
     async def encode(self, texts: list[str], truncate: bool, check_length: bool = True,
-                     param: str = "input") -> list[np.ndarray]:
+                     param: str = "input", item: str | None = "input") -> list[np.ndarray]:
         """Encode; large batches go to a worker thread (the Rust encoder releases the GIL). Without
-        `truncate`, a text over the maximum is a 400 naming `param` (the request field the texts came
-        from), unless `check_length` is off (counting only)."""
+        `truncate`, a text over the maximum is a 400 for `param` (the request field the texts came
+        from) naming text i as "{item} {i}", or as `param` when item is None (a field of one text),
+        unless `check_length` is off (counting only)."""
         if sum(map(len, texts)) > self.offload_chars:
             seqs = await asyncio.to_thread(self._encode, texts, truncate)
         else:
@@ -61,7 +62,7 @@ class TextTokenizer:
         if not truncate and check_length:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:
-                    which = param if len(texts) == 1 and param != "input" else f"{param.removesuffix('s')} {i}"
+                    which = param if item is None else f"{item} {i}"
                     raise APIError(
                         400,
                         f"{which} has {len(s)} tokens, more than this model's maximum of {self.max_len}; "

@@ -177,6 +177,7 @@ def test_rerank_orders_documents_by_cosine_as_sentence_transformers(stack, st_mo
     ({"query": "q", "documents": "a"}, 400, "invalid value for 'documents'"),
     ({"query": "q", "documents": ["a", "word " * 300]}, 400, "document 1 has 302 tokens, more than this model's maximum of 256"),
     ({"query": "word " * 300, "documents": ["a"]}, 400, "query has 302 tokens"),
+    ({"query": "q", "documents": ["word " * 300]}, 400, "document 0 has 302 tokens"),
 ])
 def test_rerank_errors(stack, body, status, fragment):
     r = httpx.post(stack[0] + "/v1/rerank", json=body)
