@@ -11,6 +11,8 @@ padding, no cross-sequence attention). Backends:
 - `fa4`:    FlashAttention 4 varlen (`flash_attn.cute`, CuTe DSL kernels; needs
             the `flash-attn-4` package), GQA without repeating kv heads.
 - `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
+- `triton`: ROSE's own kernel for short sequences (`rose.kernels.attention`): one program per
+            query block, sequence and head; GQA without repeating kv heads.
 """
 
 from __future__ import annotations
@@ -198,7 +200,27 @@ class FlashInferBackend(AttentionBackend):
         return self._current.run(q, k, v)
 
 
-BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3")
+class TritonBackend(AttentionBackend):
+    """`rose.kernels.attention`: made for short sequences (the small-batch step); its grid comes
+    from the sequence count and `max_seqlen` (the length bucket inside a graph)."""
+
+    name = "triton"
+    capturable = True
+
+    def __init__(self, device: torch.device):
+        from rose import kernels
+
+        if not kernels.available() or (device.type != "cuda" and not kernels.interpreted()):
+            raise ImportError("the triton attention backend needs Triton on CUDA (or TRITON_INTERPRET=1)")
+        from rose.kernels.attention import attention
+
+        self._fn = attention
+
+    def __call__(self, q, k, v, meta):
+        return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+
+
+BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),
@@ -210,6 +232,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: t
     """
     if name == "sdpa":
         return SdpaBackend()
+    if name == "triton":
+        return TritonBackend(device)
     if name in BACKENDS and device.type != "cuda":
         raise ValueError(f"attention {name!r} needs a CUDA device")
     if name == "varlen":

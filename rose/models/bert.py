@@ -90,9 +90,31 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(cfg)
         self.intermediate = BertIntermediate(cfg)
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
+        self.kernel_tokens = 0  # steps of up to this many tokens take `small_step` (BertModel.use_kernels)
 
     def forward(self, x, meta, attn):
+        if x.shape[0] <= self.kernel_tokens:  # a host-side choice: x's rows are the graph's token bucket
+            return self.small_step(x, meta, attn)
         return self.feed_forward(self.attention.self(x, meta, attn), x)
+
+    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """The same layer in ROSE's Triton kernels (`rose.kernels.gemm`): five kernels and attention.
+        The output and FFN down projections run split over K, their partial sums reduced by the
+        kernel that adds bias and residual and applies LayerNorm; the up projection's GELU (tanh form,
+        as `linear_gelu`) is in its epilogue."""
+        from rose.kernels import gemm
+
+        sa, so, up, down = self.attention.self, self.attention.output, self.intermediate, self.output
+        T, h = x.shape
+        qkv = gemm.linear(x, sa.qkv.weight, sa.qkv.bias)
+        q, k, v = qkv.view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
+        a = attn(q, k, v, meta).reshape(T, h)
+        x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight, gemm.split_for(T, h, h)), so.dense.bias, x,
+                          so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps)
+        f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu")
+        inner = f.shape[1]
+        return gemm.add_norm(gemm.linear_partials(f, down.dense.weight, gemm.split_for(T, h, inner)),
+                             down.dense.bias, x, down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
@@ -131,6 +153,15 @@ class BertModel(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
+
+    def use_kernels(self, max_tokens: int) -> bool:
+        """Run steps of up to `max_tokens` tokens through `BertLayer.small_step`; only GELU models
+        (the epilogue's activation) can. Returns whether it took effect."""
+        if not self.blocks[0].intermediate.gelu:
+            return False
+        for layer in self.blocks:
+            layer.kernel_tokens = max_tokens
+        return True
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if self.position_offset:
