@@ -32,11 +32,16 @@ CONFIGS = [(64, 64, 64, 4, 3), (64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (128, 6
            (128, 128, 64, 8, 3), (64, 32, 256, 4, 3)]
 
 
-def set_pdl(on: bool) -> None:
+MODES = ("plain", "pdl", "pdl+prefetch")  # how the Triton kernels launch (rose.kernels.pdl / prefetch)
+
+
+def set_mode(mode: str) -> None:
     from rose import kernels
 
-    os.environ["ROSE_PDL"] = "1" if on else "0"
+    os.environ["ROSE_PDL"] = "0" if mode == "plain" else "1"
+    os.environ["ROSE_PREFETCH"] = "1" if mode == "pdl+prefetch" else "0"
     kernels.pdl.cache_clear()
+    kernels.prefetch.cache_clear()
 
 
 def time_graph(fn, layers: int, iters: int) -> float:
@@ -124,8 +129,8 @@ def main(argv=None) -> int:
                 emit(op, tokens, "cublas", time_graph(lambda i: F.linear(x, w[i], b[i]), L, args.iters))
             # ROSE's Triton kernels over configs (and splits where a norm follows)
             splits = [s for s in (1, 2, 4, 8) if k % (s * 128) == 0] if norm_out else [1]
-            for pdl_on in (False, True):
-                set_pdl(pdl_on)
+            for mode in MODES:
+                set_mode(mode)
                 for conf in CONFIGS[:args.configs]:
                     for split in splits:
                         if k % (split * conf[2]):
@@ -144,8 +149,8 @@ def main(argv=None) -> int:
                                      split=split, error=str(e)[:200])
                             continue
                         emit(op, tokens, "triton+norm" if norm_out else "triton", us, config=list(conf),
-                             split=split, pdl=pdl_on)
-            set_pdl(True)
+                             split=split, mode=mode)
+            set_mode(MODES[-1])
             del w, b
     # attention on short sequences
     heads = (cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
@@ -163,15 +168,15 @@ def main(argv=None) -> int:
                 be = select_backend(name, dev, dt, heads, causal)
             except (ImportError, ValueError):
                 continue
-            for pdl_on in ((False, True) if name == "triton" else (True,)):
-                set_pdl(pdl_on)
+            for mode in (MODES[:2] if name == "triton" else MODES[:1]):
+                set_mode(mode)
                 be.prepare(("bench", n, T), cu_host, T)
 
                 def fn(i, be=be):
                     q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)
                     return be(q, k, v, meta)
-                emit("attention", T, name, time_graph(fn, L, args.iters), seqs=n, length=length, pdl=pdl_on)
-        set_pdl(True)
+                emit("attention", T, name, time_graph(fn, L, args.iters), seqs=n, length=length, mode=mode)
+        set_mode(MODES[-1])
     print("\nbest Triton config per op (us per call, against the cuBLAS rows above):")
     for (op, tokens), (us, kw) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"  {op:9s} {tokens:5d}: {us:7.2f} us  {kw}")

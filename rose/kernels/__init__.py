@@ -4,8 +4,9 @@ unfused torch maths it must equal (`*_reference`, CPU-runnable).
 `available()` says whether Triton is importable and can run here: on CUDA, or on CPU under
 Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run these kernels). Without it the
 models keep their torch path. Kernels launch with programmatic dependent launch (PDL, Hopper and
-newer) when `pdl()` says so: each waits for its predecessor's writes (`gdc_wait`) and lets its
-successor start early, so a chain of them overlaps launch and prologue with the previous tail.
+newer) when `pdl()` says so: each waits for its predecessor's writes (`gdc_wait`), then lets its
+successor launch, which first prefetches its weights into L2 (`prefetch()`) and then waits in turn:
+while one kernel computes, the next one's weights stream in, one kernel ahead.
 """
 
 from __future__ import annotations
@@ -37,3 +38,10 @@ def pdl() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.cache
+def prefetch() -> bool:
+    """Linear kernels prefetch their weights into L2 before waiting on their predecessor: with PDL
+    (which lets them start early), unless disabled (ROSE_PREFETCH=0)."""
+    return pdl() and os.environ.get("ROSE_PREFETCH", "1") != "0"

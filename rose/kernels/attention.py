@@ -35,6 +35,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_
     mask_d = offs_d[None, :] < HEAD_DIM
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     start = tl.load(cu_ptr + seq)
     if seq == num_seqs:  # the bucket's padding rows [cu[-1], T): zeros, spread over the query blocks
         step = tl.num_programs(0) * BLOCK_M
@@ -74,8 +75,6 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_
                     mask=valid_n[:, None] & mask_d, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     out = acc / l_i[:, None]
     tl.store(o_ptr + (start + offs_m)[:, None] * so_t + h * so_h + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)

@@ -24,15 +24,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import pdl
+from rose.kernels import pdl, prefetch
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_wn, stride_om, UP_OFFSET,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, UP_OFFSET,
+                   K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -43,8 +44,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K_SPLIT, stride_xm, strid
     mask_n = offs_n[None, :] < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of w's rows
+    if PREFETCH:  # this program's weights into L2 while the previous kernel still runs (they never change)
+        _prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, pid_k * K_SPLIT, K_SPLIT)
+        if ACT == 2:
+            _prefetch_rows(w_ptr + UP_OFFSET, tl.minimum(offs_n, N - 1), stride_wn, pid_k * K_SPLIT, K_SPLIT)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start (and prefetch) now
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ACT == 2:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -55,8 +61,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K_SPLIT, stride_xm, strid
             acc_up = tl.dot(a, tl.load(w_ptrs + UP_OFFSET, mask=mask_n, other=0.0), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     mask = mask_m & mask_n
     if PARTIAL:
         tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
@@ -71,6 +75,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K_SPLIT, stride_xm, strid
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, stride, k0, K: tl.constexpr):
+    """prefetch.global.L2 each 128-byte line of w[rows, k0:k0 + K] (16-bit elements)."""
+    lines = k0 + tl.arange(0, max(K // 64, 1)) * 64
+    ptrs = w_ptr + rows[:, None] * stride + lines[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
                      USE_GDC: tl.constexpr):
@@ -79,14 +91,13 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
     mask = cols < N
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(p_ptr + s * M * N + row * N + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     acc += tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     if RMS:  # pre-norm: the residual stream goes on, its norm feeds the next block
         acc = acc.to(sum_ptr.dtype.element_ty).to(tl.float32)
         tl.store(sum_ptr + row * N + cols, acc.to(sum_ptr.dtype.element_ty), mask=mask)
@@ -108,16 +119,19 @@ def _launch(kernel, grid, *args, **kw):
         kernel[grid](*args, **kw)
 
 
-def tiles(m: int, n: int, k: int, split: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] product split `split` ways:
-    aim for at least ~one program per SM (132 on an H200) without tiles under 64 x 32."""
-    block_m = 64 if m <= 64 else 128 if m >= 1024 else 64
+Config = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+
+def tiles(m: int, n: int, k: int, split: int = 1) -> Config:
+    """The tile config for an [m, k] x [k, n] product split `split` ways: aim for at least ~one
+    program per SM (132 on an H200) without tiles under 64 x 32."""
+    block_m = 128 if m >= 1024 else 64
     block_n = 64
     programs = -(-m // block_m) * -(-n // block_n) * split
     if programs < 128 and n % 32 == 0:
         block_n = 32
     block_k = 128 if (k // split) % 128 == 0 and block_n == 32 else 64
-    return block_m, block_n, block_k, 4
+    return block_m, block_n, block_k, 4, 4
 
 
 SMS = 132  # an H200's SMs: the programs a split aims to fill
@@ -126,7 +140,7 @@ SMS = 132  # an H200's SMs: the programs a split aims to fill
 def split_for(m: int, n: int, k: int) -> int:
     """How many ways to split K so that a [m, k] x [k, n] product launches about one program per SM,
     keeping at least 256 of K per program."""
-    bm, bn, bk, _ = tiles(m, n, k)
+    bm, bn = tiles(m, n, k)[:2]
     programs = -(-m // bm) * -(-n // bn)
     split = 1
     while programs * split * 2 <= SMS and k % (split * 2 * 64) == 0 and k // (split * 2) >= 256:
@@ -135,34 +149,35 @@ def split_for(m: int, n: int, k: int) -> int:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           config: Config | None = None) -> torch.Tensor:
     """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N]."""
     M, K = x.shape
     N = w.shape[0] // 2 if act == "swiglu" else w.shape[0]
-    bm, bn, bk, warps = config or tiles(M, N, K)
+    bm, bn, bk, warps, stages = config or tiles(M, N, K)
     if K % bk:
         raise ValueError(f"K {K} is not a multiple of BLOCK_K {bk}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
-    _launch(_linear_kernel, grid, x, w, b if b is not None else w, out, M, N, K, x.stride(0), w.stride(0),
-            out.stride(0), N * w.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=False,
-            HAS_BIAS=b is not None, ACT=ACTS[act], USE_GDC=pdl(), num_warps=warps)
+    _launch(_linear_kernel, grid, x, w, b if b is not None else w, out, M, N, x.stride(0), w.stride(0),
+            out.stride(0), N * w.stride(0), K_SPLIT=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=False,
+            HAS_BIAS=b is not None, ACT=ACTS[act], USE_GDC=pdl(), PREFETCH=prefetch(), num_warps=warps,
+            num_stages=stages)
     return out
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int,
-                    config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    config: Config | None = None) -> torch.Tensor:
     """x @ w.T as `split` float32 partial sums over K: [split, M, N] (`add_norm` reduces them)."""
     M, K = x.shape
     N = w.shape[0]
-    bm, bn, bk, warps = config or tiles(M, N, K, split)
+    bm, bn, bk, warps, stages = config or tiles(M, N, K, split)
     if K % (split * bk):
         raise ValueError(f"K {K} does not split {split} ways in blocks of {bk}")
     out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    _launch(_linear_kernel, grid, x, w, w, out, M, N, K // split, x.stride(0), w.stride(0), N, 0,
+    _launch(_linear_kernel, grid, x, w, w, out, M, N, x.stride(0), w.stride(0), N, 0, K_SPLIT=K // split,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=True, HAS_BIAS=False, ACT=0, USE_GDC=pdl(),
-            num_warps=warps)
+            PREFETCH=prefetch(), num_warps=warps, num_stages=stages)
     return out
 
 
