@@ -14,6 +14,7 @@ One JSON line per cell: op, tokens, impl (cublas / triton / varlen ...), config,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 
@@ -32,16 +33,14 @@ CONFIGS = [(64, 64, 64, 4, 3), (64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (128, 6
            (128, 128, 64, 8, 3), (64, 32, 256, 4, 3)]
 
 
-MODES = ("plain", "pdl", "pdl+prefetch")  # how the Triton kernels launch (rose.kernels.pdl / prefetch)
+MODES = ("plain", "pdl")  # how the Triton kernels launch (rose.kernels.pdl)
 
 
 def set_mode(mode: str) -> None:
     from rose import kernels
 
     os.environ["ROSE_PDL"] = "0" if mode == "plain" else "1"
-    os.environ["ROSE_PREFETCH"] = "1" if mode == "pdl+prefetch" else "0"
     kernels.pdl.cache_clear()
-    kernels.prefetch.cache_clear()
 
 
 def time_graph(fn, layers: int, iters: int) -> float:
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
     def emit(op, tokens, impl, us, **kw):
         rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, impl=impl, us=round(us, 2), **kw)
         if impl.startswith("triton") and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
-            best[(op, tokens)] = (us, kw)
+            best[(op, tokens)] = (us, {**kw, "impl": impl})
 
     for tokens in progress([int(t) for t in args.tokens.split(",")], "token counts"):
         for op, (n, k) in shapes(cfg).items():
@@ -129,7 +128,7 @@ def main(argv=None) -> int:
                 emit(op, tokens, "cublas", time_graph(lambda i: F.linear(x, w[i], b[i]), L, args.iters))
             # ROSE's Triton kernels over configs (and splits where a norm follows)
             splits = [s for s in (1, 2, 4, 8) if k % (s * 128) == 0] if norm_out else [1]
-            for mode in MODES:
+            for mode, tma in itertools.product(MODES, (False, True)):
                 set_mode(mode)
                 for conf in CONFIGS[:args.configs]:
                     for split in splits:
@@ -137,19 +136,19 @@ def main(argv=None) -> int:
                             continue
                         try:
                             if norm_out:
-                                def fn(i, conf=conf, split=split):
-                                    p = gemm.linear_partials(x, w[i], split, conf)
+                                def fn(i, conf=conf, split=split, tma=tma):
+                                    p = gemm.linear_partials(x, w[i], split, conf, tma)
                                     return gemm.add_norm(p, b[i], res, g, None if rms else beta, eps, rms=rms)
                             else:
-                                def fn(i, conf=conf):
-                                    return gemm.linear(x, w[i], b[i], act, conf)
+                                def fn(i, conf=conf, tma=tma):
+                                    return gemm.linear(x, w[i], b[i], act, conf, tma)
                             us = time_graph(fn, L, args.iters)
                         except Exception as e:  # a config that does not fit (shared memory): skip it
                             rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, config=list(conf),
                                      split=split, error=str(e)[:200])
                             continue
-                        emit(op, tokens, "triton+norm" if norm_out else "triton", us, config=list(conf),
-                             split=split, mode=mode)
+                        emit(op, tokens, ("triton-tma" if tma else "triton") + ("+norm" if norm_out else ""), us,
+                             config=list(conf), split=split, mode=mode)
             set_mode(MODES[-1])
             del w, b
     # attention on short sequences

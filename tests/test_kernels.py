@@ -107,3 +107,17 @@ def test_bert_small_step_equals_torch_path():
 
 def test_use_kernels_needs_a_gelu():
     assert not BertModel({**BERT, "hidden_act": "relu"}).use_kernels(1024)
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_tma_kernel_matches_pointer_kernel(act, split):
+    torch.manual_seed(split)
+    m, n, k = 70, 96, 256
+    x = rand(m, k)
+    w = rand(2 * n if act == "swiglu" else n, k, scale=k ** -0.5)
+    b = None if act == "swiglu" else rand(n)
+    want = gemm.linear_reference(x, w, b, act)
+    assert rel(gemm.linear(x, w, b, act, tma=True), want) < TOL
+    if act is None:
+        assert rel(gemm.linear_partials(x, w, split, tma=True).sum(0), x.float() @ w.float().T) < TOL

@@ -5,8 +5,7 @@ unfused torch maths it must equal (`*_reference`, CPU-runnable).
 Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run these kernels). Without it the
 models keep their torch path. Kernels launch with programmatic dependent launch (PDL, Hopper and
 newer) when `pdl()` says so: each waits for its predecessor's writes (`gdc_wait`), then lets its
-successor launch, which first prefetches its weights into L2 (`prefetch()`) and then waits in turn:
-while one kernel computes, the next one's weights stream in, one kernel ahead.
+successor launch, so a chain of them overlaps each launch with the previous kernel's work.
 """
 
 from __future__ import annotations
@@ -39,9 +38,3 @@ def pdl() -> bool:
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
-
-@functools.cache
-def prefetch() -> bool:
-    """Linear kernels prefetch their weights into L2 before waiting on their predecessor: with PDL
-    (which lets them start early), unless disabled (ROSE_PREFETCH=0)."""
-    return pdl() and os.environ.get("ROSE_PREFETCH", "1") != "0"

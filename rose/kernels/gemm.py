@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import pdl, prefetch
+from rose.kernels import pdl
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 
@@ -32,8 +32,7 @@ ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, UP_OFFSET,
                    K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -44,16 +43,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
     mask_n = offs_n[None, :] < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of w's rows
-    if PREFETCH:  # this program's weights into L2 while the previous kernel still runs (they never change)
-        _prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, pid_k * K_SPLIT, K_SPLIT)
-        if ACT == 2:
-            _prefetch_rows(w_ptr + UP_OFFSET, tl.minimum(offs_n, N - 1), stride_wn, pid_k * K_SPLIT, K_SPLIT)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start (and prefetch) now
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ACT == 2:
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
     for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(x_ptrs, mask=mask_m, other=0.0)
         acc = tl.dot(a, tl.load(w_ptrs, mask=mask_n, other=0.0), acc)
@@ -61,7 +55,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
             acc_up = tl.dot(a, tl.load(w_ptrs + UP_OFFSET, mask=mask_n, other=0.0), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask = mask_m & mask_n
+    _epilogue(acc, acc_up if ACT == 2 else acc, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL,
+              HAS_BIAS, ACT)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if PARTIAL:
         tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
     else:
@@ -75,11 +76,30 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, rows, stride, k0, K: tl.constexpr):
-    """prefetch.global.L2 each 128-byte line of w[rows, k0:k0 + K] (16-bit elements)."""
-    lines = k0 + tl.arange(0, max(K // 64, 1)) * 64
-    ptrs = w_ptr + rows[:, None] * stride + lines[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                       PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
+    """As `_linear_kernel`, with x and w read by the tensor-memory accelerator (TMA descriptors made
+    on the host), so the K loop is pipelined `STAGES` deep whatever the compiler proves of pointers."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k0 = pid_k * K_SPLIT
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = acc
+    for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
+        a = x_desc.load([off_m, k0 + k])
+        acc = tl.dot(a, w_desc.load([off_n, k0 + k]).T, acc)
+        if ACT == 2:
+            acc_up = tl.dot(a, w_desc.load([off_n + N, k0 + k]).T, acc_up)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -134,6 +154,7 @@ def tiles(m: int, n: int, k: int, split: int = 1) -> Config:
     return block_m, block_n, block_k, 4, 4
 
 
+TMA = False  # read x and w through TMA descriptors (`_linear_tma_kernel`) by default
 SMS = 132  # an H200's SMs: the programs a split aims to fill
 
 
@@ -148,37 +169,40 @@ def split_for(m: int, n: int, k: int) -> int:
     return split
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
-           config: Config | None = None) -> torch.Tensor:
-    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N]."""
+def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | None, tma: bool | None):
     M, K = x.shape
-    N = w.shape[0] // 2 if act == "swiglu" else w.shape[0]
-    bm, bn, bk, warps, stages = config or tiles(M, N, K)
-    if K % bk:
-        raise ValueError(f"K {K} is not a multiple of BLOCK_K {bk}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), 1)
-    _launch(_linear_kernel, grid, x, w, b if b is not None else w, out, M, N, x.stride(0), w.stride(0),
-            out.stride(0), N * w.stride(0), K_SPLIT=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=False,
-            HAS_BIAS=b is not None, ACT=ACTS[act], USE_GDC=pdl(), PREFETCH=prefetch(), num_warps=warps,
-            num_stages=stages)
-    return out
-
-
-def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int,
-                    config: Config | None = None) -> torch.Tensor:
-    """x @ w.T as `split` float32 partial sums over K: [split, M, N] (`add_norm` reduces them)."""
-    M, K = x.shape
-    N = w.shape[0]
-    bm, bn, bk, warps, stages = config or tiles(M, N, K, split)
+    bm, bn, bk, warps, stages = config or tiles(M, n, K, split)
     if K % (split * bk):
         raise ValueError(f"K {K} does not split {split} ways in blocks of {bk}")
-    out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    _launch(_linear_kernel, grid, x, w, w, out, M, N, x.stride(0), w.stride(0), N, 0, K_SPLIT=K // split,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=True, HAS_BIAS=False, ACT=0, USE_GDC=pdl(),
-            PREFETCH=prefetch(), num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), split)
+    kw = dict(K_SPLIT=K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, HAS_BIAS=b is not None,
+              ACT=ACTS[act], USE_GDC=pdl(), num_warps=warps)
+    bias = b if b is not None else w
+    if tma if tma is not None else TMA:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(x, [bm, bk])
+        wd = TensorDescriptor.from_tensor(w, [bn, bk])
+        _launch(_linear_tma_kernel, grid, xd, wd, bias, out, M, n, out.stride(-2), STAGES=stages, **kw)
+    else:
+        _launch(_linear_kernel, grid, x, w, bias, out, M, n, x.stride(0), w.stride(0), out.stride(-2),
+                n * w.stride(0), num_stages=stages, **kw)
     return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
+           config: Config | None = None, tma: bool | None = None) -> torch.Tensor:
+    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N]."""
+    n = w.shape[0] // 2 if act == "swiglu" else w.shape[0]
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    return _run(x, w, b, out, n, 1, act, False, config, tma)
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int, config: Config | None = None,
+                    tma: bool | None = None) -> torch.Tensor:
+    """x @ w.T as `split` float32 partial sums over K: [split, M, N] (`add_norm` reduces them)."""
+    out = torch.empty((split, x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
+    return _run(x, w, None, out, w.shape[0], split, None, True, config, tma)
 
 
 def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
