@@ -19,6 +19,8 @@ Two kernels:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -154,8 +156,32 @@ def tiles(m: int, n: int, k: int, split: int = 1) -> Config:
     return block_m, block_n, block_k, 4, 4
 
 
-TMA = False  # read x and w through TMA descriptors (`_linear_tma_kernel`) by default
 SMS = 132  # an H200's SMs: the programs a split aims to fill
+
+# Measured choices for the small-batch step (`python -m benchmarks.small_step`, H200, bf16, a CUDA
+# graph of 24 layers' weights, PDL on; benchmarks/results/small_step_bge-m3.jsonl): for a layer's
+# (N, K) at up to M rows, (tile config, K split, TMA) of the fastest Triton variant. Shapes not
+# listed take `tiles` / `split_for`.
+TUNED: dict[tuple[int, int, int], tuple[Config, int, bool]] = {
+    # bge-m3 (XLM-RoBERTa large): qkv 3072x1024, out 1024x1024, up 4096x1024, down 1024x4096
+    (3072, 1024, 128): ((64, 32, 128, 4, 3), 1, True), (3072, 1024, 512): ((128, 64, 64, 4, 3), 1, True),
+    (1024, 1024, 128): ((64, 64, 128, 4, 3), 4, True), (1024, 1024, 512): ((64, 128, 128, 4, 3), 2, True),
+    (4096, 1024, 128): ((64, 64, 64, 4, 5), 1, False), (4096, 1024, 512): ((64, 64, 64, 4, 3), 1, True),
+    (1024, 4096, 128): ((64, 32, 128, 4, 3), 4, True), (1024, 4096, 512): ((64, 128, 128, 4, 3), 2, True),
+}
+
+# Which of a block's projections the small-batch step runs in Triton; the others stay with cuBLAS
+# (cuBLASLt for the GELU up projection), whose kernels were as fast or faster at these rows. A
+# tuning knob for the measurements (ROSE_TRITON_OPS=qkv,out,up,down), not a serving option.
+TRITON_OPS = frozenset(os.environ.get("ROSE_TRITON_OPS", "out,down").split(","))
+
+
+def plan(m: int, n: int, k: int) -> tuple[Config, int, bool]:
+    """(config, split, tma) for an [m, k] x [k, n] product in the small-batch step."""
+    for bucket in (128, 512):
+        if m <= bucket and (n, k, bucket) in TUNED:
+            return TUNED[(n, k, bucket)]
+    return tiles(m, n, k, split := split_for(m, n, k)), split, False
 
 
 def split_for(m: int, n: int, k: int) -> int:
@@ -169,7 +195,7 @@ def split_for(m: int, n: int, k: int) -> int:
     return split
 
 
-def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | None, tma: bool | None):
+def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | None, tma: bool):
     M, K = x.shape
     bm, bn, bk, warps, stages = config or tiles(M, n, K, split)
     if K % (split * bk):
@@ -178,7 +204,7 @@ def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | 
     kw = dict(K_SPLIT=K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, HAS_BIAS=b is not None,
               ACT=ACTS[act], USE_GDC=pdl(), num_warps=warps)
     bias = b if b is not None else w
-    if tma if tma is not None else TMA:
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xd = TensorDescriptor.from_tensor(x, [bm, bk])
@@ -191,16 +217,23 @@ def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
-           config: Config | None = None, tma: bool | None = None) -> torch.Tensor:
-    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N]."""
+           config: Config | None = None, tma: bool = False) -> torch.Tensor:
+    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N].
+    Without `config`, the measured plan for this shape (`plan`)."""
     n = w.shape[0] // 2 if act == "swiglu" else w.shape[0]
+    if config is None:
+        config, _, tma = plan(x.shape[0], n, x.shape[1])
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     return _run(x, w, b, out, n, 1, act, False, config, tma)
 
 
-def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int, config: Config | None = None,
-                    tma: bool | None = None) -> torch.Tensor:
-    """x @ w.T as `split` float32 partial sums over K: [split, M, N] (`add_norm` reduces them)."""
+def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, config: Config | None = None,
+                    tma: bool = False) -> torch.Tensor:
+    """x @ w.T as `split` float32 partial sums over K: [split, M, N] (`add_norm` reduces them).
+    Without `config` (and `split`), the measured plan for this shape (`plan`)."""
+    if config is None and split is None:
+        config, split, tma = plan(x.shape[0], w.shape[0], x.shape[1])
+    split = split or 1
     out = torch.empty((split, x.shape[0], w.shape[0]), dtype=torch.float32, device=x.device)
     return _run(x, w, None, out, w.shape[0], split, None, True, config, tma)
 

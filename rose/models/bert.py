@@ -98,23 +98,25 @@ class BertLayer(nn.Module):
         return self.feed_forward(self.attention.self(x, meta, attn), x)
 
     def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """The same layer in ROSE's Triton kernels (`rose.kernels.gemm`): five kernels and attention.
-        The output and FFN down projections run split over K, their partial sums reduced by the
-        kernel that adds bias and residual and applies LayerNorm; the up projection's GELU (tanh form,
-        as `linear_gelu`) is in its epilogue."""
+        """The same layer for small steps, in fewer kernels (`rose.kernels.gemm`): the output and FFN
+        down projections run split over K in Triton, their float32 partial sums reduced by the kernel
+        that adds bias and residual and applies LayerNorm. The q/k/v and up projections run in
+        Triton too where `gemm.TRITON_OPS` names them (GELU in the epilogue, tanh form, as
+        `linear_gelu`), else in cuBLAS / cuBLASLt."""
         from rose.kernels import gemm
 
         sa, so, up, down = self.attention.self, self.attention.output, self.intermediate, self.output
         T, h = x.shape
-        qkv = gemm.linear(x, sa.qkv.weight, sa.qkv.bias)
+        ops = gemm.TRITON_OPS
+        qkv = gemm.linear(x, sa.qkv.weight, sa.qkv.bias) if "qkv" in ops else sa.qkv(x)
         q, k, v = qkv.view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
         a = attn(q, k, v, meta).reshape(T, h)
-        x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight, gemm.split_for(T, h, h)), so.dense.bias, x,
+        x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight), so.dense.bias, x,
                           so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps)
-        f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu")
-        inner = f.shape[1]
-        return gemm.add_norm(gemm.linear_partials(f, down.dense.weight, gemm.split_for(T, h, inner)),
-                             down.dense.bias, x, down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
+        f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu") if "up" in ops else \
+            linear_gelu(x, up.dense.weight, up.dense.bias)
+        return gemm.add_norm(gemm.linear_partials(f, down.dense.weight), down.dense.bias, x,
+                             down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
