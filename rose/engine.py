@@ -19,7 +19,7 @@ import torch
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
-from rose.layers.attention_table import load_table
+from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
@@ -50,7 +50,8 @@ class EngineConfig:
                (Inductor); compiled on first use of each shape, so warm up before serving.
     attention_table: with attention "auto", a JSON table from `python -m benchmarks.kernels`
                choosing the backend per (sequences, max length), or a directory of them (the one for
-               the model's head shape is used); "" uses the default choice.
+               the model's head shape is used); "" uses the built-in choice on CUDA in half precision
+               (`attention_table.BUILTIN_CELLS`: ROSE's Triton kernel up to 512 tokens, varlen beyond).
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
                small-batch path in ROSE's Triton kernels (`rose.kernels`; BERT / XLM-RoBERTa with a
                GELU) on CUDA in half precision where Triton is installed; 0: never (torch's path).
@@ -65,7 +66,7 @@ class EngineConfig:
     max_graph_seqs: int = 256
     compile: bool = False
     attention_table: str = ""
-    kernel_tokens: int = 2048
+    kernel_tokens: int = 512
 
     def __post_init__(self):
         if self.kernel_tokens < 0:
@@ -136,9 +137,11 @@ class Engine:
         heads = c["num_attention_heads"]
         heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
-        if cfg.attention_table and cfg.attention == "auto":
-            self.attention = load_table(cfg.attention_table, heads, self.causal, functools.partial(
-                select_backend, device=self.device, dtype=self.dtype, heads=heads, causal=self.causal), self.attention)
+        if cfg.attention == "auto":
+            make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
+                                     causal=self.causal)
+            self.attention = load_table(cfg.attention_table, heads, self.causal, make, self.attention) \
+                if cfg.attention_table else builtin_table(make, self.attention)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)

@@ -210,8 +210,10 @@ class TritonBackend(AttentionBackend):
     def __init__(self, device: torch.device):
         from rose import kernels
 
-        if not kernels.available() or (device.type != "cuda" and not kernels.interpreted()):
-            raise ImportError("the triton attention backend needs Triton on CUDA (or TRITON_INTERPRET=1)")
+        if device.type != "cuda":
+            raise ValueError("attention 'triton' needs a CUDA device")
+        if not kernels.available():
+            raise ImportError("attention 'triton' needs the triton package")
         from rose.kernels.attention import attention
 
         self._fn = attention
