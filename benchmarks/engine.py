@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         s = engine.runner.stats
         rec.emit(bench="engine", cell="graph stats", model=args.model, backend=backend, keys=s.keys, eager=s.eager,
                  captures=s.captures, replays=s.replays, oversize=s.oversize, capture_ms_total=round(s.capture_ms, 1),
-                 capture_ms_by_key={"x".join(map(str, k)): round(v, 1) for k, v in s.capture_ms_by_key.items()},
+                 capture_ms_by_key={"x".join(map(str, k[:3])) + "".join(f"+{e}" for e in sorted(k.extras)): round(v, 1)
+                                   for k, v in s.capture_ms_by_key.items()},
                  weights_mb=round(weights_mb, 1),
                  other_mb=round((mem() - mem0) / 2**20 - weights_mb, 1))
     spec = engine.spec

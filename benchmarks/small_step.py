@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Recorder, progress
+from rose.graphs import GraphKey
 from rose.layers.activation import linear_gelu
 from rose.layers.attention import AttentionMetadata, select_backend
 from rose.modeldir import ModelSpec, resolve_model_path
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
                 continue
             for mode in (MODES[:2] if name == "triton" else MODES[:1]):
                 set_mode(mode)
-                be.prepare(("bench", n, T), cu_host, T)
+                be.prepare(GraphKey(n, T, length, frozenset({"bench"})), cu_host, T)
 
                 def fn(i, be=be):
                     q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)

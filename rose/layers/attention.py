@@ -52,10 +52,10 @@ class AttentionBackend(abc.ABC):
     name: str
     capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
 
-    def prepare(self, key: tuple | None, cu_host: np.ndarray, num_tokens: int) -> None:
+    def prepare(self, key, cu_host: np.ndarray, num_tokens: int) -> None:
         """Host-side planning before a forward (outside any graph).
 
-        key:        the graph key being run or captured (None for an eager step).
+        key:        the `rose.graphs.GraphKey` being run or captured (None for an eager step).
         cu_host:    int32 cumulative lengths on the host, padded with empty dummy sequences.
         num_tokens: rows of q/k/v (the token bucket; tokens past cu_host[-1] are padding).
         """

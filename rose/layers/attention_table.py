@@ -43,7 +43,7 @@ class TableBackend(AttentionBackend):
 
     def prepare(self, key, cu_host, num_tokens):
         if key is not None:
-            seqs, max_len = key[0], key[2]
+            seqs, max_len = key.seqs, key.max_len
         else:
             seqs, max_len = len(cu_host) - 1, int(np.diff(cu_host).max())
         self._current = self.pick(seqs, max_len)
