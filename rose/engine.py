@@ -53,8 +53,8 @@ class EngineConfig:
                the model's head shape is used); "" uses the built-in choice on CUDA in half precision
                (`attention_table.BUILTIN_CELLS`: ROSE's Triton kernel up to 512 tokens, varlen beyond).
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
-               small-batch path in ROSE's Triton kernels (`rose.kernels`; BERT / XLM-RoBERTa with a
-               GELU) on CUDA in half precision where Triton is installed; 0: never (torch's path).
+               small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
+               GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
     """
 
     model: str = "default"

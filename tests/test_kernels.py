@@ -142,3 +142,47 @@ def test_tma_kernel_matches_pointer_kernel(act, split):
     assert rel(gemm.linear(x, w, b, act, tma=True), want) < TOL
     if act is None:
         assert rel(gemm.linear_partials(x, w, split, tma=True).sum(0), x.float() @ w.float().T) < TOL
+
+
+def test_qk_norm_rope_matches_reference():
+    from rose.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+    from rose.layers.rotary import Rotary
+
+    torch.manual_seed(3)
+    H, Hk, D, T = 4, 2, 64, 37
+    qkv = rand(T, (H + 2 * Hk) * D)
+    pos = torch.randint(0, 500, (T,)).to(DEV)
+    table = Rotary(D, 512, 1e6).cos_sin.to(DEV)
+    qw, kw = rand(D), rand(D)
+    got = qk_norm_rope(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
+    want = qk_norm_rope_reference(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel(g, w) < TOL
+
+
+QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, intermediate_size=96, max_position_embeddings=256, is_causal=False)
+
+
+@pytest.mark.parametrize("ops", [gemm.TRITON_OPS, frozenset({"qkv", "out", "up", "down"})], ids=["default", "all"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
+    from rose.models.qwen3 import Qwen3Model
+
+    monkeypatch.setattr(gemm, "TRITON_OPS", ops)
+    torch.manual_seed(1)
+    model = Qwen3Model({**QWEN3, "is_causal": causal}).to(DEV, DT).eval()
+    model.materialize(DEV)
+    for p in model.parameters():  # norms away from 1, so a wrong weight shows
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    lens, T = [9, 30, 1], 48
+    ids = torch.randint(5, 100, (T,), device=DEV)
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)]).to(DEV)
+    cu = torch.tensor([0, 9, 39, 40], dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(cu, 64, tuple(lens), causal)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        assert model.use_kernels(1024)
+        got = model(ids, pos, meta, Interpreted())[:40]
+    assert rel(got, want) < TOL

@@ -152,7 +152,10 @@ def tiles(m: int, n: int, k: int, split: int = 1) -> Config:
     programs = -(-m // block_m) * -(-n // block_n) * split
     if programs < 128 and n % 32 == 0:
         block_n = 32
-    block_k = 128 if (k // split) % 128 == 0 and block_n == 32 else 64
+    kk = k // split
+    block_k = 128 if kk % 128 == 0 and block_n == 32 else next((b for b in (64, 32, 16) if kk % b == 0), 0)
+    if not block_k or k % split:
+        raise ValueError(f"K {k} split {split} ways is not a multiple of 16")
     return block_m, block_n, block_k, 4, 4
 
 

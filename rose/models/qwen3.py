@@ -66,6 +66,33 @@ class Qwen3DecoderLayer(nn.Module):
         q, k, v = self.pre_attention(x, cos_sin)
         return self.feed_forward(attn(q, k, v, meta).reshape(x.shape[0], -1), x)
 
+    def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
+                   attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block for small steps, in fewer kernels: x is the residual stream and h its
+        `input_layernorm`; returns the new stream and `next_norm` of it (the next block's input
+        norm, or the model's final one), each residual add fused with the norm that follows it
+        (`rose.kernels.gemm.add_norm`), q/k norm and rotary in one kernel (`rose.kernels.rope`), the
+        output and down projections split-K in Triton, the SwiGLU inside the gate/up GEMM's epilogue
+        where `gemm.TRITON_OPS` names "up" (else cuBLAS, then silu * up)."""
+        from rose.kernels import gemm
+        from rose.kernels.rope import qk_norm_rope
+
+        sa, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        T = x.shape[0]
+        qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in gemm.TRITON_OPS else sa.qkv_proj(h)
+        q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
+                               sa.h, sa.hk, sa.d)
+        a = attn(q, k, v, meta).reshape(T, -1)
+        x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
+                             post.eps, rms=True)
+        if "up" in gemm.TRITON_OPS:
+            m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
+        else:
+            gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
+            m = F.silu(gate) * up
+        return gemm.add_norm(gemm.linear_partials(m, mlp.down_proj.weight), None, x, next_norm.weight, None,
+                             next_norm.eps, rms=True)
+
     def pre_attention(self, x: torch.Tensor, cos_sin: torch.Tensor):
         """RMSNorm, q/k/v projection, q/k RMSNorm, rotary: fused by `Engine(compile=True)`."""
         return self.self_attn.qkv(self.input_layernorm(x), cos_sin)
@@ -86,6 +113,8 @@ class Qwen3Model(nn.Module):
         ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
         ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
     }
+
+    kernel_tokens = 0  # steps of up to this many tokens take the small path (use_kernels)
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -111,8 +140,19 @@ class Qwen3Model(nn.Module):
     def materialize(self, device: torch.device) -> None:
         self.rotary.materialize(device)
 
+    def use_kernels(self, max_tokens: int) -> bool:
+        """Run steps of up to `max_tokens` tokens through `Qwen3DecoderLayer.small_step`."""
+        self.kernel_tokens = max_tokens
+        return True
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
+            h = self.layers[0].input_layernorm(x)
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt)
+            return h
         cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos_sin, meta, attn)
