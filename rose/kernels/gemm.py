@@ -171,12 +171,19 @@ TUNED: dict[tuple[int, int, int], tuple[Config, int, bool]] = {
     (1024, 1024, 128): ((64, 64, 128, 4, 3), 4, True), (1024, 1024, 512): ((64, 128, 128, 4, 3), 2, True),
     (4096, 1024, 128): ((64, 64, 64, 4, 5), 1, False), (4096, 1024, 512): ((64, 64, 64, 4, 3), 1, True),
     (1024, 4096, 128): ((64, 32, 128, 4, 3), 4, True), (1024, 4096, 512): ((64, 128, 128, 4, 3), 2, True),
+    # pplx-embed-1-0.6b (Qwen3-0.6B): out 1024x2048, gate/up 2x3072x1024 (3072 outputs: bge-m3's qkv
+    # entries above were its best too), down 1024x3072
+    (1024, 2048, 128): ((64, 32, 128, 4, 3), 4, True), (1024, 2048, 512): ((64, 64, 128, 4, 3), 2, True),
+    (1024, 3072, 128): ((64, 32, 128, 4, 3), 4, True), (1024, 3072, 512): ((64, 64, 128, 4, 3), 2, True),
 }
 
-# Which of a block's projections the small-batch step runs in Triton; the others stay with cuBLAS
-# (cuBLASLt for the GELU up projection), whose kernels were as fast or faster at these rows. A
-# tuning knob for the measurements (ROSE_TRITON_OPS=qkv,out,up,down), not a serving option.
-TRITON_OPS = frozenset(os.environ.get("ROSE_TRITON_OPS", "out,down").split(","))
+
+def triton_ops(default: frozenset) -> frozenset:
+    """Which of a block's projections ("qkv", "out", "up", "down") a family's small step runs in
+    Triton: the family's measured `default` (the others stay with cuBLAS / cuBLASLt), or the
+    ROSE_TRITON_OPS environment variable (comma-separated), a knob for measurements."""
+    env = os.environ.get("ROSE_TRITON_OPS")
+    return frozenset(env.split(",")) if env else default
 
 
 def plan(m: int, n: int, k: int) -> tuple[Config, int, bool]:
