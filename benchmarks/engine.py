@@ -214,6 +214,7 @@ def main(argv=None) -> int:
                  **time_online(engine, L, args.iters))
     for cell in filter(None, args.scoring.split(",")):
         n, L = map(int, cell.split("x"))
+        L = min(L, engine.spec.max_seq_len)
         rec.emit(bench="engine", cell=f"step {n}x{L}", model=args.model, backend=backend, seqs=n, tokens=n * L,
                  **time_online(engine, L, args.iters, n))
     L = min(512, engine.spec.max_seq_len)
