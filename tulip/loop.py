@@ -13,6 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from time import perf_counter_ns
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Request, Scheduler
 from tulip.spin import Spinner
+from tulip.stages import StageRecorder
 
 log = logging.getLogger("tulip")
 
@@ -53,10 +55,19 @@ def _deliver(req: Request, rows, error) -> None:
     """Call a request's completion callback; its failure is its own, never the engine loop's."""
     if req.timer is not None:
         req.timer.cancel()
+    if req.stamps is not None:
+        req.stamps[9] = perf_counter_ns()
     try:
         req.on_done(req, rows, error)
     except Exception:
         log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
+
+
+def _stamp(slots, point: int) -> None:
+    t = perf_counter_ns()
+    for r, _ in slots:
+        if r.stamps is not None:
+            r.stamps[point] = t
 
 
 def _run_step(engine: Engine, batch: Batch, extras: frozenset):
@@ -125,6 +136,8 @@ class EngineLoop:
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
         # replies being written) are picked up without an epoll wake-up.
         self._idle = Spinner(self._spin_s)
+        # --stage-samples: per-request stage timestamps (tulip.stages); None: off
+        self.stages = StageRecorder(cfg.stage_samples) if cfg.stage_samples else None
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -159,6 +172,8 @@ class EngineLoop:
             )
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
+        if req.stamps is not None:
+            req.stamps[4] = perf_counter_ns()
         if req.deadline:
             req.timer = self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
         self._pump()
@@ -206,10 +221,14 @@ class EngineLoop:
                 if any(r.pool_from is not None for r, _ in slots):
                     skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
                 batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
+                if self.stages is not None:
+                    _stamp(slots, 5)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
                 else:
                     lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+                if self.stages is not None:
+                    _stamp(slots, 6)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
@@ -256,6 +275,8 @@ class EngineLoop:
         if not self._inflight or self._inflight[0] is not step:
             return  # stop() already failed it
         self._inflight.popleft()
+        if self.stages is not None:
+            _stamp(step.slots, 7)
         try:
             result = step.lazy.synchronize()
             # Copy before the next launch: the host buffers belong to the engine's ring, which the
@@ -264,6 +285,8 @@ class EngineLoop:
                 out, weights, vectors = (t.numpy().copy() for t in result)
             else:
                 out = result.numpy().copy()
+            if self.stages is not None:
+                _stamp(step.slots, 8)
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)

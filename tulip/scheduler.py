@@ -45,6 +45,7 @@ class Request:
     deadline: float = 0.0  # monotonic time after which its queued sequences are dropped (0: none)
     timer: object = None  # the owner's handle for the deadline, cancelled when the request completes
     pool_from: np.ndarray | None = None
+    stamps: list | None = None  # tulip.stages: perf_counter_ns per point, when stage recording is on
 
     def __post_init__(self):
         n = len(self.lengths)

@@ -16,6 +16,7 @@ import logging
 import signal
 import time
 from dataclasses import replace
+from time import perf_counter_ns
 
 import grpc
 import numpy as np
@@ -144,13 +145,23 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
     async def Embed(self, request, context):
         count = self.loop.metrics.requests
+        stages = self.loop.stages
         try:
+            stamps = stages.received(request) if stages is not None else None
             req = self._request(request)
+            if stamps is not None:
+                stamps[3] = perf_counter_ns()
+                req.stamps = stamps
             try:
                 vectors = await self.loop.submit(req)
             except (OverflowError, TimeoutError, RuntimeError) as e:
                 raise RpcFailure.of(e) from None
+            if stamps is not None:
+                stamps[10] = perf_counter_ns()
             reply = self._reply(request, req, vectors)
+            if stamps is not None:
+                stages.replying(reply, stamps)
+                context.add_done_callback(lambda _: stages.written(reply))
         except RpcFailure as e:
             count.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
@@ -179,13 +190,21 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             reply.request_id = request.request_id
             replies.put_nowait(reply)
 
+        stages = self.loop.stages
+
         def done(request, req, rows, error):
             outstanding.discard(req)
             if error is not None:
                 answer(request, error=RpcFailure.of(error))
                 return
             try:
-                answer(request, self._reply(request, req, rows))
+                if req.stamps is None:
+                    answer(request, self._reply(request, req, rows))
+                    return
+                req.stamps[10] = perf_counter_ns()
+                reply = self._reply(request, req, rows)
+                stages.replying(reply, req.stamps)
+                answer(request, reply)
             except Exception as e:  # never leave a stream request unanswered
                 log.exception("building a reply failed")
                 answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
@@ -194,7 +213,11 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             try:
                 async for request in request_iterator:
                     try:
+                        stamps = stages.received(request) if stages is not None else None
                         req = self._request(request, functools.partial(done, request))
+                        if stamps is not None:
+                            stamps[3] = perf_counter_ns()
+                            req.stamps = stamps
                         if request.timeout_ms:
                             req.deadline = time.monotonic() + request.timeout_ms / 1e3
                         outstanding.add(req)
@@ -216,6 +239,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                     closed = True
                 else:
                     yield reply
+                    if stages is not None:
+                        stages.written(reply)
         finally:
             reader.cancel()
             for req in list(outstanding):
@@ -250,6 +275,28 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             reply.colbert_lengths.extend(len(c) for c in req.colbert)
             reply.colbert_dim = self.loop.engine.heads.colbert_dim
         return reply
+
+
+def add_tulip(server, servicer: TulipServicer) -> None:
+    """Register the Tulip service on `server` (as the generated `add_TulipServicer_to_server`, whose
+    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on)."""
+    stages = servicer.loop.stages
+    req_in, rep_out = tulip_pb2.EmbedRequest.FromString, tulip_pb2.EmbedReply.SerializeToString
+    if stages is not None:
+        req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
+    handlers = {
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, req_in, rep_out),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, req_in, rep_out),
+        "Info": grpc.unary_unary_rpc_method_handler(servicer.Info, tulip_pb2.InfoRequest.FromString,
+                                                    tulip_pb2.InfoReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def log_stages(stages) -> None:
+    if stages is not None and stages.ring:
+        log.info("tulip: stage p50 over the last %d requests (ms): %s", len(stages.ring),
+                 ", ".join(f"{k} {v['p50_ms']:.4f}" for k, v in stages.summary().items()))
 
 
 async def serve(cfg: TulipConfig) -> int:
@@ -287,7 +334,7 @@ async def serve(cfg: TulipConfig) -> int:
         ("grpc.so_reuseport", 0),
     ])
     servicer = TulipServicer(loop, cfg.served_model_name or default_served_name(cfg.model, engine.spec.path))
-    tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+    add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -311,5 +358,6 @@ async def serve(cfg: TulipConfig) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_seconds)
     await loop.stop(cfg.drain_seconds)
+    log_stages(loop.stages)
     log.info("tulip: stopped")
     return 0
