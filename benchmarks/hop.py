@@ -93,7 +93,7 @@ class NullEngine:
 
 async def _in_process(loop, n: int) -> dict:
     """Submit -> result through the engine loop in this process (no gRPC)."""
-    from tulip.scheduler import Request
+    from tulip.loop import Request
 
     ids, lengths = np.arange(5, 133, dtype=np.int32), np.array([128])
     ts = []

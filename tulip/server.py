@@ -10,11 +10,11 @@ requests in that batch.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import replace
 from time import perf_counter_ns
 
@@ -26,9 +26,8 @@ from rose.engine import Engine, EngineConfig
 from rose.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
-from tulip.loop import EngineLoop, warm_up
+from tulip.loop import EngineLoop, Request, warm_up
 from tulip.metrics import TulipMetrics
-from tulip.scheduler import Request
 
 log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
@@ -36,16 +35,23 @@ DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens 0: this, or the model's max s
 
 
 def parse_request(req: tulip_pb2.EmbedRequest,
-                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Check an EmbedRequest against the served model and unpack it into (ids, lengths, pool_from
-    or None); raise ValueError with a caller-facing message."""
+                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None]:
+    """Check an EmbedRequest against the served model and unpack it into (int32 ids, lengths,
+    pool_from or None; both plain ints); raise ValueError with a caller-facing message."""
+    lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
+    ids = np.frombuffer(req.token_ids, dtype="<i4") if not len(req.token_ids) % 4 else None
+    if len(lens) == 1:  # the online case: one sequence, every check in one test
+        n = lens[0]
+        if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
+                and ids.view("<u4").max() < info.vocab_size  # negative ids are huge as unsigned
+                and req.dimensions <= info.embedding_dim and not req.encoding and not req.outputs
+                and not req.pool_from):
+            return ids, lens, None
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
-    lens = list(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
-    if len(req.token_ids) % 4:
+    if ids is None:
         raise ValueError(f"token_ids has {len(req.token_ids)} bytes, not a multiple of 4 (int32 little-endian)")
-    ids = np.frombuffer(req.token_ids, dtype="<i4")
     if sum(lens) != ids.shape[0]:
         raise ValueError(f"lengths add up to {sum(lens)} tokens but token_ids holds {ids.shape[0]}")
     if min(lens) == 0:
@@ -54,8 +60,8 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     if longest > max_seq_len:
         raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; "
                          f"this model accepts at most {max_seq_len}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
+    if ids.view("<u4").max() >= vocab_size:
+        lo, hi = int(ids.min()), int(ids.max())
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if req.dimensions > dim:
@@ -73,15 +79,16 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     if req.pool_from:
         if len(req.pool_from) != len(lens):
             raise ValueError(f"pool_from has {len(req.pool_from)} entries for {len(lens)} sequences")
-        pool_from = np.array(req.pool_from, dtype=np.int64)
-        bad = np.flatnonzero(pool_from >= np.array(lens))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"pool_from {int(pool_from[i])} leaves no token of sequence {i} ({lens[i]} tokens) to pool")
-    return ids, np.array(lens, dtype=np.int64), pool_from
+        pool_from = tuple(req.pool_from)
+        for i, (p, n) in enumerate(zip(pool_from, lens)):
+            if p >= n:
+                raise ValueError(f"pool_from {p} leaves no token of sequence {i} ({n} tokens) to pool")
+    return ids, lens, pool_from
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
+NO_EXTRAS = frozenset()
+F32 = np.dtype("<f4")  # the reply's float encoding
 
 
 
@@ -175,46 +182,56 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         """Requests tagged with request_id; replies in completion order. A failed request gets
         a reply with error_code / error_message; the stream and everyone else carry on.
 
-        No task per request: the reader queues each request, and the engine loop's completion
-        callback puts its reply on the queue this generator drains."""
-        replies: asyncio.Queue = asyncio.Queue()
+        No task per request: the reader queues each request (its message rides along as the
+        Request's `tag`), and the engine loop's completion callback appends its reply to the
+        deque this generator drains, waking it if it waits."""
+        replies: deque = deque()
+        waiter: asyncio.Future | None = None
         outstanding: set[Request] = set()
         count = self.loop.metrics.requests
-
-        def answer(request, reply=None, error: RpcFailure | None = None):
-            if reply is None:
-                count.labels(error.code.name).inc()
-                reply = tulip_pb2.EmbedReply(error_code=error.code.value[0], error_message=error.message)
-            else:
-                self._ok.inc()
-            reply.request_id = request.request_id
-            replies.put_nowait(reply)
-
         stages = self.loop.stages
+        aloop = asyncio.get_running_loop()
 
-        def done(request, req, rows, error):
+        def push(reply) -> None:
+            nonlocal waiter
+            replies.append(reply)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(None)
+                waiter = None
+
+        def fail(request, error: RpcFailure) -> None:
+            count.labels(error.code.name).inc()
+            push(tulip_pb2.EmbedReply(request_id=request.request_id, error_code=error.code.value[0],
+                                      error_message=error.message))
+
+        def done(req, rows, error):
             outstanding.discard(req)
+            request = req.tag
             if error is not None:
-                answer(request, error=RpcFailure.of(error))
+                fail(request, RpcFailure.of(error))
                 return
             try:
-                if req.stamps is None:
-                    answer(request, self._reply(request, req, rows))
-                    return
-                req.stamps[10] = perf_counter_ns()
+                if req.stamps is not None:
+                    req.stamps[10] = perf_counter_ns()
                 reply = self._reply(request, req, rows)
-                stages.replying(reply, req.stamps)
-                answer(request, reply)
+                reply.request_id = request.request_id
+                if req.stamps is not None:
+                    stages.replying(reply, req.stamps)
             except Exception as e:  # never leave a stream request unanswered
                 log.exception("building a reply failed")
-                answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+                fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+                return
+            self._ok.inc()
+            push(reply)
 
         async def read():
             try:
                 async for request in request_iterator:
                     try:
                         stamps = stages.received(request) if stages is not None else None
-                        req = self._request(request, functools.partial(done, request))
+                        req = self._request(request, done)
+                        req.tag = request
                         if stamps is not None:
                             stamps[3] = perf_counter_ns()
                             req.stamps = stamps
@@ -224,23 +241,28 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                         self.loop.submit_nowait(req)
                     except OverflowError as e:
                         outstanding.discard(req)
-                        answer(request, error=RpcFailure.of(e))
+                        fail(request, RpcFailure.of(e))
                     except RpcFailure as e:
-                        answer(request, error=e)
+                        fail(request, e)
             finally:
-                replies.put_nowait(None)  # the caller closed its side (or reading failed)
+                push(None)  # the caller closed its side (or reading failed)
 
         reader = asyncio.create_task(read())
         try:
             closed = False
-            while not (closed and not outstanding and replies.empty()):
-                reply = await replies.get()
-                if reply is None:
-                    closed = True
-                else:
+            while True:
+                while replies:
+                    reply = replies.popleft()
+                    if reply is None:
+                        closed = True
+                        continue
                     yield reply
                     if stages is not None:
                         stages.written(reply)
+                if closed and not outstanding:
+                    break
+                waiter = aloop.create_future()
+                await waiter
         finally:
             reader.cancel()
             for req in list(outstanding):
@@ -252,15 +274,17 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             ids, lengths, pool_from = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if pool_from is not None and pool_from.any() and self.loop.engine.spec.include_prompt:
+        if pool_from is not None and any(pool_from) and self.loop.engine.spec.include_prompt:
             # this model's pooling takes the prompt with the text (the engine pools every token)
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
                              "text (sentence-transformers include_prompt: true); send no pool_from")
-        return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done,
-                       pool_from=pool_from)
+        extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
+        return Request(ids, lengths, extras, on_done, pool_from)
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
         """The reply for a completed request."""
+        if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
+            return tulip_pb2.EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape, prompt_tokens=req.num_tokens)
         vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
