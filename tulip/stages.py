@@ -8,8 +8,9 @@ two consecutive points). Off, the request path pays one `is not None` test per p
 
 The decode and encode points come from wrapped deserializers / serializers, keyed by the message
 object, so concurrent requests are attributed correctly; `write` is when the stream's generator
-is resumed after its `yield` (the message has been handed to gRPC's core) or, for unary, when the
-call's done callback runs (the status has been sent).
+is resumed after its `yield` or, for unary, when the call's done callback runs: gRPC's core has
+reported the send (and the status) done, which can be after the bytes reached the caller, so the
+`write` stage (and `total`) include that notification's way back to the event loop.
 """
 
 from __future__ import annotations
