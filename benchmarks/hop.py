@@ -21,7 +21,7 @@ third server, Tulip with stage recording on (`tulip.stages`), measured again wit
 stream client, whose per-stage p50 / p99 are `bench: "hop-stages"` rows (one per stage, receipt to
 write; stamping costs a little, so the timing rows come from the server without it).
 `--profile DIR` also writes a cProfile of that server (pstats and its top functions as text).
-`--sync-floors` (on by default) adds the other server arrangement's echo floors, timed with
+`--sync-floors` (on by default with the null engine) adds the other server arrangement's echo floors, timed with
 `benchmarks.protoclient`: grpc's sync server, and that server bridging unary replies through an
 asyncio loop in another thread, idle or spinning (`benchmarks.syncserver`; `hop-proto` rows).
 """
@@ -231,8 +231,9 @@ def main(argv=None) -> int:
                     help="also serve a Tulip with stage recording and emit hop-stages rows")
     ap.add_argument("--proto", action=argparse.BooleanOptionalAction, default=True,
                     help="also time both servers with benchmarks.protoclient (hop-proto rows)")
-    ap.add_argument("--sync-floors", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows)")
+    ap.add_argument("--sync-floors", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows); "
+                         "default: on with the null engine, off with --model (they do not depend on it)")
     ap.add_argument("--profile", default="", help="with --stages: write a cProfile of that Tulip to this directory")
     args = ap.parse_args(argv)
 
@@ -273,7 +274,8 @@ def main(argv=None) -> int:
         finally:
             p.terminate()
             p.join(10)
-    for kind in ("sync", "bridge", "bridge-spin") if args.sync_floors else ():
+    floors = args.sync_floors if args.sync_floors is not None else not args.model
+    for kind in ("sync", "bridge", "bridge-spin") if floors else ():
         port = free_port()
         root = Path(__file__).resolve().parent.parent
         p = subprocess.Popen([sys.executable, "-m", "benchmarks.syncserver", kind, str(port)], cwd=root,

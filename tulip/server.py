@@ -39,7 +39,8 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     """Check an EmbedRequest against the served model and unpack it into (int32 ids, lengths,
     pool_from or None; both plain ints); raise ValueError with a caller-facing message."""
     lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
-    ids = np.frombuffer(req.token_ids, dtype="<i4") if not len(req.token_ids) % 4 else None
+    raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
+    ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
     if len(lens) == 1:  # the online case: one sequence, every check in one test
         n = lens[0]
         if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
@@ -51,7 +52,7 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
     if ids is None:
-        raise ValueError(f"token_ids has {len(req.token_ids)} bytes, not a multiple of 4 (int32 little-endian)")
+        raise ValueError(f"token_ids has {len(raw)} bytes, not a multiple of 4 (int32 little-endian)")
     if sum(lens) != ids.shape[0]:
         raise ValueError(f"lengths add up to {sum(lens)} tokens but token_ids holds {ids.shape[0]}")
     if min(lens) == 0:
