@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles, run_client
+from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
 
 
 class TimedEvent:
@@ -191,6 +191,36 @@ def _write_profile(prof, out: Path) -> None:
         (out / f"hop-tulip-{key}.txt").write_text(text.getvalue())
 
 
+def draw_stages(rows: list[dict], path: Path) -> bool:
+    """One stacked bar per transport: the p50 of each stage of a served request, receipt to write."""
+    from tulip.stages import POINTS
+
+    plt = pyplot()
+    rows = [r for r in rows if r.get("bench") == "hop-stages" and r["stage"] != "total"]
+    transports = sorted({r["transport"] for r in rows}, reverse=True)
+    if plt is None or not transports:
+        return False
+    stages = [p for p in POINTS[1:] if any(r["stage"] == p for r in rows)]
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(10, 1.0 * len(transports) + 2.2))
+    for j, t in enumerate(transports):
+        left = 0.0
+        for k, stage in enumerate(stages):
+            v = next((r["p50_ms"] for r in rows if r["transport"] == t and r["stage"] == stage), 0.0)
+            ax.barh(j, v, left=left, color=colors[k % len(colors)], label=stage if j == 0 else None)
+            if v > 0.03:
+                ax.text(left + v / 2, j, f"{v * 1e3:.0f}", ha="center", va="center", fontsize=6)
+            left += v
+    server = rows[0]["server"] + (f", device step {rows[0]['device_ms']:g} ms" if rows[0].get("device_ms") is not None else "")
+    ax.set_yticks(range(len(transports)), transports)
+    ax.set_xlabel(f"p50 per stage, ms (labels in us); {server}; {rows[0]['gpu']}")
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
 def _proto_client(target: str, n: int) -> list[dict]:
     """benchmarks.protoclient in a process of its own (only grpcio and the stubs imported)."""
     root = Path(__file__).resolve().parent.parent
@@ -290,6 +320,8 @@ def main(argv=None) -> int:
         finally:
             p.terminate()
             p.wait(10)
+    if rec.path is not None and draw_stages(rec.rows, rec.path.with_name(rec.path.stem + "_stages.png")):
+        print(f"wrote {rec.path.with_name(rec.path.stem + '_stages.png')}", file=sys.stderr)
     return 0
 
 
