@@ -63,6 +63,8 @@ class StageRecorder:
         def deserialize(data: bytes):
             t0 = perf_counter_ns()
             msg = from_string(data)
+            if len(decoded) > 1024:  # messages no handler claimed (e.g. Info's are not stamped)
+                decoded.clear()
             decoded[id(msg)] = (t0, perf_counter_ns())
             return msg
 
@@ -92,6 +94,8 @@ class StageRecorder:
     def replying(self, reply, stamps: list[int]) -> None:
         """`reply` is built and about to be handed to gRPC."""
         stamps[11] = perf_counter_ns()
+        if len(self._replies) > self.ring.maxlen:  # replies of calls that ended before writing them
+            self._replies.clear()
         self._replies[id(reply)] = stamps
 
     def written(self, reply) -> None:
