@@ -43,8 +43,8 @@ def rand_seqs(lens, vocab, seed=0):
     return [g.integers(5, vocab - 1, n) for n in lens]
 
 
-def time_online(engine: Engine, L: int, iters: int) -> dict:
-    batch = Batch.from_sequences(rand_seqs([L], engine.spec.vocab_size))
+def time_online(engine: Engine, L: int, iters: int, seqs: int = 1) -> dict:
+    batch = Batch.from_sequences(rand_seqs([L] * seqs, engine.spec.vocab_size))
     for _ in range(5):  # eager hit, capture, replays
         engine.step(batch).synchronize()
     cuda = engine.device.type == "cuda"
@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--attention-table", default="", help="with --attention auto: the kernel sweep's table")
     ap.add_argument("--compile", action="store_true", help="fuse post-attention work with torch.compile")
+    ap.add_argument("--kernel-tokens", type=int, default=EngineConfig.kernel_tokens,
+                    help="steps of up to this many tokens take ROSE's Triton path (0: torch's)")
+    ap.add_argument("--scoring", default="5x512", help="multi-sequence step cells, e.g. 5x512,25x512 ('' for none)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--lengths", default="128,512,4096")
@@ -192,20 +195,27 @@ def main(argv=None) -> int:
 
     name = Path(args.model).name
     attention = "table" if args.attention_table and args.attention == "auto" else args.attention
-    tag = f"{name}_{attention}_{args.graphs}" + ("_compiled" if args.compile else "")
+    tag = f"{name}_{attention}_{args.graphs}" + ("_compiled" if args.compile else "") + \
+        ("_torch-small" if not args.kernel_tokens else "")
     rec = Recorder(args.out, f"engine_{tag}")
     mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
     mem0 = mem()
     engine = Engine(EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
                                  dtype="bfloat16" if cuda else "float32", attention=args.attention,
-                                 graphs=args.graphs, compile=args.compile, attention_table=args.attention_table))
+                                 graphs=args.graphs, compile=args.compile, attention_table=args.attention_table,
+                                 kernel_tokens=args.kernel_tokens))
     weights_mb = (mem() - mem0) / 2**20
-    backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "")
+    backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "") + \
+        (f"-triton<={args.kernel_tokens}" if engine.kernels else "")
     Ls = [int(x) for x in args.lengths.split(",")]
     Ls = [L for L in Ls if L <= engine.spec.max_seq_len]
     for L in Ls:
         rec.emit(bench="engine", cell=f"step 1x{L}", model=args.model, backend=backend, seqs=1, tokens=L,
                  **time_online(engine, L, args.iters))
+    for cell in filter(None, args.scoring.split(",")):
+        n, L = map(int, cell.split("x"))
+        rec.emit(bench="engine", cell=f"step {n}x{L}", model=args.model, backend=backend, seqs=n, tokens=n * L,
+                 **time_online(engine, L, args.iters, n))
     L = min(512, engine.spec.max_seq_len)
     rec.emit(bench="engine", cell=f"100x{L} throughput", model=args.model, backend=backend, seqs=100, tokens=L,
              **time_throughput(engine, [L] * 100, args.repeats))
@@ -216,7 +226,8 @@ def main(argv=None) -> int:
         s = engine.runner.stats
         rec.emit(bench="engine", cell="graph stats", model=args.model, backend=backend, keys=s.keys, eager=s.eager,
                  captures=s.captures, replays=s.replays, oversize=s.oversize, capture_ms_total=round(s.capture_ms, 1),
-                 capture_ms_by_key={"x".join(map(str, k)): round(v, 1) for k, v in s.capture_ms_by_key.items()},
+                 capture_ms_by_key={"x".join(map(str, k[:3])) + "".join(f"+{e}" for e in sorted(k.extras)): round(v, 1)
+                                   for k, v in s.capture_ms_by_key.items()},
                  weights_mb=round(weights_mb, 1),
                  other_mb=round((mem() - mem0) / 2**20 - weights_mb, 1))
     spec = engine.spec

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Recorder, progress, pyplot
+from rose.graphs import GraphKey
 from rose.layers.attention import BACKENDS, AttentionMetadata, select_backend
 from rose.layers.attention_table import table_file
 
@@ -42,7 +43,7 @@ def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, laye
     cu_host = np.arange(0, T + 1, L, dtype=np.int32)
     cuda = device.type == "cuda"
     graphed = cuda and backend.capturable
-    key = ("sweep", n, L) if graphed else None
+    key = GraphKey(n, T, L, frozenset({"sweep"})) if graphed else None
     meta = AttentionMetadata(torch.from_numpy(cu_host).to(device), L, None if graphed else (L,) * n, False)
     backend.prepare(key, cu_host, T)
     for _ in range(3):

@@ -26,9 +26,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, default=1)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--compile", action="store_true", help="as Tulip --compile")
+    ap.add_argument("--kernel-tokens", type=int, default=EngineConfig.kernel_tokens,
+                    help="steps of up to this many tokens take ROSE's Triton path (0: torch's)")
     args = ap.parse_args(argv)
     e = Engine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", attention=args.attention, graphs="off",
-                            compile=args.compile))
+                            compile=args.compile, kernel_tokens=args.kernel_tokens))
     g = np.random.default_rng(0)
     batch = Batch.from_sequences([g.integers(5, 1000, args.tokens) for _ in range(args.seqs)])
     for _ in range(3):  # (compiles on the first)
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
         e.step(batch).synchronize()
     events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(ev.device_time for ev in events) / 1e3
-    print(f"{args.model} {args.seqs}x{args.tokens} attention={e.attention.name}: {len(events)} kernels, "
+    print(f"{args.model} {args.seqs}x{args.tokens} attention={e.attention.name} triton={e.kernels}: {len(events)} kernels, "
           f"{total:.3f} ms of kernel time")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     return 0

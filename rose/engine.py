@@ -19,7 +19,7 @@ import torch
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
-from rose.layers.attention_table import load_table
+from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
@@ -50,7 +50,11 @@ class EngineConfig:
                (Inductor); compiled on first use of each shape, so warm up before serving.
     attention_table: with attention "auto", a JSON table from `python -m benchmarks.kernels`
                choosing the backend per (sequences, max length), or a directory of them (the one for
-               the model's head shape is used); "" uses the default choice.
+               the model's head shape is used); "" uses the built-in choice on CUDA in half precision
+               (`attention_table.BUILTIN_CELLS`: ROSE's Triton kernel up to 512 tokens, varlen beyond).
+    kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
+               small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
+               GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
     """
 
     model: str = "default"
@@ -62,8 +66,11 @@ class EngineConfig:
     max_graph_seqs: int = 256
     compile: bool = False
     attention_table: str = ""
+    kernel_tokens: int = 512
 
     def __post_init__(self):
+        if self.kernel_tokens < 0:
+            raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.graphs not in ("lazy", "eager-all", "off"):
@@ -123,25 +130,41 @@ class Engine:
         # takes the first token after it, mean divides by the tokens kept; only such models pay for it.
         self._pool_mode = self.spec.pooling if self.spec.include_prompt else \
             {"cls": "first", "mean": "mean_kept"}.get(self.spec.pooling, self.spec.pooling)
+        self.kernels = self._use_kernels()
         if cfg.compile:
             compile_blocks(self.model.blocks)
         c = self.spec.config
         heads = c["num_attention_heads"]
         heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
-        if cfg.attention_table and cfg.attention == "auto":
-            self.attention = load_table(cfg.attention_table, heads, self.causal, functools.partial(
-                select_backend, device=self.device, dtype=self.dtype, heads=heads, causal=self.causal), self.attention)
+        if cfg.attention == "auto":
+            make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
+                                     causal=self.causal)
+            self.attention = load_table(cfg.attention_table, heads, self.causal, make, self.attention) \
+                if cfg.attention_table else builtin_table(make, self.attention)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
             self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg,
                                       forward_extras=self._forward_extras if self.heads is not None else None)
         log.info(
-            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s",
+            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s, triton small steps=%s",
             self.spec.path, self.spec.model_type, self.device, self.dtype,
             self.attention.name, self.spec.pooling, self.spec.normalize,
+            f"<= {cfg.kernel_tokens} tokens" if self.kernels else "off",
         )
+
+    def _use_kernels(self) -> bool:
+        """Whether steps of up to `kernel_tokens` take the family's Triton path (logged either way)."""
+        from rose import kernels
+
+        if not (self.cfg.kernel_tokens and self.device.type == "cuda" and self.dtype != torch.float32):
+            return False
+        if not kernels.available():
+            log.info("engine: Triton is not installed; small steps keep torch's path")
+            return False
+        use = getattr(self.model, "use_kernels", None)
+        return bool(use and use(self.cfg.kernel_tokens))
 
     @property
     def embedding_dim(self) -> int:

@@ -1,6 +1,6 @@
 """`GraphRunner`: the one owner of CUDA-graph state, staging buffers and the engine stream.
 
-A step is keyed by (sequence bucket, token bucket, length bucket[, extras]): sequence
+A step is keyed by a `GraphKey` (sequence bucket, token bucket, length bucket, extras): sequence
 counts round up to a power of two, token counts to multiples of `small_step` up
 to `small_max`, then of `large_step`, and the longest sequence to a power of two
 (at least 64, at most the token bucket; attention sizes its launch from it). Each key walks cold -> eager (first hit: kernels are
@@ -11,7 +11,7 @@ it in before replay. Padding tokens belong to no sequence (attention never sees
 them; mean pooling sends them to a discarded row), so they cannot change a real
 sequence's output. A batch larger than the biggest bucket runs eagerly. A step that
 also wants token-level outputs (BGE-M3's sparse weights, ColBERT vectors) has its own
-keys (the extras are the fourth element) and graphs, through `forward_extras`.
+keys (`GraphKey.extras` not empty) and graphs, through `forward_extras`.
 
 Results leave through a ring of page-locked output buffers: the device-to-host
 copy is queued behind the forward on the engine's stream and an event is
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -43,7 +43,18 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 ForwardExtras = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # prepare(key, cu_seqlens on the host, token rows): the attention backend's host-side plan
 Prepare = Callable[[tuple, np.ndarray, int], None]
-Key = tuple  # (sequence bucket, token bucket, length bucket) or the same + (extras, e.g. "colbert+sparse",)
+
+
+class GraphKey(NamedTuple):
+    """What a captured graph is specialised to; attention backends plan by it (host-side)."""
+
+    seqs: int  # sequence bucket (a power of two): the batch's sequences plus empty dummies
+    tokens: int  # token bucket: rows of every activation in the graph
+    max_len: int  # length bucket: attention's launch size (a power of two, >= 64, <= tokens)
+    extras: frozenset = frozenset()  # token-level outputs computed too ("sparse", "colbert")
+
+
+Key = GraphKey
 
 
 @dataclass(frozen=True)
@@ -161,8 +172,7 @@ class GraphRunner:
         n, t = self.cfg.seq_bucket(batch.num_seqs), self.cfg.token_bucket(batch.num_tokens)
         if n is None or t is None:
             return None
-        key = (n, t, self.cfg.len_bucket(batch.max_seqlen, t))
-        return key + ("+".join(sorted(extras)),) if extras else key
+        return GraphKey(n, t, self.cfg.len_bucket(batch.max_seqlen, t), frozenset(extras))
 
     def state(self, key: Key) -> str:
         if key in self._graphs:
@@ -192,14 +202,14 @@ class GraphRunner:
         cu[N + 1: nb + 1] = T  # empty dummy sequences
 
     def _run_key(self, key: Key):
-        nb, tb, lb = key[:3]
+        nb, tb, lb = key.seqs, key.tokens, key.max_len
         tok, cu = self._tokens, self._cu
 
         def fwd():  # eager and capture steps only: a replay needs none of this
             args = (tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
-            if len(key) == 3:
+            if not key.extras:
                 return self.forward(*args)
-            return self.forward_extras(*args, frozenset(key[3].split("+")))
+            return self.forward_extras(*args, key.extras)
 
         if key in self._graphs:
             g, out = self._graphs[key]
@@ -224,7 +234,7 @@ class GraphRunner:
         self.stats.capture_ms_by_key[key] = ms
         self._graphs[key] = (g, out)
         log.info("graph captured for %d seqs x %d tokens (max length %d)%s in %.1f ms", nb, tb, lb,
-                 f" with {key[3]}" if len(key) > 3 else "", ms)
+                 f" with {'+'.join(sorted(key.extras))}" if key.extras else "", ms)
         g.replay()
         self.stats.replays += 1
         return out
@@ -250,7 +260,7 @@ class GraphRunner:
         if key is None:
             self.stats.oversize += 1
             return None
-        nb, tb = key[0], key[1]
+        nb, tb = key.seqs, key.tokens
         slot = self._next_slot()
         self._stage(batch, slot, nb, tb)
         with self.ops.stream_ctx():

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import torch
 
+from rose.graphs import GraphKey
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.layers.attention import AttentionBackend, SdpaBackend
@@ -35,8 +36,8 @@ def test_nearest_cell_and_graph_keys():
     assert t.capturable
     assert t.pick(1, 100) is a and t.pick(1, 3000) is b and t.pick(12, 500) is b
     assert t.pick(16, 64) is a  # the "gone" backend's cell was dropped; nearest remaining is (1, 128)
-    t.prepare((2, 256, 128), np.array([0, 100, 100], dtype=np.int32), 256)  # a graph key: decided by the key
-    assert a.prepared == [(2, 256, 128)] and t(torch.ones(1), None, None, None).item() == 1
+    t.prepare(GraphKey(2, 256, 128), np.array([0, 100, 100], dtype=np.int32), 256)  # a graph key: decided by the key
+    assert a.prepared == [GraphKey(2, 256, 128)] and t(torch.ones(1), None, None, None).item() == 1
     t.prepare(None, np.array([0, 4000], dtype=np.int32), 4000)  # an eager step: decided by the batch
     assert b.prepared == [None]
     assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rose.batch import Batch
-from rose.graphs import GraphConfig, GraphRunner
+from rose.graphs import GraphConfig, GraphKey, GraphRunner
 from rose.layers.attention import AttentionBackend
 
 
@@ -119,7 +119,8 @@ def test_state_machine_and_padding_equals_eager(engine):
     r = make_runner(e)
     batch = Batch.from_sequences(seqs_of(3, 9, 1))  # 13 real tokens in a 64-token, 4-sequence bucket
     key = r.key(batch)
-    assert key == (4, 64, 64) and r.state(key) == "cold"
+    assert key == GraphKey(4, 64, 64) and (key.seqs, key.tokens, key.max_len) == (4, 64, 64) and not key.extras
+    assert r.state(key) == "cold"
     ref = e.step(batch).synchronize()
     outs = []
     for expected_state in ("warm", "captured", "captured"):
@@ -129,7 +130,7 @@ def test_state_machine_and_padding_equals_eager(engine):
     assert (s.keys, s.eager, s.captures, s.replays) == (1, 1, 1, 2)
     assert s.capture_ms >= 0 and key in s.capture_ms_by_key
     # The backend plans before every run with the padded host metadata (a dummy empty sequence).
-    assert r.plans == [((4, 64, 64), [0, 3, 12, 13, 13], 64)] * 3
+    assert r.plans == [(GraphKey(4, 64, 64), [0, 3, 12, 13, 13], 64)] * 3
     for o in outs:
         assert o.shape == (3, 384)
         assert F.cosine_similarity(o, ref).min().item() >= 0.9999
@@ -210,13 +211,13 @@ def test_token_level_outputs_through_graphs(tmp_path):
         ref = e.step(batch, extras).synchronize()
         for _ in range(3):  # eager, capture, replay
             got = r.step(batch, extras).synchronize()
-        assert r.state(r.key(batch, extras)) == "captured" and len(r.key(batch, extras)) == 4
+        assert r.state(r.key(batch, extras)) == "captured" and r.key(batch, extras).extras == extras
         for a, b in zip(got, ref):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert got[1].shape == (31,) and got[2].shape == (31, 48)
     dense = r.step(batch).synchronize()  # the dense-only key is its own
-    assert isinstance(dense, torch.Tensor) and r.key(batch) == (4, 64, 64)
+    assert isinstance(dense, torch.Tensor) and r.key(batch) == GraphKey(4, 64, 64)
     torch.testing.assert_close(dense, ref[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no \\['bogus'\\] output"):
         e.step(batch, frozenset({"bogus"}))

@@ -11,6 +11,8 @@ padding, no cross-sequence attention). Backends:
 - `fa4`:    FlashAttention 4 varlen (`flash_attn.cute`, CuTe DSL kernels; needs
             the `flash-attn-4` package), GQA without repeating kv heads.
 - `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
+- `triton`: ROSE's own kernel for short sequences (`rose.kernels.attention`): one program per
+            query block, sequence and head; GQA without repeating kv heads.
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ class AttentionBackend(abc.ABC):
     name: str
     capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
 
-    def prepare(self, key: tuple | None, cu_host: np.ndarray, num_tokens: int) -> None:
+    def prepare(self, key, cu_host: np.ndarray, num_tokens: int) -> None:
         """Host-side planning before a forward (outside any graph).
 
-        key:        the graph key being run or captured (None for an eager step).
+        key:        the `rose.graphs.GraphKey` being run or captured (None for an eager step).
         cu_host:    int32 cumulative lengths on the host, padded with empty dummy sequences.
         num_tokens: rows of q/k/v (the token bucket; tokens past cu_host[-1] are padding).
         """
@@ -198,7 +200,29 @@ class FlashInferBackend(AttentionBackend):
         return self._current.run(q, k, v)
 
 
-BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3")
+class TritonBackend(AttentionBackend):
+    """`rose.kernels.attention`: made for short sequences (the small-batch step); its grid comes
+    from the sequence count and `max_seqlen` (the length bucket inside a graph)."""
+
+    name = "triton"
+    capturable = True
+
+    def __init__(self, device: torch.device):
+        from rose import kernels
+
+        if device.type != "cuda":
+            raise ValueError("attention 'triton' needs a CUDA device")
+        if not kernels.available():
+            raise ImportError("attention 'triton' needs the triton package")
+        from rose.kernels.attention import attention
+
+        self._fn = attention
+
+    def __call__(self, q, k, v, meta):
+        return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+
+
+BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),
@@ -210,6 +234,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: t
     """
     if name == "sdpa":
         return SdpaBackend()
+    if name == "triton":
+        return TritonBackend(device)
     if name in BACKENDS and device.type != "cuda":
         raise ValueError(f"attention {name!r} needs a CUDA device")
     if name == "varlen":

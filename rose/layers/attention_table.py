@@ -43,7 +43,7 @@ class TableBackend(AttentionBackend):
 
     def prepare(self, key, cu_host, num_tokens):
         if key is not None:
-            seqs, max_len = key[0], key[2]
+            seqs, max_len = key.seqs, key.max_len
         else:
             seqs, max_len = len(cu_host) - 1, int(np.diff(cu_host).max())
         self._current = self.pick(seqs, max_len)
@@ -98,3 +98,29 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
         log.warning("attention table %s: none of its backends is available here; using %s", path, fallback.name)
         return fallback
     return TableBackend(cells, backends, fallback)
+
+
+# The choice without a swept table (attention "auto" on CUDA in half precision): ROSE's Triton kernel
+# for sequences up to 512 tokens, FlashAttention varlen beyond, from `python -m benchmarks.small_step`
+# on an H200 (bge-m3 heads, per layer in a CUDA graph: 1x128 3.97 us against varlen's 7.3, 1x512 9.7
+# against 15.4, 5x512 22.2 against 37.3, 32x64 10.2 against 16.8; varlen ahead at 16x128, 11.3 against
+# 14.1; longer sequences not measured for the Triton kernel). A sweep's table replaces it.
+BUILTIN_CELLS = [
+    {"seqs": 1, "max_len": 128, "winner": "triton"}, {"seqs": 1, "max_len": 512, "winner": "triton"},
+    {"seqs": 4, "max_len": 512, "winner": "triton"}, {"seqs": 32, "max_len": 64, "winner": "triton"},
+    {"seqs": 64, "max_len": 512, "winner": "triton"}, {"seqs": 16, "max_len": 128, "winner": "varlen"},
+    {"seqs": 1, "max_len": 1024, "winner": "varlen"}, {"seqs": 1, "max_len": 8192, "winner": "varlen"},
+]
+
+
+def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
+    """`BUILTIN_CELLS` over `fallback` (torch's varlen), or `fallback` alone where the Triton kernel
+    cannot run here."""
+    if fallback.name != "varlen":
+        return fallback
+    try:
+        triton = make_backend("triton")
+    except (ImportError, ValueError) as e:
+        log.info("attention: no triton backend here (%s); using %s", e, fallback.name)
+        return fallback
+    return TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)

@@ -1,0 +1,187 @@
+"""The small-batch step's kernels, one by one: each linear layer of a model's block at a step's token
+counts, cuBLAS (and torch's add + LayerNorm, compiled into one kernel as `--compile` does) against
+ROSE's Triton kernels (`rose.kernels`) over tile configs and K splits, with and without PDL; and the
+attention backends on short sequences.
+
+    python -m benchmarks.small_step --model bge-m3 --tokens 128,512,2560 --out benchmarks/results
+
+Every cell is timed the way a step runs it: a CUDA graph of `--layers` calls, each over its own
+weights (a step reads every layer's weights once, so the L2 cache holds none of them), replayed
+`--iters` times; the figure is the median replay over the layer count, in microseconds per call.
+One JSON line per cell: op, tokens, impl (cublas / triton / varlen ...), config, split, pdl, us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import Recorder, progress
+from rose.graphs import GraphKey
+from rose.layers.activation import linear_gelu
+from rose.layers.attention import AttentionMetadata, select_backend
+from rose.modeldir import ModelSpec, resolve_model_path
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the likeliest first (`--configs N` tries the first N)
+CONFIGS = [(64, 64, 64, 4, 3), (64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+           (64, 32, 64, 4, 5), (128, 32, 128, 4, 3), (64, 64, 64, 4, 5), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
+           (128, 128, 64, 8, 3), (64, 32, 256, 4, 3)]
+
+
+MODES = ("plain", "pdl")  # how the Triton kernels launch (rose.kernels.pdl)
+
+
+def set_mode(mode: str) -> None:
+    from rose import kernels
+
+    os.environ["ROSE_PDL"] = "0" if mode == "plain" else "1"
+    kernels.pdl.cache_clear()
+
+
+def time_graph(fn, layers: int, iters: int) -> float:
+    """Median microseconds per call of fn(i) for i in range(layers), captured in one graph."""
+    for i in range(layers):  # compile / select kernels outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(layers):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / layers)
+    return float(np.median(ts))
+
+
+def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of a block."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    if cfg["model_type"].startswith("qwen3"):
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        d = cfg.get("head_dim") or h // heads
+        return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h), "down": (h, inter)}
+    return {"qkv": (3 * h, h), "o": (h, h), "up": (inter, h), "down": (h, inter)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--tokens", default="128,512,2560")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="try the first N tile configs")
+    ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from rose.kernels import gemm
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    spec = ModelSpec.read(resolve_model_path(args.model))
+    cfg = spec.config
+    rec = Recorder(args.out, f"small_step_{Path(args.model).name}")
+    L = args.layers
+    eps = cfg.get("layer_norm_eps", cfg.get("rms_norm_eps", 1e-6))
+    rms = cfg["model_type"].startswith("qwen3")
+    best: dict = {}
+
+    def emit(op, tokens, impl, us, **kw):
+        rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, impl=impl, us=round(us, 2), **kw)
+        if impl.startswith("triton") and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
+            best[(op, tokens)] = (us, {**kw, "impl": impl})
+
+    for tokens in progress([int(t) for t in args.tokens.split(",")], "token counts"):
+        for op, (n, k) in shapes(cfg).items():
+            w = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(L)]
+            b = [torch.randn(n, device=dev, dtype=dt) for _ in range(L)] if not rms else [None] * L
+            x = torch.randn(tokens, k, device=dev, dtype=dt)
+            norm_out = op in ("o", "down")
+            out_n = n // 2 if op == "gate_up" else n
+            res = torch.randn(tokens, out_n, device=dev, dtype=dt)
+            g, beta = torch.ones(out_n, device=dev, dtype=dt), torch.zeros(out_n, device=dev, dtype=dt)
+            act = {"up": "gelu", "gate_up": "swiglu"}.get(op)
+            # cuBLAS (+ one fused add + norm kernel, as --compile makes it)
+            if norm_out:
+                fused = torch.compile(lambda y, r: F.rms_norm(y + r, (out_n,), g, eps) if rms
+                                      else F.layer_norm(y + r, (out_n,), g, beta, eps), dynamic=False)
+                emit(op, tokens, "cublas+compiled-norm",
+                     time_graph(lambda i: fused(F.linear(x, w[i], b[i]), res), L, args.iters))
+                emit(op, tokens, "cublas", time_graph(lambda i: F.linear(x, w[i], b[i]), L, args.iters))
+            elif act == "gelu":
+                emit(op, tokens, "cublaslt-gelu", time_graph(lambda i: linear_gelu(x, w[i], b[i]), L, args.iters))
+            elif act == "swiglu":
+                silu_mul = torch.compile(lambda y: F.silu(y[:, :out_n]) * y[:, out_n:], dynamic=False)
+                emit(op, tokens, "cublas+compiled-swiglu",
+                     time_graph(lambda i: silu_mul(F.linear(x, w[i])), L, args.iters))
+            else:
+                emit(op, tokens, "cublas", time_graph(lambda i: F.linear(x, w[i], b[i]), L, args.iters))
+            # ROSE's Triton kernels over configs (and splits where a norm follows)
+            splits = [s for s in (1, 2, 4, 8) if k % (s * 128) == 0] if norm_out else [1]
+            for mode, tma in itertools.product(MODES, (False, True)):
+                set_mode(mode)
+                for conf in CONFIGS[:args.configs]:
+                    for split in splits:
+                        if k % (split * conf[2]):
+                            continue
+                        try:
+                            if norm_out:
+                                def fn(i, conf=conf, split=split, tma=tma):
+                                    p = gemm.linear_partials(x, w[i], split, conf, tma)
+                                    return gemm.add_norm(p, b[i], res, g, None if rms else beta, eps, rms=rms)
+                            else:
+                                def fn(i, conf=conf, tma=tma):
+                                    return gemm.linear(x, w[i], b[i], act, conf, tma)
+                            us = time_graph(fn, L, args.iters)
+                        except Exception as e:  # a config that does not fit (shared memory): skip it
+                            rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, config=list(conf),
+                                     split=split, error=str(e)[:200])
+                            continue
+                        emit(op, tokens, ("triton-tma" if tma else "triton") + ("+norm" if norm_out else ""), us,
+                             config=list(conf), split=split, mode=mode)
+            set_mode(MODES[-1])
+            del w, b
+    # attention on short sequences
+    heads = (cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    causal = rms and cfg.get("is_causal", True) is not False
+    for cell in args.attention.split(","):
+        n, length = map(int, cell.split("x"))
+        T = n * length
+        cu_host = np.arange(0, T + 1, length, dtype=np.int32)
+        cu = torch.from_numpy(cu_host).to(dev)
+        meta = AttentionMetadata(cu, length, None, causal)
+        qkv = [torch.randn(T, heads[0] + 2 * heads[1], heads[2], device=dev, dtype=dt) for _ in range(L)]
+        for name in ("varlen", "fa4", "triton"):
+            try:
+                be = select_backend(name, dev, dt, heads, causal)
+            except (ImportError, ValueError):
+                continue
+            for mode in (MODES[:2] if name == "triton" else MODES[:1]):
+                set_mode(mode)
+                be.prepare(GraphKey(n, T, length, frozenset({"bench"})), cu_host, T)
+
+                def fn(i, be=be):
+                    q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)
+                    return be(q, k, v, meta)
+                emit("attention", T, name, time_graph(fn, L, args.iters), seqs=n, length=length, mode=mode)
+        set_mode(MODES[-1])
+    print("\nbest Triton config per op (us per call, against the cuBLAS rows above):")
+    for (op, tokens), (us, kw) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"  {op:9s} {tokens:5d}: {us:7.2f} us  {kw}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

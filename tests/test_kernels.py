@@ -1,0 +1,190 @@
+"""ROSE's Triton kernels (`rose.kernels`) against their torch references, and BERT's small-batch
+path against its torch path. Without CUDA they run under Triton's interpreter (TRITON_INTERPRET=1,
+float32), which checks the kernels' indexing, masking and maths; the GPU tests check bf16 speed paths."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+
+from rose.kernels import attention as kattn  # noqa: E402
+from rose.kernels import gemm  # noqa: E402
+from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend  # noqa: E402
+from rose.models.bert import BertModel  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DT = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+TOL = 2e-2 if DT == torch.bfloat16 else 1e-5
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).to(DEV, DT)
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 192, 256), (70, 96, 128), (64, 64, 384)])
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
+def test_linear_matches_reference(m, n, k, act):
+    torch.manual_seed(m + n + k)
+    x, b = rand(m, k), rand(n)
+    w = rand(2 * n if act == "swiglu" else n, k, scale=k ** -0.5)
+    bias = None if act == "swiglu" else b
+    out = gemm.linear(x, w, bias, act)
+    assert out.shape == (m, n) and torch.isfinite(out).all()
+    assert rel(out, gemm.linear_reference(x, w, bias, act)) < TOL
+
+
+@pytest.mark.parametrize("m,n,k,split", [(128, 128, 256, 1), (128, 128, 256, 4), (70, 96, 512, 2)])
+@pytest.mark.parametrize("rms", [False, True])
+def test_split_k_partials_reduced_by_add_norm(m, n, k, split, rms):
+    torch.manual_seed(split + m)
+    x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
+    parts = gemm.linear_partials(x, w, split)
+    assert parts.shape == (split, m, n) and parts.dtype == torch.float32
+    assert rel(parts.sum(0), x.float() @ w.float().T) < TOL
+    bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (None if rms else rand(n))
+    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms)
+    want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms)
+    for a, b in zip(got if rms else (got,), want if rms else (want,)):
+        assert a.dtype == DT and rel(a, b) < TOL
+
+
+def test_plan_takes_the_measured_entry_then_the_heuristic():
+    assert gemm.plan(128, 1024, 4096) == gemm.TUNED[(1024, 4096, 128)]
+    assert gemm.plan(300, 1024, 4096) == gemm.TUNED[(1024, 4096, 512)]
+    config, split, tma = gemm.plan(128, 384, 1536)  # a shape nobody measured
+    assert split == gemm.split_for(128, 384, 1536) and not tma and 1536 % (split * config[2]) == 0
+
+
+def test_split_for_fills_the_gpu_without_tiny_k():
+    assert gemm.split_for(128, 1024, 4096) > 1
+    assert 4096 // gemm.split_for(128, 1024, 4096) >= 256
+    assert gemm.split_for(4096, 1024, 1024) == 1  # enough programs already
+    assert 384 % (gemm.split_for(64, 384, 384) * 64) == 0
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,dim,causal", [
+    ([5, 128, 37], 4, 4, 64, False), ([100, 1], 4, 2, 128, True), ([64], 2, 2, 32, False), ([300], 2, 1, 64, True)])
+def test_short_attention_matches_sdpa(lens, heads, kv_heads, dim, causal):
+    torch.manual_seed(len(lens) + dim)
+    T = sum(lens) + 7  # a bucket's padding rows
+    q, k, v = rand(T, heads, dim), rand(T, kv_heads, dim), rand(T, kv_heads, dim)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [sum(lens)] * 2, dtype=torch.int32)  # 2 dummies
+    out = kattn.attention(q, k, v, cu.to(DEV), max(64, 1 << (max(lens) - 1).bit_length()), causal)
+    assert rel(out, kattn.attention_reference(q, k, v, cu, causal)) < TOL
+    assert (out[sum(lens):] == 0).all()  # padding rows are written, as zeros
+
+
+def test_attention_reads_strided_qkv_without_a_copy():
+    T, H, D = 40, 2, 32
+    qkv = rand(T, 3 * H * D)
+    q, k, v = qkv.view(T, 3, H, D).unbind(1)
+    assert not q.is_contiguous()
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    out = kattn.attention(q, k, v, cu.to(DEV), 64)
+    assert rel(out, kattn.attention_reference(q, k, v, cu)) < TOL
+
+
+class Interpreted(AttentionBackend):
+    """The triton backend's call, which select_backend offers on CUDA only."""
+
+    name = "triton"
+
+    def __call__(self, q, k, v, meta):
+        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+
+
+BERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+            max_position_embeddings=128, hidden_act="gelu_new", layer_norm_eps=1e-12)
+
+
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
+def test_bert_small_step_equals_torch_path(ops, monkeypatch):
+    """The up projection in Triton applies tanh GELU; in cuBLASLt (`linear_gelu`) tanh on CUDA, erf on
+    CPU: each is compared with a model whose torch path has the same GELU."""
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
+    torch.manual_seed(0)
+    act = "gelu_new" if ops or DEV.type == "cuda" else "gelu"
+    model = BertModel({**BERT, "hidden_act": act}).to(DEV, DT).eval()
+    lens = [9, 30, 1]
+    T = 48  # a bucket with padding
+    ids = torch.randint(5, 100, (T,), device=DEV)
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)]).to(DEV)
+    cu = torch.tensor([0, 9, 39, 40], dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(cu, 64, tuple(lens), False)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        assert model.use_kernels(1024)
+        got = model(ids, pos, meta, Interpreted())[:40]
+    assert rel(got, want) < TOL
+
+
+def test_use_kernels_needs_a_gelu():
+    assert not BertModel({**BERT, "hidden_act": "relu"}).use_kernels(1024)
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_tma_kernel_matches_pointer_kernel(act, split):
+    torch.manual_seed(split)
+    m, n, k = 70, 96, 256
+    x = rand(m, k)
+    w = rand(2 * n if act == "swiglu" else n, k, scale=k ** -0.5)
+    b = None if act == "swiglu" else rand(n)
+    want = gemm.linear_reference(x, w, b, act)
+    assert rel(gemm.linear(x, w, b, act, tma=True), want) < TOL
+    if act is None:
+        assert rel(gemm.linear_partials(x, w, split, tma=True).sum(0), x.float() @ w.float().T) < TOL
+
+
+def test_qk_norm_rope_matches_reference():
+    from rose.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+    from rose.layers.rotary import Rotary
+
+    torch.manual_seed(3)
+    H, Hk, D, T = 4, 2, 64, 37
+    qkv = rand(T, (H + 2 * Hk) * D)
+    pos = torch.randint(0, 500, (T,)).to(DEV)
+    table = Rotary(D, 512, 1e6).cos_sin.to(DEV)
+    qw, kw = rand(D), rand(D)
+    got = qk_norm_rope(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
+    want = qk_norm_rope_reference(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel(g, w) < TOL
+
+
+QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, intermediate_size=96, max_position_embeddings=256, is_causal=False)
+
+
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down", "out,down"], ids=["default", "all", "cublas-up"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
+    from rose.models.qwen3 import Qwen3Model
+
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
+    torch.manual_seed(1)
+    model = Qwen3Model({**QWEN3, "is_causal": causal}).to(DEV, DT).eval()
+    model.materialize(DEV)
+    for p in model.parameters():  # norms away from 1, so a wrong weight shows
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    lens, T = [9, 30, 1], 48
+    ids = torch.randint(5, 100, (T,), device=DEV)
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)]).to(DEV)
+    cu = torch.tensor([0, 9, 39, 40], dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(cu, 64, tuple(lens), causal)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        assert model.use_kernels(1024)
+        got = model(ids, pos, meta, Interpreted())[:40]
+    assert rel(got, want) < TOL
