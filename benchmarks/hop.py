@@ -2,6 +2,7 @@
 
     python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
     python -m benchmarks.hop --model bge-m3 --compile      # the real engine instead of the null one
+    python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
 
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
@@ -13,14 +14,27 @@ in; with `--model` the real engine runs instead. Before serving, Tulip times its
 in-process (submit -> result, no gRPC). Both servers also listen on a Unix socket. The client, in this process, sends one
 pre-tokenized 128-token request at a time over TCP (unary, stream) and the socket (stream). Each
 row is one p50/p99 over `--n` requests; the differences between rows are the breakdown.
+
+Then, in the same run: `benchmarks.protoclient` (a client from the proto alone, in a process of
+its own; grpc's sync and asyncio stubs) against both servers (`bench: "hop-proto"` rows), and a
+third server, Tulip with stage recording on (`tulip.stages`), measured again with the unary and
+stream client, whose per-stage p50 / p99 are `bench: "hop-stages"` rows (one per stage, receipt to
+write; stamping costs a little, so the timing rows come from the server without it).
+`--profile DIR` also writes a cProfile of that server (pstats and its top functions as text).
+`--sync-floors` (on by default with the null engine) adds the other server arrangement's echo floors, timed with
+`benchmarks.protoclient`: grpc's sync server, and that server bridging unary replies through an
+asyncio loop in another thread, idle or spinning (`benchmarks.syncserver`; `hop-proto` rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -28,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles, run_client
+from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
 
 
 class TimedEvent:
@@ -82,7 +96,7 @@ class NullEngine:
 
 async def _in_process(loop, n: int) -> dict:
     """Submit -> result through the engine loop in this process (no gRPC)."""
-    from tulip.scheduler import Request
+    from tulip.loop import Request
 
     ids, lengths = np.arange(5, 133, dtype=np.int32), np.array([128])
     ts = []
@@ -93,7 +107,7 @@ async def _in_process(loop, n: int) -> dict:
     return percentiles(ts[200:])
 
 
-def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
+def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
     import grpc
     import uvloop
     from grpc_health.v1 import health, health_pb2_grpc
@@ -101,7 +115,7 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
     from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
     from tulip.config import TulipConfig
     from tulip.loop import EngineLoop
-    from tulip.server import TulipServicer
+    from tulip.server import TulipServicer, add_tulip
 
     class Echo(tulip_pb2_grpc.TulipServicer):
         reply = tulip_pb2.EmbedReply(embeddings=bytes(4096), shape=[1, 1024], prompt_tokens=128)
@@ -127,22 +141,95 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready) -> None:
                 engine = Engine(EngineConfig(model=args["model"], attention=args["attention"], compile=args["compile"]))
             else:
                 engine = NullEngine(args["device_ms"])
-            loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"], max_batch_tokens=16384))
+            stages = 4 * args["n"] if kind == "tulip-stages" else 0
+            loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"], max_batch_tokens=16384,
+                                                  stage_samples=stages))
             loop.start()
             info = await _in_process(loop, args["n"])
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
-        tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+        if kind == "echo":
+            tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+        else:
+            add_tulip(server, servicer)
         health_servicer = health.aio.HealthServicer()  # Ivy's readiness check
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         server.add_insecure_port(f"unix:{uds}")
         await server.start()
+        prof = None
+        if kind == "tulip-stages" and args["profile"]:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         ready.put(info)
-        await server.wait_for_termination()
+        aloop = asyncio.get_running_loop()
+        while True:  # the parent's requests: "stages" (and "reset") until it terminates this process
+            what = await aloop.run_in_executor(None, cmd.get)
+            if what == "reset" and kind == "tulip-stages":
+                loop.stages.ring.clear()
+            elif what == "stages":
+                if prof is not None:
+                    prof.disable()
+                    _write_profile(prof, Path(args["profile"]))
+                ready.put(loop.stages.summary() if kind == "tulip-stages" else {})
 
     uvloop.install()
     asyncio.run(main())
+
+
+def _write_profile(prof, out: Path) -> None:
+    import io
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(out / "hop-tulip.pstats"))
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+        (out / f"hop-tulip-{key}.txt").write_text(text.getvalue())
+
+
+def draw_stages(rows: list[dict], path: Path) -> bool:
+    """One stacked bar per transport: the p50 of each stage of a served request, receipt to write."""
+    from tulip.stages import POINTS
+
+    plt = pyplot()
+    rows = [r for r in rows if r.get("bench") == "hop-stages" and r["stage"] != "total"]
+    transports = sorted({r["transport"] for r in rows}, reverse=True)
+    if plt is None or not transports:
+        return False
+    stages = [p for p in POINTS[1:] if any(r["stage"] == p for r in rows)]
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(10, 1.0 * len(transports) + 2.2))
+    for j, t in enumerate(transports):
+        left = 0.0
+        for k, stage in enumerate(stages):
+            v = next((r["p50_ms"] for r in rows if r["transport"] == t and r["stage"] == stage), 0.0)
+            ax.barh(j, v, left=left, color=colors[k % len(colors)], label=stage if j == 0 else None)
+            if v > 0.03:
+                ax.text(left + v / 2, j, f"{v * 1e3:.0f}", ha="center", va="center", fontsize=6)
+            left += v
+    server = rows[0]["server"] + (f", device step {rows[0]['device_ms']:g} ms" if rows[0].get("device_ms") is not None else "")
+    ax.set_yticks(range(len(transports)), transports)
+    ax.set_xlabel(f"p50 per stage, ms (labels in us); {server}; {rows[0]['gpu']}")
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def _proto_client(target: str, n: int) -> list[dict]:
+    """benchmarks.protoclient in a process of its own (only grpcio and the stubs imported)."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "benchmarks.protoclient", target, "--n", str(n),
+                        "--warmup", str(min(200, n))], cwd=root, capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ, PYTHONPATH=str(root)))
+    if r.returncode:
+        raise RuntimeError(f"benchmarks.protoclient exited {r.returncode}: {r.stderr[-2000:]}")
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
 async def _measure(target: str, transport: str, n: int, spin_ms: float = 0.0) -> dict:
@@ -170,6 +257,14 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto", help="with --model")
     ap.add_argument("--compile", action="store_true", help="with --model")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True,
+                    help="also serve a Tulip with stage recording and emit hop-stages rows")
+    ap.add_argument("--proto", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time both servers with benchmarks.protoclient (hop-proto rows)")
+    ap.add_argument("--sync-floors", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows); "
+                         "default: on with the null engine, off with --model (they do not depend on it)")
+    ap.add_argument("--profile", default="", help="with --stages: write a cProfile of that Tulip to this directory")
     args = ap.parse_args(argv)
 
     rec = Recorder(args.out, f"hop_{Path(args.model).name if args.model else f'null-{args.device_ms:g}ms'}")
@@ -177,25 +272,56 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
             else "tulip + null engine")
-    for kind in ("echo", "tulip"):
-        port, uds, ready = free_port(), tmp / f"{kind}.sock", ctx.Queue()
-        p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready), daemon=True)
+    for kind in ("echo", "tulip") + (("tulip-stages",) if args.stages else ()):
+        port, uds, ready, cmd = free_port(), tmp / f"{kind}.sock", ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready, cmd), daemon=True)
         p.start()
         try:
             in_process = ready.get(timeout=900)  # the server is listening (and measured itself in-process)
-            tulip = kind == "tulip"
+            tulip = kind != "echo"
             common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
                           cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms)
             if tulip:
                 common.update(device_ms=None if args.model else args.device_ms, spin_ms=args.spin_ms)
+            if kind == "tulip-stages":
+                for transport in ("unary", "stream"):
+                    cmd.put("reset")
+                    run_client(_measure(f"127.0.0.1:{port}", transport, args.n, args.client_spin_ms))
+                    cmd.put("stages")
+                    for stage, r in ready.get(timeout=60).items():
+                        rec.emit(**{**common, "bench": "hop-stages"}, transport=transport, socket="tcp",
+                                 client="tulip.client", stage=stage, **r)
+                continue
+            if tulip:
                 rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
             for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
                                       ("stream", f"unix:{uds}")):
                 r = run_client(_measure(target, transport, args.n, args.client_spin_ms))
                 rec.emit(**common, transport=transport, socket="unix" if target.startswith("unix") else "tcp", **r)
+            if args.proto:
+                for r in _proto_client(f"127.0.0.1:{port}", args.n):
+                    rec.emit(**{**common, **r, "socket": "tcp"})
         finally:
             p.terminate()
             p.join(10)
+    floors = args.sync_floors if args.sync_floors is not None else not args.model
+    for kind in ("sync", "bridge", "bridge-spin") if floors else ():
+        port = free_port()
+        root = Path(__file__).resolve().parent.parent
+        p = subprocess.Popen([sys.executable, "-m", "benchmarks.syncserver", kind, str(port)], cwd=root,
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(root)))
+        try:
+            if p.stdout.readline().strip() != "READY":
+                raise RuntimeError(f"benchmarks.syncserver {kind} did not start")
+            common = dict(bench="hop-proto", server=f"grpc echo, sync server ({kind})", device_ms=None, spin_ms=None,
+                          cpus=os.cpu_count(), client_spin_ms=0.0)
+            for r in _proto_client(f"127.0.0.1:{port}", args.n):
+                rec.emit(**{**common, **r, "socket": "tcp"})
+        finally:
+            p.terminate()
+            p.wait(10)
+    if rec.path is not None and draw_stages(rec.rows, rec.path.with_name(rec.path.stem + "_stages.png")):
+        print(f"wrote {rec.path.with_name(rec.path.stem + '_stages.png')}", file=sys.stderr)
     return 0
 
 

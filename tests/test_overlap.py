@@ -15,7 +15,7 @@ from benchmarks.hop import TimedEvent
 from rose.lazy import LazyTensor
 from tulip.config import TulipConfig
 from tulip.loop import EngineLoop
-from tulip.scheduler import Request
+from tulip.loop import Request
 
 STEP_S = 0.02
 

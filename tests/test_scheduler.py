@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from tulip.scheduler import Request, Scheduler
+from tulip.scheduler import Entry, Scheduler
 
 
 def req(*lens):
     lengths = np.array(lens, dtype=np.int64)
-    return Request(np.arange(int(lengths.sum()), dtype=np.int32), lengths)
+    return Entry(lengths)
 
 
 def test_budget_and_fcfs_order():

@@ -41,6 +41,9 @@ class TulipConfig:
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
+    stage_samples: int = field(0, "record per-stage timestamps (receipt, decode, validate, schedule, batch, launch, "
+                               "wait, copy, deliver, reply, encode, write) of the last N requests and log their p50 "
+                               "at shutdown (tulip.stages); 0: off")
 
     def __post_init__(self):
         for name in ("port", "metrics_port"):
@@ -59,6 +62,8 @@ class TulipConfig:
             raise ValueError(f"spin_ms {self.spin_ms} must be >= 0")
         if self.drain_seconds < 0:
             raise ValueError(f"drain_seconds {self.drain_seconds} must be >= 0")
+        if self.stage_samples < 0:
+            raise ValueError(f"stage_samples {self.stage_samples} must be >= 0")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
 

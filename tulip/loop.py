@@ -8,20 +8,24 @@ submits and replies. `warm_up` runs the --warmup shapes before serving.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from rose.batch import Batch
 from rose.engine import Engine
 from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
-from tulip.scheduler import Request, Scheduler
+from tulip.scheduler import Entry, Scheduler
 from tulip.spin import Spinner
+from tulip.stages import StageRecorder
 
 log = logging.getLogger("tulip")
 
@@ -35,6 +39,77 @@ def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -
     np.maximum.at(best, inverse, weights)
     order = np.argsort(first, kind="stable")
     return uniq[order], best[order]
+
+_NO_EXTRAS = frozenset()
+
+
+class Request(Entry):
+    """One caller's sequences, packed: `ids[offsets[i]:offsets[i] + lengths[i]]` is sequence i
+    (`lengths`: plain ints; one sequence, the online case, needs no offsets and no row list).
+
+    `pool_from[i]` (optional) is how many leading tokens of sequence i mean pooling leaves out.
+    As batches complete the loop collects one output row per sequence (and the token-level
+    outputs named in `extras` in `sparse` / `colbert`); `pending` counts sequences still
+    missing. `on_done(request, rows, error)` is called once, by the engine loop, when it
+    completes or fails. `deadline` (monotonic, 0: none) drops its still-queued sequences.
+    """
+
+    __slots__ = ("ids", "extras", "on_done", "pool_from", "offsets", "rows", "sparse", "colbert", "pending",
+                 "queued_at", "deadline", "timer", "future", "stamps", "tag")
+
+    def __init__(self, ids: np.ndarray, lengths: Sequence[int], extras: frozenset = _NO_EXTRAS,
+                 on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None,
+                 pool_from: Sequence[int] | None = None):
+        super().__init__(lengths)
+        n = len(self.lengths)
+        self.ids, self.extras, self.on_done, self.pool_from = ids, extras, on_done, pool_from
+        self.pending = n
+        if n == 1:
+            self.offsets = self.rows = None
+        else:
+            self.offsets = (0, *itertools.accumulate(self.lengths[:-1]))
+            self.rows = [None] * n
+        self.sparse = [None] * n if "sparse" in extras else None
+        self.colbert = [None] * n if "colbert" in extras else None
+        self.queued_at = self.deadline = 0.0  # monotonic: when it was queued; after which it is dropped (0: never)
+        # the deadline's handle; submit()'s future; tulip.stages stamps; the owner's own (the gRPC message)
+        self.timer = self.future = self.stamps = self.tag = None
+
+    def seq(self, i: int) -> np.ndarray:
+        if self.offsets is None:
+            return self.ids
+        o = self.offsets[i]
+        return self.ids[o:o + self.lengths[i]]
+
+
+def _resolve(req: Request, rows, error) -> None:
+    """`submit()`'s completion callback: its future gets the rows or the error."""
+    fut = req.future
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(rows)
+
+
+class _OneSequence:
+    """Batch pieces for a batch of one sequence of n tokens (positions, cu_seqlens, seq_ids), cached
+    per n: they depend on n only, and the engine only reads a Batch (it copies it into its own
+    buffers). The online request's batch is then its ids as int64 and these."""
+
+    def __init__(self, longest: int):
+        self._positions = torch.arange(max(longest, 1), dtype=torch.int64)
+        self._zeros = torch.zeros(max(longest, 1), dtype=torch.int64)
+        self._cache: dict[int, tuple] = {}
+
+    def batch(self, ids: np.ndarray) -> Batch:
+        n = ids.shape[0]
+        parts = self._cache.get(n)
+        if parts is None:
+            if not 0 < n <= self._positions.shape[0]:
+                return Batch.from_sequences([ids])  # its own error for 0; any length beyond the cache
+            parts = self._cache[n] = (self._positions[:n], torch.tensor([0, n], dtype=torch.int32),
+                                      self._zeros[:n])
+        pos, cu, zeros = parts
+        return Batch(torch.from_numpy(ids.astype(np.int64)), pos, cu, n, (n,), zeros)
+
 
 def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
     """Run each --warmup shape (`warmup_shapes`: N sequences of L tokens, with the outputs after "+")
@@ -53,10 +128,19 @@ def _deliver(req: Request, rows, error) -> None:
     """Call a request's completion callback; its failure is its own, never the engine loop's."""
     if req.timer is not None:
         req.timer.cancel()
+    if req.stamps is not None:
+        req.stamps[9] = perf_counter_ns()
     try:
         req.on_done(req, rows, error)
     except Exception:
         log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
+
+
+def _stamp(slots, point: int) -> None:
+    t = perf_counter_ns()
+    for r, _ in slots:
+        if r.stamps is not None:
+            r.stamps[point] = t
 
 
 def _run_step(engine: Engine, batch: Batch, extras: frozenset):
@@ -79,12 +163,12 @@ class _StepThread:
         return asyncio.wrap_future(self.future).__await__()
 
 
-@dataclass(eq=False)
 class _Step:
-    slots: list
-    lazy: object  # LazyTensor, or _StepThread on CPU
-    launched: float
-    watched_from: float = 0.0
+    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens")
+
+    def __init__(self, slots: list, lazy, launched: float, tokens: int):
+        self.slots, self.lazy, self.launched, self.tokens = slots, lazy, launched, tokens  # lazy: LazyTensor / _StepThread
+        self.watched_from = 0.0
 
 
 class EngineLoop:
@@ -120,11 +204,14 @@ class EngineLoop:
         # running step and joining the next, larger one.
         self._overlap_tokens = cfg.max_batch_tokens // 4
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
+        self._one = _OneSequence(min(engine.spec.max_seq_len, cfg.max_batch_tokens))
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._watching = False  # a _watch callback or _wait task owns the oldest step
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
         # replies being written) are picked up without an epoll wake-up.
         self._idle = Spinner(self._spin_s)
+        # --stage-samples: per-request stage timestamps (tulip.stages); None: off
+        self.stages = StageRecorder(cfg.stage_samples) if cfg.stage_samples else None
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -159,6 +246,8 @@ class EngineLoop:
             )
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
+        if req.stamps is not None:
+            req.stamps[4] = perf_counter_ns()
         if req.deadline:
             req.timer = self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
         self._pump()
@@ -170,13 +259,8 @@ class EngineLoop:
 
     async def submit(self, req: Request) -> np.ndarray:
         """Queue `req` and wait for its [n, dim] float32 rows; cancelling the caller drops the request."""
-        fut = self._aloop.create_future()
-
-        def done(r, rows, error):
-            if not fut.done():
-                fut.set_exception(error) if error is not None else fut.set_result(rows)
-
-        req.on_done = done
+        req.future = fut = self._aloop.create_future()
+        req.on_done = _resolve
         self.submit_nowait(req)
         try:
             return await fut
@@ -184,12 +268,15 @@ class EngineLoop:
             self.cancel(req)
             raise
 
-    def _record_launch(self, tokens: int, seqs: int, waits: list[float]) -> None:
+    def _record(self, step: _Step, done: float) -> None:
+        """A step's metrics, on a loop iteration after its replies were handed on (off their path)."""
         m = self.metrics
-        m.batch_tokens.observe(tokens)
-        m.batch_seqs.observe(seqs)
-        for w in waits:
-            m.queue_seconds.observe(w)
+        m.batch_tokens.observe(step.tokens)
+        m.batch_seqs.observe(len(step.slots))
+        for r, i in step.slots:
+            if i == 0:
+                m.queue_seconds.observe(step.launched - r.queued_at)
+        m.step_seconds.observe(done - step.launched)
 
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free."""
@@ -199,25 +286,36 @@ class EngineLoop:
             slots = sched.next_batch()
             if not slots:
                 break
-            extras = frozenset().union(*(r.extras for r, _ in slots))
             launched = time.monotonic()
             try:
-                skip = None  # prompts left out of pooling: only requests from Ivy for such models carry them
-                if any(r.pool_from is not None for r, _ in slots):
-                    skip = [int(r.pool_from[i]) if r.pool_from is not None else 0 for r, i in slots]
-                batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
+                if len(slots) == 1:  # the online case
+                    r, i = slots[0]
+                    extras = r.extras
+                    if r.pool_from is None and r.offsets is None:
+                        batch = self._one.batch(r.ids)
+                    else:
+                        batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]])
+                else:
+                    extras, skip = _NO_EXTRAS, None
+                    for r, i in slots:
+                        if r.extras:
+                            extras = extras | r.extras
+                        if r.pool_from is not None:  # prompts left out of pooling: only from Ivy for such models
+                            skip = [0 if r.pool_from is None else r.pool_from[i] for r, i in slots]
+                    batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
+                if self.stages is not None:
+                    _stamp(slots, 5)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
                 else:
                     lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+                if self.stages is not None:
+                    _stamp(slots, 6)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
                 continue
-            self._inflight.append(_Step(slots, lazy, launched))
-            # Metrics on a later loop iteration, while the step runs: off the request's path.
-            self._aloop.call_soon(self._record_launch, batch.num_tokens, batch.num_seqs,
-                                  [launched - r.queued_at for r, i in slots if i == 0])
+            self._inflight.append(_Step(slots, lazy, launched, batch.num_tokens))
         if self._inflight and not self._watching:
             self._watching = True
             self._aloop.call_soon(self._watch)
@@ -256,6 +354,8 @@ class EngineLoop:
         if not self._inflight or self._inflight[0] is not step:
             return  # stop() already failed it
         self._inflight.popleft()
+        if self.stages is not None:
+            _stamp(step.slots, 7)
         try:
             result = step.lazy.synchronize()
             # Copy before the next launch: the host buffers belong to the engine's ring, which the
@@ -264,6 +364,8 @@ class EngineLoop:
                 out, weights, vectors = (t.numpy().copy() for t in result)
             else:
                 out = result.numpy().copy()
+            if self.stages is not None:
+                _stamp(step.slots, 8)
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)
@@ -274,14 +376,18 @@ class EngineLoop:
                 if isinstance(result, tuple):
                     self._scatter_extras(step.slots, weights, vectors)
                 for row, (r, i) in enumerate(step.slots):
-                    r.rows[i] = out[row]
                     r.pending -= 1
+                    if r.rows is None:  # one sequence: its row is the answer
+                        if not r.cancelled:
+                            _deliver(r, out[row:row + 1], None)
+                        continue
+                    r.rows[i] = out[row]
                     if r.pending == 0 and not r.cancelled:
-                        _deliver(r, out[row:row + 1] if len(r.rows) == 1 else np.stack(r.rows), None)
+                        _deliver(r, np.stack(r.rows), None)
             except Exception as e:
                 log.exception("scattering a step's results failed")
                 self._fail(step.slots, e)
-        self._aloop.call_soon(self.metrics.step_seconds.observe, time.monotonic() - step.launched)
+        self._aloop.call_soon(self._record, step, time.monotonic())
 
     def _fail(self, slots, e: Exception) -> None:
         """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
@@ -293,7 +399,7 @@ class EngineLoop:
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
         start = 0
         for r, i in slots:
-            n = int(r.lengths[i])
+            n = r.lengths[i]
             if "sparse" in r.extras:
                 r.sparse[i] = lexical_weights(r.seq(i), weights[start:start + n], self._special)
             if "colbert" in r.extras:

@@ -10,12 +10,13 @@ requests in that batch.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import replace
+from time import perf_counter_ns
 
 import grpc
 import numpy as np
@@ -25,9 +26,8 @@ from rose.engine import Engine, EngineConfig
 from rose.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
-from tulip.loop import EngineLoop, warm_up
+from tulip.loop import EngineLoop, Request, warm_up
 from tulip.metrics import TulipMetrics
-from tulip.scheduler import Request
 
 log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
@@ -35,16 +35,24 @@ DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens 0: this, or the model's max s
 
 
 def parse_request(req: tulip_pb2.EmbedRequest,
-                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Check an EmbedRequest against the served model and unpack it into (ids, lengths, pool_from
-    or None); raise ValueError with a caller-facing message."""
+                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None]:
+    """Check an EmbedRequest against the served model and unpack it into (int32 ids, lengths,
+    pool_from or None; both plain ints); raise ValueError with a caller-facing message."""
+    lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
+    raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
+    ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
+    if len(lens) == 1:  # the online case: one sequence, every check in one test
+        n = lens[0]
+        if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
+                and ids.view("<u4").max() < info.vocab_size  # negative ids are huge as unsigned
+                and req.dimensions <= info.embedding_dim and not req.encoding and not req.outputs
+                and not req.pool_from):
+            return ids, lens, None
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
-    lens = list(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
-    if len(req.token_ids) % 4:
-        raise ValueError(f"token_ids has {len(req.token_ids)} bytes, not a multiple of 4 (int32 little-endian)")
-    ids = np.frombuffer(req.token_ids, dtype="<i4")
+    if ids is None:
+        raise ValueError(f"token_ids has {len(raw)} bytes, not a multiple of 4 (int32 little-endian)")
     if sum(lens) != ids.shape[0]:
         raise ValueError(f"lengths add up to {sum(lens)} tokens but token_ids holds {ids.shape[0]}")
     if min(lens) == 0:
@@ -53,8 +61,8 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     if longest > max_seq_len:
         raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; "
                          f"this model accepts at most {max_seq_len}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
+    if ids.view("<u4").max() >= vocab_size:
+        lo, hi = int(ids.min()), int(ids.max())
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if req.dimensions > dim:
@@ -72,15 +80,16 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     if req.pool_from:
         if len(req.pool_from) != len(lens):
             raise ValueError(f"pool_from has {len(req.pool_from)} entries for {len(lens)} sequences")
-        pool_from = np.array(req.pool_from, dtype=np.int64)
-        bad = np.flatnonzero(pool_from >= np.array(lens))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"pool_from {int(pool_from[i])} leaves no token of sequence {i} ({lens[i]} tokens) to pool")
-    return ids, np.array(lens, dtype=np.int64), pool_from
+        pool_from = tuple(req.pool_from)
+        for i, (p, n) in enumerate(zip(pool_from, lens)):
+            if p >= n:
+                raise ValueError(f"pool_from {p} leaves no token of sequence {i} ({n} tokens) to pool")
+    return ids, lens, pool_from
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
+NO_EXTRAS = frozenset()
+F32 = np.dtype("<f4")  # the reply's float encoding
 
 
 
@@ -144,13 +153,23 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
     async def Embed(self, request, context):
         count = self.loop.metrics.requests
+        stages = self.loop.stages
         try:
+            stamps = stages.received(request) if stages is not None else None
             req = self._request(request)
+            if stamps is not None:
+                stamps[3] = perf_counter_ns()
+                req.stamps = stamps
             try:
                 vectors = await self.loop.submit(req)
             except (OverflowError, TimeoutError, RuntimeError) as e:
                 raise RpcFailure.of(e) from None
+            if stamps is not None:
+                stamps[10] = perf_counter_ns()
             reply = self._reply(request, req, vectors)
+            if stamps is not None:
+                stages.replying(reply, stamps)
+                context.add_done_callback(lambda _: stages.written(reply))
         except RpcFailure as e:
             count.labels(e.code.name).inc()
             await context.abort(e.code, e.message)
@@ -164,58 +183,87 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         """Requests tagged with request_id; replies in completion order. A failed request gets
         a reply with error_code / error_message; the stream and everyone else carry on.
 
-        No task per request: the reader queues each request, and the engine loop's completion
-        callback puts its reply on the queue this generator drains."""
-        replies: asyncio.Queue = asyncio.Queue()
+        No task per request: the reader queues each request (its message rides along as the
+        Request's `tag`), and the engine loop's completion callback appends its reply to the
+        deque this generator drains, waking it if it waits."""
+        replies: deque = deque()
+        waiter: asyncio.Future | None = None
         outstanding: set[Request] = set()
         count = self.loop.metrics.requests
+        stages = self.loop.stages
+        aloop = asyncio.get_running_loop()
 
-        def answer(request, reply=None, error: RpcFailure | None = None):
-            if reply is None:
-                count.labels(error.code.name).inc()
-                reply = tulip_pb2.EmbedReply(error_code=error.code.value[0], error_message=error.message)
-            else:
-                self._ok.inc()
-            reply.request_id = request.request_id
-            replies.put_nowait(reply)
+        def push(reply) -> None:
+            nonlocal waiter
+            replies.append(reply)
+            if waiter is not None:
+                if not waiter.done():
+                    waiter.set_result(None)
+                waiter = None
 
-        def done(request, req, rows, error):
+        def fail(request, error: RpcFailure) -> None:
+            count.labels(error.code.name).inc()
+            push(tulip_pb2.EmbedReply(request_id=request.request_id, error_code=error.code.value[0],
+                                      error_message=error.message))
+
+        def done(req, rows, error):
             outstanding.discard(req)
+            request = req.tag
             if error is not None:
-                answer(request, error=RpcFailure.of(error))
+                fail(request, RpcFailure.of(error))
                 return
             try:
-                answer(request, self._reply(request, req, rows))
+                if req.stamps is not None:
+                    req.stamps[10] = perf_counter_ns()
+                reply = self._reply(request, req, rows)
+                reply.request_id = request.request_id
+                if req.stamps is not None:
+                    stages.replying(reply, req.stamps)
             except Exception as e:  # never leave a stream request unanswered
                 log.exception("building a reply failed")
-                answer(request, error=RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+                fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+                return
+            self._ok.inc()
+            push(reply)
 
         async def read():
             try:
                 async for request in request_iterator:
                     try:
-                        req = self._request(request, functools.partial(done, request))
+                        stamps = stages.received(request) if stages is not None else None
+                        req = self._request(request, done)
+                        req.tag = request
+                        if stamps is not None:
+                            stamps[3] = perf_counter_ns()
+                            req.stamps = stamps
                         if request.timeout_ms:
                             req.deadline = time.monotonic() + request.timeout_ms / 1e3
                         outstanding.add(req)
                         self.loop.submit_nowait(req)
                     except OverflowError as e:
                         outstanding.discard(req)
-                        answer(request, error=RpcFailure.of(e))
+                        fail(request, RpcFailure.of(e))
                     except RpcFailure as e:
-                        answer(request, error=e)
+                        fail(request, e)
             finally:
-                replies.put_nowait(None)  # the caller closed its side (or reading failed)
+                push(None)  # the caller closed its side (or reading failed)
 
         reader = asyncio.create_task(read())
         try:
             closed = False
-            while not (closed and not outstanding and replies.empty()):
-                reply = await replies.get()
-                if reply is None:
-                    closed = True
-                else:
+            while True:
+                while replies:
+                    reply = replies.popleft()
+                    if reply is None:
+                        closed = True
+                        continue
                     yield reply
+                    if stages is not None:
+                        stages.written(reply)
+                if closed and not outstanding:
+                    break
+                waiter = aloop.create_future()
+                await waiter
         finally:
             reader.cancel()
             for req in list(outstanding):
@@ -227,15 +275,17 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             ids, lengths, pool_from = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if pool_from is not None and pool_from.any() and self.loop.engine.spec.include_prompt:
+        if pool_from is not None and any(pool_from) and self.loop.engine.spec.include_prompt:
             # this model's pooling takes the prompt with the text (the engine pools every token)
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
                              "text (sentence-transformers include_prompt: true); send no pool_from")
-        return Request(ids, lengths, frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS), on_done,
-                       pool_from=pool_from)
+        extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
+        return Request(ids, lengths, extras, on_done, pool_from)
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
         """The reply for a completed request."""
+        if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
+            return tulip_pb2.EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape, prompt_tokens=req.num_tokens)
         vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
@@ -250,6 +300,28 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             reply.colbert_lengths.extend(len(c) for c in req.colbert)
             reply.colbert_dim = self.loop.engine.heads.colbert_dim
         return reply
+
+
+def add_tulip(server, servicer: TulipServicer) -> None:
+    """Register the Tulip service on `server` (as the generated `add_TulipServicer_to_server`, whose
+    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on)."""
+    stages = servicer.loop.stages
+    req_in, rep_out = tulip_pb2.EmbedRequest.FromString, tulip_pb2.EmbedReply.SerializeToString
+    if stages is not None:
+        req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
+    handlers = {
+        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, req_in, rep_out),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, req_in, rep_out),
+        "Info": grpc.unary_unary_rpc_method_handler(servicer.Info, tulip_pb2.InfoRequest.FromString,
+                                                    tulip_pb2.InfoReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def log_stages(stages) -> None:
+    if stages is not None and stages.ring:
+        log.info("tulip: stage p50 over the last %d requests (ms): %s", len(stages.ring),
+                 ", ".join(f"{k} {v['p50_ms']:.4f}" for k, v in stages.summary().items()))
 
 
 async def serve(cfg: TulipConfig) -> int:
@@ -287,7 +359,7 @@ async def serve(cfg: TulipConfig) -> int:
         ("grpc.so_reuseport", 0),
     ])
     servicer = TulipServicer(loop, cfg.served_model_name or default_served_name(cfg.model, engine.spec.path))
-    tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+    add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -311,5 +383,6 @@ async def serve(cfg: TulipConfig) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_seconds)
     await loop.stop(cfg.drain_seconds)
+    log_stages(loop.stages)
     log.info("tulip: stopped")
     return 0
