@@ -11,8 +11,9 @@ one Ivy worker (`python -m ivy --workers 1`) in front of it, and sends one L-tok
   last is answered, for `--seconds`; req/s, and the Ivy worker's CPU time per request (user +
   system of its process tree over the window: on a shared or small host the part that does not
   depend on how much CPU the clients and the stand-in left it).
-With `--stages` Ivy's worker records per-request stage stamps (IVY_STAGES, see ivy/stages.py) and
-the medians are emitted as `bench: ivy-stage` rows. `--stand-in-only PORT` serves the stand-in.
+With `--stages` only the latency cells run, Ivy's worker records per-request stage stamps
+(IVY_STAGES, see ivy/front.py) and their medians are emitted as `bench: ivy-stage` rows, with the
+client's p50 less Ivy's (HTTP parsing and writing in the server, the sockets, the client itself). `--stand-in-only PORT` serves the stand-in.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ ISSUE_TARGET_REQ_PER_S = 1000  # issue 14: per worker, CPU, a Tulip that answers
 
 # --- the stand-in Tulip --------------------------------------------------------------------------
 
-def serve_stand_in(port: int, max_seq_len: int = 8192, vocab_size: int = 250002) -> None:
-    """Serve Info / Embed / EmbedStream / health on 127.0.0.1:port until SIGTERM (prints STAND_IN_READY)."""
+def serve_stand_in(port: int, max_seq_len: int = 8192, vocab_size: int = 250002, uds: str = "") -> None:
+    """Serve Info / Embed / EmbedStream / health on 127.0.0.1:port (and unix:`uds` if given) until
+    SIGTERM (prints STAND_IN_READY)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -88,6 +90,8 @@ def serve_stand_in(port: int, max_seq_len: int = 8192, vocab_size: int = 250002)
         if asyncio.iscoroutine(res):
             await res
         server.add_insecure_port(f"127.0.0.1:{port}")
+        if uds:
+            server.add_insecure_port(f"unix:{uds}")
         await server.start()
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -113,10 +117,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+def spawn(argv: list[str], log: Path, env: dict | None = None, root: Path = ROOT) -> subprocess.Popen:
     e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=e)
+    e["PYTHONPATH"] = str(root) + os.pathsep + e.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, *argv], cwd=root, stdout=log.open("w"), stderr=subprocess.STDOUT, env=e)
 
 
 def wait_until(pred, what: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -156,6 +160,17 @@ def tree_cpu_s(pid: int) -> float:
         total += stats.get(p, (0, 0.0))[1]
         todo += [c for c, (pp, _) in stats.items() if pp == p]
     return total
+
+
+def _rev(root: Path) -> str:
+    if root.resolve() == ROOT:
+        from benchmarks.common import git_rev
+
+        return git_rev()
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
+    except Exception:
+        return "unknown"
 
 
 # --- clients ---------------------------------------------------------------------------------------
@@ -232,14 +247,11 @@ def saturate(url: str, payload: bytes, clients: int, seconds: float, processes: 
 
 # --- the run -------------------------------------------------------------------------------------
 
-def stage_rows(path: Path) -> list[dict]:
-    """Per stage, the median and mean microseconds over the requests Ivy recorded."""
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not recs:
-        return []
-    names = list(recs[0])
-    return [{"stage": k, "p50_us": round(float(np.median([r[k] for r in recs])), 1),
-             "mean_us": round(float(np.mean([r[k] for r in recs])), 1), "n": len(recs)} for k in names]
+def stage_rows(recs: list[dict]) -> list[dict]:
+    """Per stage, the median and mean microseconds over `recs` (Ivy's stage records)."""
+    names = list(recs[0]) if recs else []
+    return [{"stage": k, "p50_us": round(float(np.median([r.get(k, 0.0) for r in recs])), 1),
+             "mean_us": round(float(np.mean([r.get(k, 0.0) for r in recs])), 1), "n": len(recs)} for k in names]
 
 
 def main(argv=None) -> int:
@@ -253,13 +265,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each saturation cell")
     ap.add_argument("--server", default="", help="Ivy's --server (the ASGI server); empty: Ivy's default")
     ap.add_argument("--ivy-args", default="", help="extra `python -m ivy` flags")
+    ap.add_argument("--ivy-root", type=Path, default=ROOT, help="the checkout Ivy runs from (A/B against another revision)")
     ap.add_argument("--label", default="", help="a name for this configuration in the rows")
     ap.add_argument("--stages", action="store_true", help="record Ivy's per-stage stamps (IVY_STAGES) and emit them")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--uds", action="store_true", help="Ivy reaches the stand-in over a Unix socket, not TCP loopback")
     ap.add_argument("--stand-in-only", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--stand-in-uds", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.stand_in_only:
-        serve_stand_in(args.stand_in_only)
+        serve_stand_in(args.stand_in_only, uds=args.stand_in_uds)
         return 0
     from benchmarks.common import Recorder
     from benchmarks.concurrency import text_of
@@ -271,27 +286,32 @@ def main(argv=None) -> int:
     work = args.out or Path("/tmp") / f"gateway-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     tport, port = free_port(), free_port()
-    stand_in = spawn(["-m", "benchmarks.gateway", "--stand-in-only", str(tport)], work / "stand-in.log")
-    ivy_argv = ["-m", "ivy", "--model", args.model, "--port", str(port), "--tulip", f"127.0.0.1:{tport}",
+    uds = f"/tmp/trellis-stand-in-{os.getpid()}.sock" if args.uds else ""
+    stand_in = spawn(["-m", "benchmarks.gateway", "--stand-in-only", str(tport), "--stand-in-uds", uds],
+                     work / "stand-in.log")
+    ivy_argv = ["-m", "ivy", "--model", args.model, "--port", str(port), "--tulip", f"unix:{uds}" if uds else f"127.0.0.1:{tport}",
                 "--workers", "1", *(["--server", args.server] if args.server else []), *args.ivy_args.split()]
     stages = work / "stages.jsonl"
     stages.unlink(missing_ok=True)
-    ivy = spawn(ivy_argv, work / "ivy.log", {"IVY_STAGES": str(stages)} if args.stages else None)
+    ivy = spawn(ivy_argv, work / "ivy.log", {"IVY_STAGES": str(stages)} if args.stages else None, args.ivy_root)
     url = f"http://127.0.0.1:{port}"
     rec = Recorder(args.out, "gateway" + (f"_{args.label}" if args.label else ""))
-    common = dict(model=args.model, tokens=args.length, workers=1, server=args.server or "uvicorn", label=args.label or None,
+    common = dict(ivy_git=_rev(args.ivy_root), tulip_transport="uds" if uds else "tcp", model=args.model, tokens=args.length, workers=1, server=args.server or "uvicorn", label=args.label or None,
                   ivy_args=args.ivy_args or None, stand_in="grpc.aio, fixed vectors", dim=DIM)
     try:
         wait_until(lambda: "STAND_IN_READY" in (work / "stand-in.log").read_text(), "stand-in", stand_in,
                    work / "stand-in.log")
         wait_until(lambda: http_ok(url + "/ready"), "ivy", ivy, work / "ivy.log")
+        latency_p50: dict[str, float] = {}
+        warmup = min(200, args.n)
         for enc in args.encodings.split(","):
             payload = json.dumps({"model": served, "input": text, "encoding_format": enc}).encode()
-            lat = asyncio.run(_latency(url, payload, args.n, warmup=min(200, args.n)))
+            lat = asyncio.run(_latency(url, payload, args.n, warmup=warmup))
             a = np.asarray(lat)
             rec.emit(bench="ivy-latency", encoding=enc, clients=1, n=len(a), p50_ms=round(float(np.percentile(a, 50)), 4),
                      p99_ms=round(float(np.percentile(a, 99)), 4), mean_ms=round(float(a.mean()), 4), **common)
-            for c in map(int, args.clients.split(",")):
+            latency_p50[enc] = float(np.percentile(a, 50))
+            for c in [] if args.stages else map(int, args.clients.split(",")):
                 rec.emit(bench="ivy-saturation", encoding=enc, clients=c, target_req_per_s=ISSUE_TARGET_REQ_PER_S,
                          **common, **saturate(url, payload, c, args.seconds, args.client_processes, ivy.pid))
     finally:
@@ -302,9 +322,16 @@ def main(argv=None) -> int:
             ivy.kill()
         stand_in.send_signal(signal.SIGTERM)
         stand_in.wait(30)
-    if args.stages and stages.is_file():
-        for row in stage_rows(stages):
-            rec.emit(bench="ivy-stage", **row, **common)
+    if args.stages and stages.is_file():  # the latency cells' requests, in order, warm-ups first
+        recs = [json.loads(line) for line in stages.read_text().splitlines() if line.strip()]
+        for i, enc in enumerate(latency_p50):
+            part = recs[i * (warmup + args.n) + warmup:(i + 1) * (warmup + args.n)]
+            rows = stage_rows(part)
+            for row in rows:
+                rec.emit(bench="ivy-stage", encoding=enc, clients=1, **row, **common)
+            inside = next((r["p50_us"] for r in rows if r["stage"] == "total"), 0.0)
+            rec.emit(bench="ivy-stage", encoding=enc, clients=1, stage="outside the app (client p50 - total p50)",
+                     p50_us=round(latency_p50[enc] * 1e3 - inside, 1), mean_us=None, n=len(part), **common)
     return 0
 
 

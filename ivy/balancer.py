@@ -56,8 +56,8 @@ class Balancer:
         """Least outstanding tokens among replicas not excluded; replicas marked down come last."""
         now = time.monotonic()
         candidates = [r for r in self.replicas if r not in exclude]
-        if not candidates:
-            return None
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
         turn = next(self._rr)
         n = len(self.replicas)
         return min(candidates, key=lambda r: (r.down_until > now, r.outstanding, (self.replicas.index(r) - turn) % n))

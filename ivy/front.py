@@ -108,16 +108,18 @@ class Front:
 
             return await self.inner(scope, receive, counting_send)
         rec, stamp = self.stages.start() if self.stages is not None else (None, _no_stamp)
-        body = b""
+        chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return await self.reply(send, route, 413, self.too_large(len(body)))
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:  # a body without Content-Length, or one longer than it said
+                return await self.reply(send, route, 413, self.too_large(size))
             if not message.get("more_body", False):
                 break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         stamp("receive")
         try:
             status, payload = 200, await handler(body, stamp)
