@@ -8,9 +8,10 @@ one Ivy worker (`python -m ivy --workers 1`) in front of it, and sends one L-tok
 (tokenization, templating, balancer, gRPC, JSON all paid; the engine not):
 - latency: 1 client, `--n` sequential requests, p50 / p99 ms;
 - saturation: each of `--clients` concurrent connections sends its next request as soon as its
-  last is answered, for `--seconds`; req/s, and the Ivy worker's CPU time per request (user +
-  system of its process tree over the window: on a shared or small host the part that does not
-  depend on how much CPU the clients and the stand-in left it).
+  last is answered, for `--seconds`; req/s, p50 / p99 ms, and the Ivy worker's CPU time per request (user +
+  system of its process tree over the window, and of its busiest thread, the event loop's, which
+  bounds a worker: on a shared or small host the part that does not depend on how much CPU the
+  clients and the stand-in left it).
 With `--stages` only the latency cells run, Ivy's worker records per-request stage stamps
 (IVY_STAGES, see ivy/front.py) and their medians are emitted as `bench: ivy-stage` rows, with the
 client's p50 less Ivy's (HTTP parsing and writing in the server, the sockets, the client itself). `--stand-in-only PORT` serves the stand-in.
@@ -142,24 +143,33 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid` and every live descendant (from /proc)."""
+def tree_cpu_s(pid: int) -> dict[tuple[int, int], float]:
+    """User + system CPU seconds of every thread of `pid` and its live descendants, by (pid, tid)."""
     tick = os.sysconf("SC_CLK_TCK")
-    stats = {}
+    parents = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 s = Path(f"/proc/{d}/stat").read_text()
             except OSError:
                 continue
-            f = s[s.rindex(")") + 2:].split()
-            stats[int(d)] = (int(f[1]), (int(f[11]) + int(f[12])) / tick)  # ppid, utime + stime
-    total, todo = 0.0, [pid]
+            parents[int(d)] = int(s[s.rindex(")") + 2:].split()[1])
+    out, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += stats.get(p, (0, 0.0))[1]
-        todo += [c for c, (pp, _) in stats.items() if pp == p]
-    return total
+        todo += [c for c, pp in parents.items() if pp == p]
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                s = Path(f"/proc/{p}/task/{t}/stat").read_text()
+            except OSError:
+                continue
+            f = s[s.rindex(")") + 2:].split()
+            out[(p, int(t))] = (int(f[11]) + int(f[12])) / tick
+    return out
 
 
 def _rev(root: Path) -> str:
@@ -190,11 +200,13 @@ async def _latency(url: str, payload: bytes, n: int, warmup: int) -> list[float]
     return lat
 
 
-async def _saturate(url: str, payload: bytes, clients: int, seconds: float, start_at: float) -> tuple[int, int]:
-    """(answered, failed) requests of `clients` connections between start_at and start_at + seconds."""
+async def _saturate(url: str, payload: bytes, clients: int, seconds: float,
+                    start_at: float) -> tuple[int, int, list[float]]:
+    """(answered, failed, latencies ms) of `clients` connections between start_at and start_at + seconds."""
     import aiohttp
 
     done = failed = 0
+    lat: list[float] = []
     conn = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(url, connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
         async def one():
@@ -210,12 +222,14 @@ async def _saturate(url: str, payload: bytes, clients: int, seconds: float, star
         async def loop():
             nonlocal done, failed
             while time.time() < end:
+                t0 = time.perf_counter()
                 ok = await one()
                 if time.time() <= end:
                     done, failed = done + ok, failed + (not ok)
+                    lat.append((time.perf_counter() - t0) * 1e3)
 
         await asyncio.gather(*(loop() for _ in range(clients)))
-    return done, failed
+    return done, failed, lat
 
 
 def _saturate_process(url, payload, clients, seconds, start_at, q):
@@ -240,9 +254,14 @@ def saturate(url: str, payload: bytes, clients: int, seconds: float, processes: 
     for p in procs:
         p.join()
     done, failed = sum(r[0] for r in res), sum(r[1] for r in res)
+    lat = np.asarray([x for r in res for x in r[2]] or [0.0])
+    per_thread = [cpu1[k] - cpu0.get(k, 0.0) for k in cpu1]
+    total, busiest = sum(per_thread), max(per_thread, default=0.0)
     return {"req_per_s": round(done / seconds, 1), "n": done, "failed": failed, "seconds": seconds,
-            "ivy_cpu_ms_per_req": round((cpu1 - cpu0) * 1e3 / max(done, 1), 4),
-            "ivy_cpu_share": round((cpu1 - cpu0) / seconds, 3), "client_processes": len(procs)}
+            "p50_ms": round(float(np.percentile(lat, 50)), 4), "p99_ms": round(float(np.percentile(lat, 99)), 4),
+            "ivy_cpu_ms_per_req": round(total * 1e3 / max(done, 1), 4), "ivy_cpu_share": round(total / seconds, 3),
+            # the thread running the app (the event loop) bounds a worker: 1 / this is its req/s on a free core
+            "ivy_busiest_thread_ms_per_req": round(busiest * 1e3 / max(done, 1), 4), "client_processes": len(procs)}
 
 
 # --- the run -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class Stages:
     """Per-request stage durations (IVY_STAGES), kept in memory and written at shutdown."""
 
     def __init__(self, path: str):
-        self.path = f"{path}.{os.getpid()}" if os.environ.get("IVY_STAGES_PER_PID") else path
+        self.path = path
         self.records: list[dict] = []
 
     def start(self) -> tuple[dict, Stamp]:
@@ -57,8 +57,8 @@ class Stages:
             self.records.append({k: round(v, 2) for k, v in rec.items()})
 
     def write(self) -> None:
-        with open(self.path, "ab") as f:
-            f.writelines(orjson.dumps(r) + b"\n" for r in self.records)
+        with open(self.path, "ab") as f:  # one write: workers appending at shutdown do not interleave lines
+            f.write(b"".join(orjson.dumps(r) + b"\n" for r in self.records))
         self.records = []
 
 

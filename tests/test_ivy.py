@@ -22,24 +22,28 @@ def test_no_tulip_means_503_not_500(tmp_path):
         assert r.status_code == 503, r.text
         assert "no inference server" in r.json()["error"]["message"]
     finally:
-        # uvicorn shuts down gracefully; Ivy then exits 0.
+        # the server (Granian by default, or uvicorn) shuts down gracefully; Ivy then exits 0.
         assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
-def test_multiple_workers(tulip_server, tmp_path):
-    """--workers 2 runs uvicorn's process manager with the app factory (config through IVY_CONFIG_JSON)."""
+@pytest.mark.parametrize("server", ["granian", "uvicorn"])
+def test_multiple_workers(tulip_server, tmp_path, server):
+    """--workers 2 runs the server's process manager with the app factory (config through IVY_CONFIG_JSON),
+    under each server."""
     target, _ = tulip_server
     port = free_port()
-    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--workers", "2"], tmp_path)
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--workers", "2", "--server", server], tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for(lambda: http_status(url + "/ready") == 200, timeout=90)
         for _ in range(6):
             r = httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=30)
             assert r.status_code == 200 and len(r.json()["data"]) == 2
+        r = httpx.post(url + "/v1/embeddings", json={"input": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     finally:
-        proc.stop()
+        assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
