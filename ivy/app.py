@@ -142,6 +142,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         stamp("decode")
         check_model(req.model)
         info = await model_info()
+        stamp("checks")
+        seqs, pool_from = await _sequences(req, info, stamp)
         dims = 0
         if req.dimensions is not None:
             if not 1 <= req.dimensions <= info.embedding_dim:
@@ -157,8 +159,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if o not in info.outputs:
                 name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
                 raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
-        stamp("checks")
-        seqs, pool_from = await _sequences(req, info, stamp)
+        stamp("checks")  # accumulates with the one above
         try:
             result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs, pool_from, stamp)
         except grpc.aio.AioRpcError as e:
@@ -281,9 +282,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if not ids:
                 raise APIError(400, f"input {i} is an empty token array", "input")
             try:
-                a = np.array(ids, dtype=np.int32)
+                a = np.array(ids, dtype=np.int64)
                 lo, hi = int(a.min()), int(a.max())
-            except OverflowError:  # beyond int32: certainly outside any vocabulary
+            except OverflowError:  # beyond int64: certainly outside any vocabulary
                 lo = hi = max(ids, key=abs)
             if lo < 0 or hi >= info.vocab_size:
                 raise APIError(400, f"input {i} has token id {lo if lo < 0 else hi}, outside the vocabulary [0, {info.vocab_size})", "input")
@@ -293,7 +294,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                         400, f"input {i} has {len(a)} tokens, more than this model's maximum of {info.max_seq_len}; "
                         "shorten it or send \"truncate\": true", "input", "context_length_exceeded")
                 a = a[: info.max_seq_len]
-            seqs.append(a)
+            seqs.append(a.astype(np.int32))
         stamp("tokenize")
         return seqs, []
 

@@ -20,9 +20,10 @@ class IvyConfig:
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
     workers: int = field(1, "worker processes (each with its own event loop and Tulip channels)")
-    server: str = field("granian", "the ASGI server: granian (HTTP in Rust threads, the app on uvloop; measured "
-                        "faster per worker, benchmarks.gateway) or uvicorn (httptools, uvloop)",
-                        choices=("granian", "uvicorn"))
+    server: str = field("uvicorn", "the ASGI server: uvicorn (httptools, uvloop: the lower latency per request) "
+                        "or granian (HTTP in a Rust thread, the app on uvloop: more requests/s per saturated "
+                        "worker, ~0.1-0.3 ms more per request at one client; benchmarks.gateway)",
+                        choices=("uvicorn", "granian"))
     transport: str = field("stream", "how Ivy calls each Tulip: one open EmbedStream per replica, or unary Embed calls",
                            choices=("stream", "unary"))
     tulip_spin_ms: float = field(0.0, "while a Tulip reply is due, keep the worker's event loop polling for up to "

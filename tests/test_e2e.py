@@ -134,6 +134,7 @@ def test_openai_client_errors(client, kwargs, status, fragment):
     ({"input": "x", "truncate": "perhaps"}, "truncate"),
     ({"input": [[101, 2**40]]}, "outside the vocabulary"),
     ({"input": [101, -(2**40)]}, "outside the vocabulary"),
+    ({"input": [101, 2**70]}, "outside the vocabulary"),
     ([1, 2], "JSON object"),
 ])
 def test_wrong_types_are_400_not_500(stack, body, fragment):

@@ -9,9 +9,10 @@ import pytest
 from tests.conftest import Proc, free_port, http_status
 
 
-def test_no_tulip_means_503_not_500(tmp_path):
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_no_tulip_means_503_not_500(tmp_path, server):
     port = free_port()
-    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}"], tmp_path)
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}", "--server", server], tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for(lambda: http_status(url + "/health") == 200, timeout=60)
@@ -22,12 +23,12 @@ def test_no_tulip_means_503_not_500(tmp_path):
         assert r.status_code == 503, r.text
         assert "no inference server" in r.json()["error"]["message"]
     finally:
-        # the server (Granian by default, or uvicorn) shuts down gracefully; Ivy then exits 0.
+        # the server (uvicorn or Granian) shuts down gracefully; Ivy then exits 0.
         assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
-@pytest.mark.parametrize("server", ["granian", "uvicorn"])
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
 def test_multiple_workers(tulip_server, tmp_path, server):
     """--workers 2 runs the server's process manager with the app factory (config through IVY_CONFIG_JSON),
     under each server."""
