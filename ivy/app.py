@@ -8,8 +8,8 @@ POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process ali
 from __future__ import annotations
 
 import base64
+import functools
 import gc
-import hmac
 import logging
 import os
 import time
@@ -26,8 +26,9 @@ from starlette.responses import Response
 from ivy import errors
 from ivy.balancer import Balancer
 from ivy.config import IvyConfig
-from ivy.errors import APIError
-from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest
+from ivy.errors import APIError, input_kind_error
+from ivy.front import Front, Stamp, _no_stamp
+from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest, schema
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
 from rose.modeldir import ModelSpec, default_served_name, resolve_model_path
@@ -47,10 +48,6 @@ class Metrics:
         self.tokens = Counter("ivy_prompt_tokens", "tokens embedded", registry=self.registry)
 
 
-def _json(body: dict, status: int = 200) -> Response:
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
-
-
 INFO_WAIT_S = 5.0  # a request reaching a worker that has not heard from a replica yet waits this long, then 503
 ROUTES = {"/v1/embeddings", "/v1/rerank", "/v1/tokenize", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
@@ -59,46 +56,26 @@ ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_F
 
 def body(model) -> dict:
     """OpenAPI for a route that parses its raw body itself (errors.parse_body)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema(model)}}}}
 
 
-class LimitAndCount:
-    """ASGI middleware: 401 without a valid API key on /v1/* (when keys are configured), 413 for
-    bodies over the limit (by Content-Length), and request counts by status."""
+class IvyAPI(FastAPI):
+    """FastAPI with `front` (ivy.front.Front) in front of its middleware stack."""
 
-    def __init__(self, app, max_body: int, metrics: Metrics, api_keys: tuple[str, ...] = ()):
-        self.app, self.max_body, self.metrics = app, max_body, metrics
-        self.bearers = [f"Bearer {k}".encode() for k in api_keys]
-
-    def authorized(self, scope) -> bool:
-        if not self.bearers or not scope["path"].startswith("/v1/"):
-            return True
-        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return any(hmac.compare_digest(got, b) for b in self.bearers)
+    front: Front | None = None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        path = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
-        if not self.authorized(scope):
-            self.metrics.requests.labels(path, "401").inc()
-            resp = errors.error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
-                                         None, "invalid_api_key")
-            return await resp(scope, receive, send)
-        for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
-                resp = errors.error_response(
-                    413, f"request body of {int(v)} bytes exceeds the limit of {self.max_body} bytes")
-                self.metrics.requests.labels(path, "413").inc()
-                return await resp(scope, receive, send)
+        if self.front is None:
+            return await super().__call__(scope, receive, send)
+        await self.front(scope, receive, send)
 
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(path, str(message["status"])).inc()
-            await send(message)
 
-        await self.app(scope, receive, counting_send)
+def _raw(handler):
+    """A fast handler as a FastAPI route (the same code; only reached without the front)."""
+    async def route(request: Request):
+        return Response(await handler(await request.body(), _no_stamp), media_type="application/json")
+
+    return route
 
 
 def create_app(cfg: IvyConfig) -> FastAPI:
@@ -124,8 +101,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         yield
         await balancer.close()
 
-    app = FastAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(LimitAndCount, max_body=cfg.max_request_mb << 20, metrics=metrics, api_keys=cfg.api_keys)
+    app = IvyAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
     errors.install(app)
 
     async def model_info() -> tulip_pb2.InfoReply:
@@ -160,13 +136,14 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         check_model(model_id)
         return model_card()
 
-    @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest))
-    async def embeddings(request: Request):
+    async def embeddings(body: bytes, stamp: Stamp) -> bytes:
         t0 = time.perf_counter()
-        req = errors.parse_body(EmbeddingRequest, await request.body())
+        req = errors.parse_body(EmbeddingRequest, body)
+        stamp("decode")
         check_model(req.model)
         info = await model_info()
-        seqs, pool_from = await _sequences(req, info)
+        stamp("checks")
+        seqs, pool_from = await _sequences(req, info, stamp)
         dims = 0
         if req.dimensions is not None:
             if not 1 <= req.dimensions <= info.embedding_dim:
@@ -182,13 +159,17 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if o not in info.outputs:
                 name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
                 raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
+        stamp("checks")  # accumulates with the one above
         try:
-            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs, pool_from)
+            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs, pool_from, stamp)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
-        tokens = int(sum(len(s) for s in seqs))
+        stamp("grpc")
+        tokens = int(sum(map(len, seqs)))
         b64 = req.encoding_format != "float"  # rows are already float32 LE, int8 or packed bits
-        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v.tobytes()).decode() if b64 else v}
+        # float rows go to orjson as numpy views of the reply's bytes (no list, no copy); base64 ones
+        # are encoded from those views
+        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v).decode() if b64 else v}
                 for i, v in enumerate(result.vectors)]
         for item, (ids, weights) in zip(data, result.sparse):
             keys = [str(t) for t in ids.tolist()]
@@ -196,10 +177,15 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             item["sparse_tokens"] = {k: tokenizer.token(int(k)) for k in keys}
         for item, vecs in zip(data, result.colbert):
             item["colbert_embedding"] = base64.b64encode(vecs.astype("<f4").tobytes()).decode() if b64 else vecs
-        metrics.latency.observe(time.perf_counter() - t0)
-        metrics.tokens.inc(tokens)
-        return _json({"object": "list", "data": data, "model": served,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        out = orjson.dumps({"object": "list", "data": data, "model": served,
+                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                           option=orjson.OPT_SERIALIZE_NUMPY)
+        latency.observe(time.perf_counter() - t0)
+        prompt_tokens.inc(tokens)
+        stamp("encode")
+        return out
+
+    latency, prompt_tokens = metrics.latency, metrics.tokens
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served:
@@ -217,9 +203,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         check_count(len(inp), "input")
         return inp
 
-    @app.post("/v1/rerank", openapi_extra=body(RerankRequest))
-    async def rerank(request: Request):
-        req = errors.parse_body(RerankRequest, await request.body())
+    async def rerank(body: bytes, stamp: Stamp) -> bytes:
+        req = errors.parse_body(RerankRequest, body)
         check_model(req.model)
         if not req.documents:
             raise APIError(400, "'documents' must not be empty", "documents")
@@ -244,53 +229,63 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         scores = v[1:] @ v[0]
         order = np.argsort(-scores, kind="stable")[: req.top_n]
         tokens = int(sum(len(s) for s in seqs))
-        metrics.tokens.inc(tokens)
+        prompt_tokens.inc(tokens)
         results = [{"index": int(i), "relevance_score": float(scores[i]),
                     **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
-        return _json({"model": served, "results": results, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return orjson.dumps({"model": served, "results": results,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    @app.post("/v1/tokenize", openapi_extra=body(TokenizeRequest))
-    async def tokenize(request: Request):
-        req = errors.parse_body(TokenizeRequest, await request.body())
+    async def tokenize(body: bytes, stamp: Stamp) -> bytes:
+        req = errors.parse_body(TokenizeRequest, body)
         check_model(req.model)
         inp = input_list(req.input)
         seqs = await tokenizer.encode(templates.apply(inp, req.input_type, req.instruction), req.truncate,
                                       check_length=False)
-        return _json({"object": "list", "model": served, "max_model_len": tokenizer.max_len,
-                      "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]})
+        return orjson.dumps({"object": "list", "model": served, "max_model_len": tokenizer.max_len,
+                             "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def _text_sequences(texts: list[str], input_type: str | None, instruction: str | None,
-                              truncate: bool, param: str = "input",
-                              item: str | None = "input") -> tuple[list[np.ndarray], list[int]]:
+                              truncate: bool, param: str = "input", item: str | None = "input",
+                              stamp: Stamp = _no_stamp) -> tuple[list[np.ndarray], list[int]]:
         """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
         tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         prefix = templates.prefix(input_type, instruction)
+        stamp("template")
         seqs = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param,
                                       item=item)
+        stamp("tokenize")
         if prefix and pool_without_prompt:
             n = tokenizer.prompt_length(prefix)
             return seqs, [min(n, len(s) - 1) for s in seqs]
         return seqs, []
 
-    async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], list[int]]:
+    async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply,
+                         stamp: Stamp) -> tuple[list[np.ndarray], list[int]]:
         """Token-id arrays for the request's inputs, and per input the leading prompt tokens mean
         pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         inp = input_list(req.input)
-        if isinstance(inp[0], str):
+        kinds = set(map(type, inp))  # one kind per array (the decoder takes str, int or int arrays per item)
+        if len(kinds) != 1:
+            raise input_kind_error()
+        if str in kinds:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            return await _text_sequences(inp, req.input_type, req.instruction, req.truncate)
+            return await _text_sequences(inp, req.input_type, req.instruction, req.truncate, stamp=stamp)
         if req.input_type is not None or req.instruction is not None:
             raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
-        if isinstance(inp[0], int):
+        if int in kinds:
             inp = [inp]
         seqs = []
         for i, ids in enumerate(inp):
             if not ids:
                 raise APIError(400, f"input {i} is an empty token array", "input")
-            a = np.asarray(ids, dtype=np.int64)
-            lo, hi = int(a.min()), int(a.max())
+            try:
+                a = np.array(ids, dtype=np.int64)
+                lo, hi = int(a.min()), int(a.max())
+            except OverflowError:  # beyond int64: certainly outside any vocabulary
+                lo = hi = max(ids, key=abs)
             if lo < 0 or hi >= info.vocab_size:
                 raise APIError(400, f"input {i} has token id {lo if lo < 0 else hi}, outside the vocabulary [0, {info.vocab_size})", "input")
             if len(a) > info.max_seq_len:
@@ -300,11 +295,17 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                         "shorten it or send \"truncate\": true", "input", "context_length_exceeded")
                 a = a[: info.max_seq_len]
             seqs.append(a.astype(np.int32))
+        stamp("tokenize")
         return seqs, []
 
+    fast = {"/v1/embeddings": embeddings, "/v1/rerank": rerank, "/v1/tokenize": tokenize}
+    for (path, handler), model in zip(fast.items(), (EmbeddingRequest, RerankRequest, TokenizeRequest)):
+        app.post(path, openapi_extra=body(model), name=handler.__name__)(_raw(handler))
+    app.front = Front(functools.partial(FastAPI.__call__, app), fast, ROUTES, cfg.max_request_mb << 20,
+                      metrics.requests, cfg.api_keys)
     return app
 
 
 def create_app_from_env() -> FastAPI:
-    """uvicorn factory for multi-worker runs: the config travels in IVY_CONFIG_JSON."""
+    """The server's factory for multi-worker runs: the config travels in IVY_CONFIG_JSON."""
     return create_app(IvyConfig.from_json(os.environ["IVY_CONFIG_JSON"]))

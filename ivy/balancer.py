@@ -56,8 +56,8 @@ class Balancer:
         """Least outstanding tokens among replicas not excluded; replicas marked down come last."""
         now = time.monotonic()
         candidates = [r for r in self.replicas if r not in exclude]
-        if not candidates:
-            return None
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
         turn = next(self._rr)
         n = len(self.replicas)
         return min(candidates, key=lambda r: (r.down_until > now, r.outstanding, (self.replicas.index(r) - turn) % n))
@@ -110,13 +110,15 @@ class Balancer:
         return any(checks)
 
     async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
-                    deadline: float, pool_from: list[int]) -> EmbedResult:
+                    deadline: float, pool_from: list[int], stamp=None) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
         while (r := self.pick(tried)) is not None:
             tried.add(r)
             r.outstanding += tokens
+            if stamp is not None:
+                stamp("balancer")
             try:
                 out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
                                                   encoding, outputs, pool_from)
@@ -134,13 +136,14 @@ class Balancer:
         raise last
 
     async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
-                    outputs: tuple = (), pool_from: list[int] = ()) -> EmbedResult:
+                    outputs: tuple = (), pool_from: list[int] = (), stamp=None) -> EmbedResult:
         """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
-        `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out."""
+        `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out. `stamp`
+        (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from)
+            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp)
         tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
                                                   pool_from[a:b] if pool_from else ()))
                  for a, b in runs]

@@ -19,7 +19,11 @@ class IvyConfig:
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
-    workers: int = field(1, "uvicorn worker processes")
+    workers: int = field(1, "worker processes (each with its own event loop and Tulip channels)")
+    server: str = field("uvicorn", "the ASGI server: uvicorn (httptools, uvloop: the lower latency per request) "
+                        "or granian (HTTP in a Rust thread, the app on uvloop: more requests/s per saturated "
+                        "worker, ~0.1-0.3 ms more per request at one client; benchmarks.gateway)",
+                        choices=("uvicorn", "granian"))
     transport: str = field("stream", "how Ivy calls each Tulip: one open EmbedStream per replica, or unary Embed calls",
                            choices=("stream", "unary"))
     tulip_spin_ms: float = field(0.0, "while a Tulip reply is due, keep the worker's event loop polling for up to "
@@ -31,7 +35,9 @@ class IvyConfig:
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
     api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* then needs 'Authorization: Bearer KEY'; prefer "
                                       "IVY_API_KEYS=k1,k2 (flags show in process lists); none: no authentication")
-    log_level: str = field("info", "uvicorn log level", choices=("critical", "error", "warning", "info", "debug"))
+    access_log: bool = field(False, "log one line per HTTP request (the server's access log; under uvicorn it "
+                             "cost ~0.1 ms of CPU per request, 10-15 %% of a worker's throughput, benchmarks.gateway)")
+    log_level: str = field("info", "the server's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self):
         if not self.tulip:

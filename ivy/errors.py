@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import TypeVar
 
 import grpc
+import msgspec
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -17,7 +18,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           503: "service_unavailable", 504: "timeout"}
 
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound=msgspec.Struct)
 
 
 class APIError(Exception):
@@ -26,9 +27,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+                                   "code": code}})
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json")
 
 
 # gRPC status from a Tulip -> HTTP status for our caller.
@@ -46,32 +51,56 @@ def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
     return APIError(status, f"inference server: {e.details()}", None, code)
 
 
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+_AT = re.compile(r"^(.*) - at `\$\.?([^`]*)`$", re.S)
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
+
+
 def parse_body(model: type[M], body: bytes) -> M:
-    """JSON bytes -> a validated pydantic model, or APIError(400) saying what is wrong."""
+    """JSON bytes -> the typed request, in one pass (msgspec), or APIError(400) saying what is wrong."""
+    dec = _DECODERS.get(model)
+    if dec is None:
+        dec = _DECODERS[model] = msgspec.json.Decoder(model)
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
+        return dec.decode(body)
+    except msgspec.ValidationError as e:
+        raise _decode_error(str(e), getattr(model, "input_kinds", None)) from None
+    except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e.errors(), getattr(model, "input_kinds", None)) from None
 
 
 EMBEDDING_INPUTS = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
 
 
-def _validation_error(errs: list, input_kinds: str | None = None) -> APIError:
+def input_kind_error(input_kinds: str | None = None) -> APIError:
+    return APIError(400, f"'input' must be {input_kinds or EMBEDDING_INPUTS}", "input")
+
+
+def _decode_error(msg: str, input_kinds: str | None) -> APIError:
+    """A msgspec ValidationError's text ("Expected `int | null`, got `str` - at `$.dimensions`") as
+    the 400 the pydantic models gave: the field named, its first path component as `param`."""
+    if m := _MISSING.match(msg):
+        return APIError(400, f"'{m.group(1)}' is required", m.group(1))
+    m = _AT.match(msg)
+    if m is None or not m.group(2):  # the body itself
+        if m is None and msg.startswith("Expected `object`"):
+            return APIError(400, "request body must be a JSON object")
+        return APIError(400, msg if m is None else m.group(1))
+    what, where = m.group(1), m.group(2)
+    param = re.split(r"[.\[]", where, maxsplit=1)[0]
+    if param == "input":
+        return input_kind_error(input_kinds)
+    return APIError(400, f"invalid value for '{where}': {what}", param)
+
+
+def _validation_error(errs: list) -> APIError:
+    """FastAPI's own validation (path and query parameters) as an OpenAI-shaped 400."""
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc)
     if where and first.get("type") == "missing":
         return APIError(400, f"'{where}' is required", param)
-    if param == "input":
-        return APIError(400, f"'input' must be {input_kinds or EMBEDDING_INPUTS}", "input")
     return APIError(400, f"invalid value for '{where}': {first['msg']}" if where else first["msg"], param)
 
 

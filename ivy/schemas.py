@@ -1,15 +1,53 @@
-"""Request bodies (pydantic). Responses are built as plain dicts and encoded with orjson."""
+"""Request bodies: msgspec Structs, decoded from the raw JSON bytes in one typed pass
+(`errors.parse_body`), and their JSON schemas for FastAPI's OpenAPI document (`schema`).
+
+msgspec's unions may hold only one array type, so `input` is decoded as a string or an array of
+strings / ints / int arrays, and `input_list` (ivy/app.py) checks that an array holds one kind;
+the OpenAPI schema states the four accepted shapes. Booleans are taken as pydantic's lax mode
+took them (true/false, 0/1, "yes"/"no", ...; `lax_bool`), every other field strictly.
+Responses are built as plain dicts (or bytes) and encoded once.
+"""
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+import msgspec
 
-EmbeddingInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+# What a bool field accepts, as pydantic's lax mode did before these were Structs.
+_TRUE = {"1", "on", "t", "true", "y", "yes"}
+_FALSE = {"0", "off", "f", "false", "n", "no"}
+LaxBool = Union[bool, int, float, str]
 
 
-class EmbeddingRequest(BaseModel):
+def lax_bool(v) -> bool:
+    if v is True or v is False:
+        return v
+    if isinstance(v, str):
+        s = v.lower()
+        if s in _TRUE or s in _FALSE:
+            return s in _TRUE
+    elif v in (0, 1):
+        return bool(v)
+    raise ValueError("Input should be a valid boolean")
+
+
+class Body(msgspec.Struct, kw_only=True):
+    """A request body; unknown fields are ignored (as OpenAI's clients may send more)."""
+
+    bools: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        for name in self.bools:
+            v = getattr(self, name)
+            if v is not True and v is not False:
+                try:
+                    setattr(self, name, lax_bool(v))
+                except ValueError as e:
+                    raise msgspec.ValidationError(f"{e} - at `$.{name}`") from None
+
+
+class EmbeddingRequest(Body):
     """POST /v1/embeddings, as OpenAI's API plus documented extensions.
 
     Extensions (ignored by OpenAI clients, sent via `extra_body`):
@@ -24,21 +62,22 @@ class EmbeddingRequest(BaseModel):
                      after the first (a list of lists, or base64 float32 with encoding_format base64).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    bools: ClassVar = ("truncate", "return_sparse", "return_colbert")
+    input_kinds: ClassVar[str] = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
 
-    input: EmbeddingInput
-    model: StrictStr | None = None
+    input: Union[str, list[Union[str, int, list[int]]]]
+    model: Union[str, None] = None
     encoding_format: Literal["float", "base64", "base64_int8", "base64_binary"] = "float"
-    dimensions: StrictInt | None = None
-    user: StrictStr | None = None
-    truncate: bool = False
-    input_type: Literal["query", "document"] | None = None
-    instruction: StrictStr | None = None
-    return_sparse: bool = False
-    return_colbert: bool = False
+    dimensions: Union[int, None] = None
+    user: Union[str, None] = None
+    truncate: LaxBool = False
+    input_type: Union[Literal["query", "document"], None] = None
+    instruction: Union[str, None] = None
+    return_sparse: LaxBool = False
+    return_colbert: LaxBool = False
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(Body):
     """POST /v1/rerank, in the shape Jina's and Cohere's rerank APIs take: the documents ordered by
     the cosine similarity of their embeddings to the query's (the query with the model's query
     prompt, the documents with its document prompt).
@@ -49,27 +88,43 @@ class RerankRequest(BaseModel):
     instruction:      a task for instruction-tuned models, applied to the query.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    bools: ClassVar = ("return_documents", "truncate")
 
-    query: StrictStr
-    documents: list[StrictStr]
-    model: StrictStr | None = None
-    top_n: StrictInt | None = None
-    return_documents: bool = False
-    truncate: bool = False
-    instruction: StrictStr | None = None
+    query: str
+    documents: list[str]
+    model: Union[str, None] = None
+    top_n: Union[int, None] = None
+    return_documents: LaxBool = False
+    truncate: LaxBool = False
+    instruction: Union[str, None] = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """POST /tokenize: the token ids the model would see for each text (special tokens and, with
     `input_type` / `instruction`, the prompt included), and their count. Texts longer than the
     model's maximum are counted whole unless `truncate` is set."""
 
-    model_config = ConfigDict(extra="ignore")
+    bools: ClassVar = ("truncate",)
     input_kinds: ClassVar[str] = "a string or an array of strings"
 
-    input: StrictStr | list[StrictStr]
-    model: StrictStr | None = None
-    input_type: Literal["query", "document"] | None = None
-    instruction: StrictStr | None = None
-    truncate: bool = False
+    input: Union[str, list[str]]
+    model: Union[str, None] = None
+    input_type: Union[Literal["query", "document"], None] = None
+    instruction: Union[str, None] = None
+    truncate: LaxBool = False
+
+
+_STR, _INT = {"type": "string"}, {"type": "integer"}
+_EMBEDDING_INPUT = {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "array", "items": _INT},
+                              {"type": "array", "items": {"type": "array", "items": _INT}}]}
+
+
+def schema(model: type[Body]) -> dict:
+    """The body's JSON schema (inline, for OpenAPI): the accepted shapes, not the decoder's."""
+    (ref,), defs = msgspec.json.schema_components([model], ref_template="{name}")
+    s = defs[ref["$ref"]]
+    for name in model.bools:
+        s["properties"][name] = {"type": "boolean", "default": False}
+    if model is EmbeddingRequest:
+        s["properties"]["input"] = _EMBEDDING_INPUT
+    return s

@@ -165,3 +165,27 @@ def test_readme_performance_table_matches_the_committed_results():
         assert line is not None, f"README has no row for {label}"
         quoted = float(re.search(r"[\d.]+", line.split("|")[2]).group())
         assert abs(quoted - value) <= (0.5 if bench == "bulk" else 0.006), (label, quoted, value)
+
+
+def test_gateway_benchmark_measures_ivy_alone(tmp_path):
+    """benchmarks.gateway on CPU: Ivy in front of the stand-in Tulip, latency and saturation rows with
+    the worker's CPU per request, then the per-stage rows from Ivy's IVY_STAGES stamps."""
+    base = [sys.executable, "-m", "benchmarks.gateway", "--model", "default", "--length", "64", "--n", "30",
+            "--out", str(tmp_path)]
+    r = subprocess.run(base + ["--seconds", "1", "--clients", "2", "--encodings", "base64,float"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "gateway.jsonl").read_text().splitlines()]
+    assert [(x["bench"], x["encoding"]) for x in rows] == [("ivy-latency", "base64"), ("ivy-saturation", "base64"),
+                                                           ("ivy-latency", "float"), ("ivy-saturation", "float")]
+    sat = rows[1]
+    assert sat["failed"] == 0 and sat["req_per_s"] > 0 and sat["ivy_cpu_ms_per_req"] > 0 and sat["server"] == "uvicorn"
+    assert {"when", "torch", "gpu", "git"} <= set(sat)
+    r = subprocess.run(base + ["--stages", "--encodings", "base64", "--label", "stages", "--server", "granian"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stages = {x["stage"]: x for x in map(json.loads, (tmp_path / "gateway_stages.jsonl").read_text().splitlines())
+              if x["bench"] == "ivy-stage"}
+    assert {"receive", "decode", "tokenize", "balancer", "grpc", "encode", "send", "total"} <= set(stages)
+    assert all(s["n"] == 30 for k, s in stages.items() if not k.startswith("outside"))
+    assert stages["total"]["p50_us"] > stages["tokenize"]["p50_us"] > 0

@@ -131,6 +131,10 @@ def test_openai_client_errors(client, kwargs, status, fragment):
     ({"model": MODEL}, "'input' is required"),
     ({"input": "x", "encoding_format": "int"}, "encoding_format"),
     ({"input": "x", "dimensions": "8"}, "dimensions"),
+    ({"input": "x", "truncate": "perhaps"}, "truncate"),
+    ({"input": [[101, 2**40]]}, "outside the vocabulary"),
+    ({"input": [101, -(2**40)]}, "outside the vocabulary"),
+    ({"input": [101, 2**70]}, "outside the vocabulary"),
     ([1, 2], "JSON object"),
 ])
 def test_wrong_types_are_400_not_500(stack, body, fragment):
@@ -145,6 +149,8 @@ def test_malformed_and_oversized_bodies(stack):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(url, content=b"x" * (33 << 20))
     assert r.status_code == 413
+    r = httpx.post(url, content=iter([b"x" * (1 << 20)] * 33))  # chunked: no Content-Length to refuse it by
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
     r = httpx.post(url, json={"input": "still fine", "model": MODEL})
     assert r.status_code == 200
 

@@ -9,9 +9,10 @@ import pytest
 from tests.conftest import Proc, free_port, http_status
 
 
-def test_no_tulip_means_503_not_500(tmp_path):
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_no_tulip_means_503_not_500(tmp_path, server):
     port = free_port()
-    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}"], tmp_path)
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}", "--server", server], tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for(lambda: http_status(url + "/health") == 200, timeout=60)
@@ -22,24 +23,28 @@ def test_no_tulip_means_503_not_500(tmp_path):
         assert r.status_code == 503, r.text
         assert "no inference server" in r.json()["error"]["message"]
     finally:
-        # uvicorn shuts down gracefully; Ivy then exits 0.
+        # the server (uvicorn or Granian) shuts down gracefully; Ivy then exits 0.
         assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
-def test_multiple_workers(tulip_server, tmp_path):
-    """--workers 2 runs uvicorn's process manager with the app factory (config through IVY_CONFIG_JSON)."""
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_multiple_workers(tulip_server, tmp_path, server):
+    """--workers 2 runs the server's process manager with the app factory (config through IVY_CONFIG_JSON),
+    under each server."""
     target, _ = tulip_server
     port = free_port()
-    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--workers", "2"], tmp_path)
+    proc = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--workers", "2", "--server", server], tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_for(lambda: http_status(url + "/ready") == 200, timeout=90)
         for _ in range(6):
             r = httpx.post(url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=30)
             assert r.status_code == 200 and len(r.json()["data"]) == 2
+        r = httpx.post(url + "/v1/embeddings", json={"input": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     finally:
-        proc.stop()
+        assert proc.stop() == 0
     assert "Traceback" not in proc.output()
 
 
@@ -146,3 +151,53 @@ def test_workers_started_before_tulip_serve_as_soon_as_ready(tmp_path):
             tulip.stop()
         ivy.stop()
     assert "Traceback" not in ivy.output()
+
+
+@pytest.mark.parametrize("body, message, param", [
+    (b'{"input": 3.5}', "'input' must be a string, an array of strings", "input"),
+    (b'{"input": [[1.5]]}', "'input' must be", "input"),
+    (b'{"model": "m"}', "'input' is required", "input"),
+    (b'{"input": "x", "encoding_format": "int"}', "invalid value for 'encoding_format'", "encoding_format"),
+    (b'{"input": "x", "dimensions": "8"}', "invalid value for 'dimensions'", "dimensions"),
+    (b'{"input": "x", "truncate": 2}', "invalid value for 'truncate': Input should be a valid boolean", "truncate"),
+    (b'{"input": "x", "truncate": [true]}', "invalid value for 'truncate'", "truncate"),
+    (b"[1, 2]", "request body must be a JSON object", None),
+    (b"{not json", "request body is not valid JSON", None),
+    (b"", "request body is not valid JSON", None),
+])
+def test_body_decoding_errors_name_the_field(body, message, param):
+    """One typed pass (msgspec) with the 400s the pydantic models gave: the field named as `param`."""
+    from ivy.errors import APIError, parse_body
+    from ivy.schemas import EmbeddingRequest
+
+    with pytest.raises(APIError) as e:
+        parse_body(EmbeddingRequest, body)
+    assert e.value.status == 400 and message in e.value.message and e.value.param == param
+
+
+def test_body_decoding_takes_lax_booleans_and_ignores_unknown_fields():
+    from ivy.errors import parse_body
+    from ivy.schemas import EmbeddingRequest, RerankRequest
+
+    for raw, want in (("true", True), ('"yes"', True), ("1", True), ('"off"', False), ("0", False), ("false", False)):
+        r = parse_body(EmbeddingRequest, f'{{"input": ["a"], "truncate": {raw}, "extra": {{"x": 1}}}}'.encode())
+        assert r.truncate is want and r.input == ["a"]
+    r = parse_body(RerankRequest, b'{"query": "q", "documents": ["d"], "return_documents": "t"}')
+    assert r.return_documents is True and r.truncate is False and r.top_n is None
+
+
+def test_openapi_documents_the_raw_body_routes(model_path):
+    """The hot routes are answered before FastAPI's stack, but stay in its OpenAPI document with
+    their request schemas (the four accepted `input` shapes, booleans as booleans)."""
+    from ivy.app import create_app
+    from ivy.config import IvyConfig
+
+    doc = create_app(IvyConfig(tulip=("127.0.0.1:1",), model=str(model_path))).openapi()
+    for path, required in (("/v1/embeddings", ["input"]), ("/v1/rerank", ["query", "documents"]),
+                           ("/v1/tokenize", ["input"])):
+        s = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert s["type"] == "object" and s["required"] == required, s
+        assert s["properties"]["truncate"] == {"type": "boolean", "default": False}
+    s = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(s["properties"]["input"]["anyOf"]) == 4
+    assert "base64" in s["properties"]["encoding_format"]["enum"]

@@ -1,0 +1,151 @@
+"""Ivy's outermost ASGI layer: API keys, body limits and request counts for every route, and the
+hot POST routes (/v1/embeddings, /v1/rerank, /v1/tokenize) answered from the raw body before
+FastAPI's middleware stack, router and Request objects (their FastAPI routes stay registered, so
+OpenAPI and /docs describe them, and they run the same handler). Everything else goes to FastAPI.
+
+A fast handler takes (body bytes, stamp) and returns the JSON bytes of a 200, or raises APIError;
+the response goes out as one start and one body message. With IVY_STAGES=PATH set, every fast
+request's stage durations (stamp(name) marks the end of a stage) are kept and written to PATH as
+JSON lines (microseconds) when the worker shuts down: `benchmarks.gateway --stages` reads them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from typing import Awaitable, Callable
+
+import orjson
+
+from ivy.errors import APIError, error_body
+
+log = logging.getLogger("ivy")
+
+Stamp = Callable[[str], None]
+Handler = Callable[[bytes, Stamp], Awaitable[bytes]]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+MAX_STAGE_RECORDS = 200_000
+
+
+def _no_stamp(name: str) -> None:
+    pass
+
+
+class Stages:
+    """Per-request stage durations (IVY_STAGES), kept in memory and written at shutdown."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.records: list[dict] = []
+
+    def start(self) -> tuple[dict, Stamp]:
+        rec: dict = {}
+        last = [time.perf_counter()]
+
+        def stamp(name: str) -> None:
+            now = time.perf_counter()
+            rec[name] = rec.get(name, 0.0) + (now - last[0]) * 1e6
+            last[0] = now
+
+        return rec, stamp
+
+    def keep(self, rec: dict) -> None:
+        if len(self.records) < MAX_STAGE_RECORDS:
+            rec["total"] = sum(rec.values())
+            self.records.append({k: round(v, 2) for k, v in rec.items()})
+
+    def write(self) -> None:
+        with open(self.path, "ab") as f:  # one write: workers appending at shutdown do not interleave lines
+            f.write(b"".join(orjson.dumps(r) + b"\n" for r in self.records))
+        self.records = []
+
+
+class Front:
+    """See the module docstring. `inner`: the FastAPI app's own ASGI entry. `counter`: a
+    prometheus Counter labelled (route, status)."""
+
+    def __init__(self, inner, fast: dict[str, Handler], routes: set[str], max_body: int, counter,
+                 api_keys: tuple[str, ...] = ()):
+        self.inner, self.fast, self.routes, self.max_body, self.counter = inner, fast, routes, max_body, counter
+        self.bearers = [f"Bearer {k}".encode() for k in api_keys]
+        self._children: dict[tuple[str, int], object] = {}
+        stages = os.environ.get("IVY_STAGES")
+        self.stages = Stages(stages) if stages else None
+
+    def count(self, route: str, status: int) -> None:
+        c = self._children.get((route, status))
+        if c is None:
+            c = self._children[(route, status)] = self.counter.labels(route, str(status))
+        c.inc()
+
+    def authorized(self, scope) -> bool:
+        if not self.bearers or not scope["path"].startswith("/v1/"):
+            return True
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return any(hmac.compare_digest(got, b) for b in self.bearers)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan" and self.stages is not None:
+                return await self.inner(scope, receive, self._writing_stages_on_shutdown(send))
+            return await self.inner(scope, receive, send)
+        path = scope["path"]
+        route = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        if not self.authorized(scope):
+            return await self.reply(send, route, 401, error_body(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
+                return await self.reply(send, route, 413, self.too_large(int(v)))
+        handler = self.fast.get(path) if scope["method"] == "POST" else None
+        if handler is None:
+            async def counting_send(message):
+                if message["type"] == "http.response.start":
+                    self.count(route, message["status"])
+                await send(message)
+
+            return await self.inner(scope, receive, counting_send)
+        rec, stamp = self.stages.start() if self.stages is not None else (None, _no_stamp)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:  # a body without Content-Length, or one longer than it said
+                return await self.reply(send, route, 413, self.too_large(size))
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        stamp("receive")
+        try:
+            status, payload = 200, await handler(body, stamp)
+        except APIError as e:
+            status, payload = e.status, error_body(e.status, e.message, e.param, e.code)
+        except Exception:
+            log.exception("%s failed", path)
+            status, payload = 500, error_body(500, "internal server error", None, "internal_error")
+        await self.reply(send, route, status, payload)
+        if rec is not None:
+            stamp("send")
+            self.stages.keep(rec)
+
+    def too_large(self, n: int) -> bytes:
+        return error_body(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes")
+
+    async def reply(self, send, route: str, status: int, payload: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+        self.count(route, status)
+
+    def _writing_stages_on_shutdown(self, send):
+        async def wrapped(message):
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                self.stages.write()
+            await send(message)
+
+        return wrapped
