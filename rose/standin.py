@@ -10,11 +10,10 @@ close enough to XLM-R's for tokenization cost: ~4 characters per token on Latin-
 pieces for frequent words, short ones for rare words, single characters and <unk> at the edges.
 
 It is written as XLM-R's converted `tokenizer.json` is (Precompiled NFKC charsmap + collapsed
-spaces, Metaspace, Unigram, `<s> $A </s>`; <s>=0 <pad>=1 </s>=2 <unk>=3 ... <mask>=250001) and,
-where the sentencepiece package is installed, as the matching `sentencepiece.bpe.model` (piece i
-of the model is token i+1 of tokenizer.json, as in fairseq / XLM-R). The normalizer is
-SentencePiece's own `nmt_nfkc` charsmap, taken from its trainer when sentencepiece is installed,
-otherwise from the copy shipped beside this file (identical bytes, `nmt_nfkc.charsmap.gz`).
+spaces, Metaspace, Unigram, `<s> $A </s>`; <s>=0 <pad>=1 </s>=2 <unk>=3 ... <mask>=250001) and as
+the matching SentencePiece model `sentencepiece.bpe.model` (piece i of the model is token i+1 of
+tokenizer.json, <unk> 0 is 3, as in fairseq / XLM-R). The normalizer is SentencePiece's own
+`nmt_nfkc` charsmap (`nmt_nfkc.charsmap.gz` beside this file: the trainer's bytes).
 """
 
 from __future__ import annotations
@@ -22,7 +21,10 @@ from __future__ import annotations
 import gzip
 import math
 import random
+import shutil
 import string
+import struct
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +98,7 @@ def lexicons() -> dict[str, list[str]]:
     return {lang: _lexicon(rng, lang) for lang in LANGS}
 
 
-LONGEST, SHORT, LONG_RANKS = 16, 6, 4000  # substring lengths counted for a language's frequent / other words
+LONGEST, SHORT, LONG_RANKS = 16, 6, 4096  # substring lengths counted for a language's frequent / other words
 
 
 def _zipf(rank: int) -> float:
@@ -111,24 +113,27 @@ def vocabulary(size: int = PIECES) -> list[tuple[str, float]]:
     for lang, words in lexicons().items():
         weight, joined = LANGS[lang][3], LANGS[lang][6]
         scale = weight / sum(_zipf(r) for r in range(len(words)))
-        for r, w in enumerate(words):
-            f = _zipf(r) * scale
-            chars.update(w)
-            s = WB + w
-            n = len(s)
-            longest = LONGEST if r < LONG_RANKS else SHORT  # a rare word's long substrings would be cut
-            for i in range(n - 1):
-                for j in range(i + 2, min(n, i + longest) + 1):
-                    piece = s[i:j]
-                    counts[piece] = get(piece, 0.0) + f
-            if n > longest:
-                counts[s] = get(s, 0.0) + f
+        chars.update(*words)
+        lo = 0
+        while lo < len(words):  # rank bands [2^k, 2^k+1): one weight per band, counted at C speed
+            hi = min(max(2 * lo, 1), len(words))
+            band = [WB + w for w in words[lo:hi]]
+            f = sum(_zipf(r) for r in range(lo, hi)) / (hi - lo) * scale
+            longest = LONGEST if lo < LONG_RANKS else SHORT  # a rare word's long substrings would be cut
+            subs: Counter = Counter()
+            for n in range(2, longest + 1):  # one length at a time: list comprehensions, fastest in CPython
+                subs.update([s[i:i + n] for s in band for i in range(len(s) - n + 1)])
+            subs.update([s for s in band if len(s) > longest])
             if joined:  # no spaces between words: pieces also start inside a run of words
-                counts[w] = get(w, 0.0) + f
-            elif w[0] != w[0].upper():  # a capitalised form (sentence starts, names)
-                cap = w[0].upper() + w[1:]
-                chars.add(cap[0])
-                counts[WB + cap] = get(WB + cap, 0.0) + 0.15 * f
+                subs.update(s[1:] for s in band)
+            else:  # a capitalised form (sentence starts, names)
+                caps = [WB + s[1].upper() + s[2:] for s in band if s[1] != s[1].upper()]
+                chars.update(s[1] for s in caps)
+                for c in caps:
+                    subs[c] += 0.15
+            for piece, k in subs.items():
+                counts[piece] = get(piece, 0.0) + k * f
+            lo = hi
     for i, p in enumerate(PUNCT + [str(d) for d in range(100)] + [str(y) for y in range(1900, 2050)]):
         for q in (p, WB + p):
             counts[q] = get(q, 0.0) + 0.002 / (i + 1) ** 0.5
@@ -145,25 +150,14 @@ def vocabulary(size: int = PIECES) -> list[tuple[str, float]]:
     keep = sorted(((p, f) for p, f in counts.items() if f >= cut), key=lambda kv: (-kv[1], kv[0]))[:n_keep]
     keep = [(p, f - 1.0 if p in must else f) for p, f in keep]
     total = sum(f for _, f in keep)
-    return [(p, round(math.log(f / total), 6)) for p, f in keep]
+    # scores as float32 values: SentencePiece keeps float32, tokenizers float64; the same numbers in both
+    return [(p, float(np.float32(math.log(f / total)))) for p, f in keep]
 
 
 def nmt_nfkc_charsmap() -> bytes:
-    """SentencePiece's `nmt_nfkc` precompiled charsmap (XLM-R's normalizer)."""
-    try:
-        import io
-
-        import sentencepiece as spm
-        from sentencepiece import sentencepiece_model_pb2 as pb
-    except ImportError:
-        return gzip.decompress(CHARSMAP.read_bytes())
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(["a b c ab abc bc ca"] * 20), model_writer=buf,
-                                   vocab_size=8, model_type="unigram", normalization_rule_name="nmt_nfkc",
-                                   minloglevel=2)
-    m = pb.ModelProto()
-    m.ParseFromString(buf.getvalue())
-    return m.normalizer_spec.precompiled_charsmap
+    """SentencePiece's `nmt_nfkc` precompiled charsmap (XLM-R's normalizer), from the copy beside
+    this file (tests/test_tokenizer.py checks it against the sentencepiece trainer's)."""
+    return gzip.decompress(CHARSMAP.read_bytes())
 
 
 def write_tokenizer_json(path: Path, vocab: list[tuple[str, float]], charsmap: bytes) -> None:
@@ -183,33 +177,61 @@ def write_tokenizer_json(path: Path, vocab: list[tuple[str, float]], charsmap: b
     tok.save(str(path))
 
 
-def write_spm_model(path: Path, vocab: list[tuple[str, float]], charsmap: bytes) -> bool:
-    """The same vocabulary as a SentencePiece model (False where sentencepiece is not installed)."""
-    try:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-    except ImportError:
-        return False
-    m = pb.ModelProto()
-    t = m.trainer_spec
-    t.model_type, t.vocab_size, t.unk_id, t.bos_id, t.eos_id, t.pad_id = 1, PIECES, 0, 1, 2, -1
-    t.split_by_whitespace, t.byte_fallback = True, False
-    n = m.normalizer_spec
-    n.name, n.precompiled_charsmap = "nmt_nfkc", charsmap
-    n.add_dummy_prefix, n.remove_extra_whitespaces, n.escape_whitespaces = True, True, True
-    for piece, kind in (("<unk>", 2), ("<s>", 3), ("</s>", 3)):
-        m.pieces.add(piece=piece, score=0.0, type=kind)
-    for piece, score in vocab:
-        m.pieces.add(piece=piece, score=score, type=1)
-    path.write_bytes(m.SerializeToString())
-    return True
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int32 values take ten bytes, as protobuf writes them
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, value) -> bytes:
+    """One protobuf field: bytes / str (length-delimited), float (32-bit), int / bool (varint)."""
+    if isinstance(value, (bytes, str)):
+        data = value.encode() if isinstance(value, str) else value
+        return _varint(number << 3 | 2) + _varint(len(data)) + data
+    if isinstance(value, float):
+        return _varint(number << 3 | 5) + struct.pack("<f", value)
+    return _varint(number << 3) + _varint(int(value))
+
+
+def spm_model_bytes(vocab: list[tuple[str, float]], charsmap: bytes) -> bytes:
+    """The vocabulary as a serialised SentencePiece ModelProto (Unigram; <unk>=0 <s>=1 </s>=2, then
+    `vocab`), written by hand so that no protobuf module is needed."""
+    trainer = b"".join(_field(n, v) for n, v in ((3, 1), (4, PIECES), (22, True), (35, False),
+                                                  (40, 0), (41, 1), (42, 2), (43, -1)))
+    normalizer = b"".join(_field(n, v) for n, v in ((1, "nmt_nfkc"), (2, charsmap), (3, True), (4, True), (5, True)))
+    kinds = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [(p, sc, 1) for p, sc in vocab]
+    scores = np.array([sc for _, sc, _ in kinds], dtype="<f4").tobytes()
+    out = []
+    for i, (p, _, k) in enumerate(kinds):
+        b = p.encode()
+        if len(b) < 100:  # lengths of one byte: the field bytes written directly (a second instead of 0.2)
+            out.append(b"\n%c\n%c%s\x15%s\x18%c" % (len(b) + 9, len(b), b, scores[4 * i:4 * i + 4], k))
+        else:
+            out.append(_field(1, _field(1, b) + _field(2, float(kinds[i][1])) + _field(3, k)))
+    return b"".join(out) + _field(2, trainer) + _field(3, normalizer)
+
+
+FILES = ("tokenizer.json", "sentencepiece.bpe.model")
+_built: list[Path] = []  # a directory this process has built the stand-in in
 
 
 def build(directory: Path) -> None:
-    """Write tokenizer.json (and sentencepiece.bpe.model where sentencepiece is installed)."""
+    """Write tokenizer.json and sentencepiece.bpe.model into `directory` (copied where this process
+    has built them before)."""
+    for done in _built:
+        if all((done / f).is_file() for f in FILES) and done != directory:
+            for f in FILES:
+                shutil.copyfile(done / f, directory / f)
+            return
     vocab = vocabulary()
     charsmap = nmt_nfkc_charsmap()
     write_tokenizer_json(directory / "tokenizer.json", vocab, charsmap)
-    write_spm_model(directory / "sentencepiece.bpe.model", vocab, charsmap)
+    (directory / "sentencepiece.bpe.model").write_bytes(spm_model_bytes(vocab, charsmap))
+    _built[:] = [directory]
 
 
 def sample_text(sentences: int, seed: int = 0, langs: tuple[str, ...] = ("en",)) -> str:

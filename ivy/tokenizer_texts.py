@@ -1,7 +1,5 @@
-"""Texts for tokenizer exactness: unicode edge cases, whitespace, long words, and generated text."""
-
-from rose import standin
-from tests.sentences import SENTENCES
+"""Texts on which a fast tokenizer must reproduce the model's tokenizer.json before Ivy uses it
+(checked at load, and by tests/test_tokenizer.py): unicode edge cases, whitespace, long words."""
 
 EDGE_CASES = [
     "",
@@ -74,10 +72,15 @@ EDGE_CASES = [
 ]
 
 
-def varied_texts() -> list[str]:
-    """Edge cases, the project's varied sentences, and generated text in every corpus language."""
-    langs = tuple(standin.LANGS)
-    gen = [standin.sample_text(k, seed, (lang,)) for seed, (lang, k) in
-           enumerate((lang, k) for lang in langs for k in (1, 4))]
-    gen += [standin.sample_text(12, 100 + s, langs) for s in range(6)]
-    return EDGE_CASES + SENTENCES + gen
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Embedding models map text to dense vectors for semantic search, 2026-12-01 at 10:00.",
+    "Die Katze sitzt auf der Matte. Größe, Übermaß und Ölpreis: eine Analyse der Märkte.",
+    "Le café est très chaud, fais attention à ne pas te brûler. ¿Dónde está la estación?",
+    "Привет, как дела? Сегодня хорошая погода. Γειά σου Κόσμε.",
+    "東京は日本の首都です。我喜欢在周末去公园散步。서울은 대한민국의 수도입니다.",
+    "مرحبا بكم في موقعنا الإلكتروني. שלום עולם. नमस्ते, आप कैसे हैं?",
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)  # O(2^n)",
+    "SELECT id, name FROM users WHERE created_at > NOW() - INTERVAL '7 days';",
+    "Call me at +1 (555) 010-2030 or email jane.doe@example.com; total $1,234.56.",
+]
