@@ -1,17 +1,21 @@
-"""Tokenizers on one core: one 514-token text and a mix of lengths, with the model's 250k Unigram vocabulary.
+"""Tokenizers on one core: 514-token texts and a mix of lengths, with the model's 250k Unigram vocabulary.
 
     python -m benchmarks.tokenize --out benchmarks/results [--model bge-m3] [--n 2000] [--cpu 0]
 
-Every candidate encodes the same texts, interleaved (one call of each in turn, so that a noisy
-machine slows all of them alike), pinned to one core (`--cpu`; Rayon and OpenMP pools set to one
-thread before any tokenizer loads). Candidates, where installed: Hugging Face `tokenizers` (`encode`,
-`encode_batch_fast` of one text), `sentencepiece` (`encode` to ids, on the model's
-`sentencepiece.bpe.model`), `tokie` (`encode`), `kitoken` (from the SentencePiece model), and Ivy's
-own path (`ivy.tokenizer.TextTokenizer`: whichever backend it picked, ids into a numpy array).
-Each row says whether the candidate's ids are token-exact against `tokenizers` on that text
-(`exact`; a SentencePiece model's ids are mapped to tokenizer.json's first). Packages that cannot
-represent the tokenizer.json (fastokens: no Precompiled normalizer) get a row saying so.
-The offload rows time `asyncio.to_thread` around an encode: what moving it off the loop costs.
+Candidates, where installed: Hugging Face `tokenizers` (`encode`, `encode_batch_fast` of one
+text), `sentencepiece` (`encode` on the model's `sentencepiece.bpe.model`: its own ids, and mapped
+to tokenizer.json's), `tokie` (`encode`, its own special tokens), `kitoken` (from the SentencePiece
+model, raw and mapped), `fastokens`, and Ivy's own path (`ivy.tokenizer.TextTokenizer`: the backend
+it picked, ids into a numpy array). Pinned to one core (`--cpu`; Rayon / OpenMP pools of one thread).
+Per text length two modes: `distinct` (every call a new generated text, after each candidate has
+encoded `--warm` other texts, so word caches hold what earlier traffic would have left, not the
+text itself) and `repeat` (one text over and over, as published single-text figures usually are).
+Candidates run in rounds of `--block` consecutive calls each, the order rotating, so that a noisy
+machine slows all alike; call-by-call interleaving (`--block 1`) instead measures each library on
+caches another one just evicted: tokie, whose tables are large, then ran 10-20x slower here.
+`exact` says whether the ids equal `tokenizers`' on (up to 200 of) the row's texts. Packages that
+cannot load the tokenizer.json get a row saying why (fastokens: no Precompiled normalizer).
+The offload rows time `asyncio.to_thread` around one encode: what moving it off the loop costs.
 """
 
 from __future__ import annotations

@@ -155,3 +155,17 @@ def test_large_batch_lets_the_loop_run(standin_dir):
     seqs = asyncio.run(main())
     assert len(ticks) >= 3
     assert [s.tolist() for s in seqs] == [s.tolist() for s in tt._encode(texts, False)]
+
+
+def test_fast_encoder_reloads_and_stays_exact(standin_dir, monkeypatch):
+    """tokie's memory grows with every new word: Ivy replaces it with a fresh copy every RELOAD_CHARS."""
+    import ivy.tokenizer as it
+
+    tt = TextTokenizer(standin_dir, 8192, 1 << 30)
+    first = tt.fast.tok
+    monkeypatch.setattr(it, "RELOAD_CHARS", 500)
+    texts = [standin.sample_text(3, s, ("en", "ru")) for s in range(10)]
+    got = tt._encode(texts, False)
+    assert tt.fast.tok is not first
+    ref = reference(standin_dir)
+    assert [g.tolist() for g in got] == [ref.encode(t).ids for t in texts]
