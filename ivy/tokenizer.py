@@ -24,7 +24,7 @@ YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to th
 
 # tokie keeps what it has seen of each distinct word, without bound (measured: ~60 bytes of memory per
 # distinct word; none for words seen before): a fresh copy replaces it after this many characters,
-# which bounds the growth to ~200 MB even if every word were new. A copy loads in ~60 ms from tokie's
+# which bounds the growth to ~250 MB even if every word were new. A copy loads in ~60 ms from tokie's
 # own format (saved once at start-up), once per 32 M characters (~15,000 requests of 512 tokens).
 RELOAD_CHARS = 32_000_000
 
@@ -72,7 +72,7 @@ class FastEncoder:
         self._chars = 0
         try:
             self.tok = self._tokie.Tokenizer.from_file(self._tkz)
-        except Exception as e:  # the scratch file gone: keep the one we have, and say so once
+        except Exception as e:  # the scratch file gone: keep the one we have, and say so
             log.warning("could not reload tokie from %s (%s); its memory keeps growing", self._tkz, e)
 
     def mismatches(self, reference: Tokenizer, texts: list[str]) -> list[str]:
