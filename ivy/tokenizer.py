@@ -1,24 +1,123 @@
-"""Tokenization with the model's own tokenizer.json (Hugging Face `tokenizers`)."""
+"""Tokenization with the model's own tokenizer.json: a faster token-exact encoder where one applies
+(tokie, for Unigram vocabularies such as XLM-RoBERTa's), else Hugging Face `tokenizers`."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ivy.errors import APIError
+from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
+
+log = logging.getLogger("ivy.tokenizer")
+# Model kinds the fast encoder is used for: it has been checked token-exact on them (tests/test_tokenizer.py);
+# on WordPiece (all-MiniLM-L6-v2) it differs (private-use characters), on BPE it was not checked.
+FAST_MODELS = {"Unigram"}
+YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
+
+
+# tokie keeps what it has seen of each distinct word, without bound (measured: ~60 bytes of memory per
+# distinct word; none for words seen before): a fresh copy replaces it after this many characters,
+# which bounds the growth to ~250 MB even if every word were new. A copy loads in ~60 ms from tokie's
+# own format (saved once at start-up), once per 32 M characters (~15,000 requests of 512 tokens).
+RELOAD_CHARS = 32_000_000
+
+
+class FastEncoder:
+    """tokie over the same tokenizer.json, encoding without special tokens; the post-processor's
+    prefix and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them."""
+
+    def __init__(self, path: Path, reference: Tokenizer):
+        import atexit
+        import shutil
+        import tempfile
+
+        import tokie
+
+        self._tokie = tokie
+        # every copy, the one checked included, comes from tokie's own format (.tkz)
+        scratch = tempfile.mkdtemp(prefix="ivy-tokie-")
+        atexit.register(shutil.rmtree, scratch, True)
+        self._tkz = str(Path(scratch) / "tokenizer.tkz")
+        tokie.Tokenizer.from_json(str(path)).save(self._tkz)
+        self.tok = tokie.Tokenizer.from_file(self._tkz)
+        self._chars = 0
+        enc = reference.encode("a")
+        mask, ids = enc.special_tokens_mask, enc.ids
+        first = mask.index(0)
+        last = len(mask) - mask[::-1].index(0)
+        self.prefix, self.suffix = ids[:first], ids[last:]
+        self.n_special = len(self.prefix) + len(self.suffix)
+        if reference.encode("").ids != self.prefix + self.suffix:
+            raise ValueError("the post-processor is not a fixed prefix and suffix")
+
+    def ids(self, text: str, budget: int | None = None) -> np.ndarray:
+        """Token ids of `text` with the special tokens; content cut to `budget` tokens if given."""
+        self._chars += len(text)
+        if self._chars > RELOAD_CHARS:
+            self.reload()
+        body = self.tok.encode(text, add_special_tokens=False).ids
+        if budget is not None and len(body) > budget:
+            body = body[:budget]
+        return np.array(self.prefix + body + self.suffix, dtype=np.int32)
+
+    def reload(self) -> None:
+        """A fresh copy of the tokenizer (what the old one had gathered is freed with it)."""
+        self._chars = 0
+        try:
+            self.tok = self._tokie.Tokenizer.from_file(self._tkz)
+        except Exception as e:  # the scratch file gone: keep the one we have, and say so
+            log.warning("could not reload tokie from %s (%s); its memory keeps growing", self._tkz, e)
+
+    def mismatches(self, reference: Tokenizer, texts: list[str]) -> list[str]:
+        """The texts (of `texts`) on which this encoder and `reference` give different ids."""
+        return [t for t in texts if self.ids(t).tolist() != reference.encode(t).ids]
+
+
+def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> FastEncoder | None:
+    """A FastEncoder where `backend` allows it ("auto" or "tokie"), tokie is installed, the model is
+    one of FAST_MODELS and the encoder reproduces `reference` on the check texts; else None (logged)."""
+    if backend == "tokenizers":
+        return None
+    kind = json.loads(path.read_text()).get("model", {}).get("type")
+    why = None
+    if kind not in FAST_MODELS:
+        why = f"a {kind} model (fast path only for {sorted(FAST_MODELS)})"
+    else:
+        try:
+            enc = FastEncoder(path, reference)
+        except ImportError:
+            why = "tokie is not installed"
+        except Exception as e:  # a tokenizer.json tokie cannot read, or an unusual post-processor
+            why = f"{type(e).__name__}: {e}"
+        else:
+            bad = enc.mismatches(reference, EDGE_CASES + SENTENCES)
+            if not bad:
+                return enc
+            why = f"it differs from tokenizers on {len(bad)} check texts, e.g. {bad[0][:40]!r}"
+    if backend == "tokie":
+        raise ValueError(f"tokenizer backend tokie cannot serve {path}: {why}")
+    log.info("tokenizing with tokenizers: %s", why)
+    return None
 
 
 class TextTokenizer:
-    """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request."""
+    """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request.
 
-    def __init__(self, model_path: Path, max_len: int, offload_chars: int):
+    `backend`: "auto" (tokie where it is token-exact, else tokenizers), "tokie" or "tokenizers"."""
+
+    def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto"):
         path = Path(model_path) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_path} has no tokenizer.json")
+        if backend not in ("auto", "tokie", "tokenizers"):
+            raise ValueError(f"tokenizer backend must be auto, tokie or tokenizers, not {backend!r}")
         self.exact = Tokenizer.from_file(str(path))
         self.exact.no_truncation()
         self.exact.no_padding()
@@ -27,6 +126,8 @@ class TextTokenizer:
         self.truncating.enable_truncation(max_len)
         self.max_len = max_len
         self.offload_chars = offload_chars
+        self.fast = fast_encoder(path, self.exact, backend)
+        self.backend = "tokie" if self.fast else "tokenizers"
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
@@ -45,20 +146,39 @@ class TextTokenizer:
         return self.exact.id_to_token(token_id) or ""
 
     def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        if self.fast is not None:
+            budget = max(self.max_len - self.fast.n_special, 0) if truncate else None
+            return [self.fast.ids(t, budget) for t in texts]
         tok = self.truncating if truncate else self.exact
         # encode_batch_fast skips the character offsets we never use (15-25 % faster).
         return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts)]
 
+    async def _encode_yielding(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
+        """The fast encoder on a large batch: in slices of ~YIELD_CHARS characters, letting the event
+        loop run between them (a worker thread would not help: tokie holds the GIL while it encodes)."""
+        out: list[np.ndarray] = []
+        start, chars = 0, 0
+        for i, t in enumerate(texts):
+            chars += len(t)
+            if chars >= YIELD_CHARS:
+                out += self._encode(texts[start:i + 1], truncate)
+                start, chars = i + 1, 0
+                await asyncio.sleep(0)
+        return out + self._encode(texts[start:], truncate)
+
     async def encode(self, texts: list[str], truncate: bool, check_length: bool = True,
                      param: str = "input", item: str | None = "input") -> list[np.ndarray]:
-        """Encode; large batches go to a worker thread (the Rust encoder releases the GIL). Without
-        `truncate`, a text over the maximum is a 400 for `param` (the request field the texts came
-        from) naming text i as "{item} {i}", or as `param` when item is None (a field of one text),
-        unless `check_length` is off (counting only)."""
-        if sum(map(len, texts)) > self.offload_chars:
-            seqs = await asyncio.to_thread(self._encode, texts, truncate)
-        else:
+        """Encode; large batches (over `offload_chars` characters) go to a worker thread with
+        `tokenizers` (its Rust encoder releases the GIL) or yield to the event loop between slices
+        with the fast encoder. Without `truncate`, a text over the maximum is a 400 for `param` (the
+        request field the texts came from) naming text i as "{item} {i}", or as `param` when item is
+        None (a field of one text), unless `check_length` is off (counting only)."""
+        if sum(map(len, texts)) <= self.offload_chars:
             seqs = self._encode(texts, truncate)
+        elif self.fast is not None:
+            seqs = await self._encode_yielding(texts, truncate)
+        else:
+            seqs = await asyncio.to_thread(self._encode, texts, truncate)
         if not truncate and check_length:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:

@@ -1,10 +1,13 @@
 """Real-shape presets with random weights, for benchmarking where weights cannot be downloaded.
 
 `--model bge-m3` (for example) materialises a model directory under the
-cache (config.json, the sentence-transformers files, a stand-in byte-level
-tokenizer.json and a RANDOM_WEIGHTS marker) and the engine fills the weights
+cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
+RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
-architecture, shapes and cost; its embeddings mean nothing.
+architecture, shapes and cost; its embeddings mean nothing. `bge-m3`'s stand-in
+tokenizer is XLM-R-like (rose/standin.py: a 250k-piece Unigram vocabulary, so
+that tokenizing costs what it costs with the real one); the Qwen3 presets' is
+byte-level (one token per UTF-8 byte).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 1  # bump when materialize() or the stand-in tokenizer writes something different
+FORMAT = 2  # bump when materialize() or a stand-in tokenizer (here or rose/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -29,6 +32,7 @@ PRESETS: dict[str, dict] = {
         },
         "pooling": "cls", "normalize": True, "max_seq_length": 8192,
         "specials": {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}, "wrap": ("<s>", "</s>"),
+        "tokenizer": "xlm-r-unigram",
     },
 }
 
@@ -104,6 +108,11 @@ def materialize(name: str) -> Path:
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
-    _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
+    if p.get("tokenizer") == "xlm-r-unigram":
+        from rose import standin
+
+        standin.build(d)
+    else:
+        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
     marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; embeddings are meaningless\n")
     return d
