@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                                  kernel_tokens=args.kernel_tokens))
     weights_mb = (mem() - mem0) / 2**20
     backend = f"rose-{engine.attention.name}-graphs-{args.graphs}" + ("-compiled" if args.compile else "") + \
-        (f"-triton<={args.kernel_tokens}" if engine.kernels else "")
+        (f"-triton<={engine.kernels}" if engine.kernels else "")
     Ls = [int(x) for x in args.lengths.split(",")]
     Ls = [L for L in Ls if L <= engine.spec.max_seq_len]
     for L in Ls:

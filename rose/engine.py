@@ -151,20 +151,21 @@ class Engine:
             "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s, triton small steps=%s",
             self.spec.path, self.spec.model_type, self.device, self.dtype,
             self.attention.name, self.spec.pooling, self.spec.normalize,
-            f"<= {cfg.kernel_tokens} tokens" if self.kernels else "off",
+            f"<= {self.kernels} tokens" if self.kernels else "off",
         )
 
-    def _use_kernels(self) -> bool:
-        """Whether steps of up to `kernel_tokens` take the family's Triton path (logged either way)."""
+    def _use_kernels(self) -> int:
+        """The largest step (tokens) that takes the family's Triton path: `kernel_tokens`, or less
+        where the family caps it; 0 where it cannot run (CPU, float32, no Triton, no such path)."""
         from rose import kernels
 
         if not (self.cfg.kernel_tokens and self.device.type == "cuda" and self.dtype != torch.float32):
-            return False
+            return 0
         if not kernels.available():
             log.info("engine: Triton is not installed; small steps keep torch's path")
-            return False
+            return 0
         use = getattr(self.model, "use_kernels", None)
-        return bool(use and use(self.cfg.kernel_tokens))
+        return use(self.cfg.kernel_tokens) if use else 0
 
     @property
     def embedding_dim(self) -> int:

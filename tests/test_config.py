@@ -15,6 +15,9 @@ def test_flags_env_and_defaults(monkeypatch):
     assert (cfg.model, cfg.port, cfg.dtype, cfg.max_batch_tokens, cfg.host) == ("/m", 7000, "bfloat16", 4096, "127.0.0.1")
     assert TulipConfig.from_args(["--compile"]).compile is True
     assert TulipConfig.from_args(["--compile", "false"]).compile is False
+    assert TulipConfig.from_args(["--kernel-tokens", "0"]).kernel_tokens == 0
+    with pytest.raises(ValueError, match="kernel_tokens -1 must be >= 0"):
+        TulipConfig(kernel_tokens=-1)
     assert TulipConfig.from_args(["--warmup", "1x128", "--warmup", "4x512"]).warmup == ("1x128", "4x512")
     assert TulipConfig.from_args(["--warmup", "1x128+sparse+colbert"]).warmup == ("1x128+sparse+colbert",)
     from tulip.config import warmup_shapes

@@ -28,6 +28,8 @@ class TulipConfig:
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
+    kernel_tokens: int = field(512, "steps of up to this many tokens run ROSE's Triton small-batch path (CUDA, half "
+                               "precision, Triton installed; Qwen3 caps it at 256); 0: torch's path for every step")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512; "
                                     "A-BxL: every N from A to B (e.g. 1-16x512, the batches 16 concurrent callers "
                                     "form); NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
@@ -64,6 +66,8 @@ class TulipConfig:
             raise ValueError(f"drain_seconds {self.drain_seconds} must be >= 0")
         if self.stage_samples < 0:
             raise ValueError(f"stage_samples {self.stage_samples} must be >= 0")
+        if self.kernel_tokens < 0:
+            raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0 (0: torch's path)")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
 

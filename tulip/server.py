@@ -327,7 +327,7 @@ def log_stages(stages) -> None:
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
-                                 attention_table=cfg.attention_table))
+                                 attention_table=cfg.attention_table, kernel_tokens=cfg.kernel_tokens))
     if not cfg.max_batch_tokens:
         budget = max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len)
         if cfg.max_queued_tokens < budget:

@@ -160,14 +160,14 @@ class BertModel(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
 
-    def use_kernels(self, max_tokens: int) -> bool:
+    def use_kernels(self, max_tokens: int) -> int:
         """Run steps of up to `max_tokens` tokens through `BertLayer.small_step`; only GELU models
-        (the epilogue's activation) can. Returns whether it took effect."""
+        (the epilogue's activation) can. Returns the largest token count that takes it (0: none)."""
         if not self.blocks[0].intermediate.gelu:
-            return False
+            return 0
         for layer in self.blocks:
             layer.kernel_tokens = max_tokens
-        return True
+        return max_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if self.position_offset:

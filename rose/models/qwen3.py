@@ -149,11 +149,11 @@ class Qwen3Model(nn.Module):
     # 2.26); 256 is between the two, not measured.
     MAX_KERNEL_TOKENS = 256
 
-    def use_kernels(self, max_tokens: int) -> bool:
+    def use_kernels(self, max_tokens: int) -> int:
         """Run steps of up to `max_tokens` (at most MAX_KERNEL_TOKENS) tokens through
-        `Qwen3DecoderLayer.small_step`."""
+        `Qwen3DecoderLayer.small_step`; returns that largest token count."""
         self.kernel_tokens = min(max_tokens, self.MAX_KERNEL_TOKENS)
-        return True
+        return self.kernel_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
