@@ -20,7 +20,7 @@ from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
 from rose.layers.attention_table import builtin_table, load_table
-from rose.layers.heads import BgeM3Heads
+from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
@@ -189,14 +189,14 @@ class Engine:
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens)
         empty = torch.empty(0, device=hidden.device)
         return (self._pooled(hidden, cu, seq_ids),
-                self.heads.token_weights(hidden) if "sparse" in extras else empty,
-                self.heads.token_vectors(hidden) if "colbert" in extras else empty)
+                self.heads.token_weights(hidden) if Extra.SPARSE in extras else empty,
+                self.heads.token_vectors(hidden) if Extra.COLBERT in extras else empty)
 
     @property
     def extra_outputs(self) -> tuple[str, ...]:
         """Token-level outputs this model has heads for: "sparse", "colbert"."""
         h = self.heads
-        return tuple(n for n, m in (("sparse", h and h.sparse), ("colbert", h and h.colbert)) if m is not None)
+        return tuple(n for n, m in ((Extra.SPARSE, h and h.sparse), (Extra.COLBERT, h and h.colbert)) if m is not None)
 
     @torch.inference_mode()
     def step(self, batch: Batch, extras: frozenset = frozenset()) -> LazyTensor:
@@ -208,7 +208,7 @@ class Engine:
         batch with extras through graphs of its own); bigger batches and any batch on CPU run eagerly.
         """
         if extras and (unknown := set(extras) - set(self.extra_outputs)):
-            raise ValueError(f"this model has no {sorted(unknown)} output")
+            raise ValueError(f"this model has no {sorted(map(str, unknown))} output")
         if self.runner is not None:
             lazy = self.runner.step(batch, frozenset(extras))
             if lazy is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rose.layers.attention import BACKENDS
+from rose.layers.heads import Extra
 from trellis.cli import field, parse
 
 
@@ -87,7 +88,7 @@ def warmup_shapes(specs: tuple[str, ...]) -> list[tuple[int, int, frozenset]]:
         if not (x and lo.isdigit() and (hi.isdigit() or not dash) and length.isdigit()
                 and 0 < int(lo) <= int(hi or lo) and int(length) > 0):
             raise ValueError(f"warmup shape {w!r} is not NxL or A-BxL (e.g. 1x128, 1-16x512)")
-        if not set(extras) <= {"sparse", "colbert"}:
+        if not set(extras) <= set(Extra):
             raise ValueError(f"warmup shape {w!r}: outputs after '+' are sparse and/or colbert")
-        out += [(k, int(length), frozenset(extras)) for k in range(int(lo), int(hi or lo) + 1)]
+        out += [(k, int(length), frozenset(Extra(e) for e in extras)) for k in range(int(lo), int(hi or lo) + 1)]
     return out

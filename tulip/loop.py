@@ -25,20 +25,11 @@ from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Entry, Scheduler
 from tulip.spin import Spinner
+from rose.layers.heads import Extra, colbert_vectors, lexical_weights
 from tulip.stages import StageRecorder
 
 log = logging.getLogger("tulip")
 
-
-def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Max weight per token id in first-occurrence order; special tokens and weights <= 0 dropped."""
-    keep = (weights > 0) & ~np.isin(ids, special)
-    ids, weights = ids[keep], weights[keep]
-    uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    best = np.zeros(len(uniq), dtype=np.float32)
-    np.maximum.at(best, inverse, weights)
-    order = np.argsort(first, kind="stable")
-    return uniq[order], best[order]
 
 _NO_EXTRAS = frozenset()
 
@@ -69,8 +60,8 @@ class Request(Entry):
         else:
             self.offsets = (0, *itertools.accumulate(self.lengths[:-1]))
             self.rows = [None] * n
-        self.sparse = [None] * n if "sparse" in extras else None
-        self.colbert = [None] * n if "colbert" in extras else None
+        self.sparse = [None] * n if Extra.SPARSE in extras else None
+        self.colbert = [None] * n if Extra.COLBERT in extras else None
         self.queued_at = self.deadline = 0.0  # monotonic: when it was queued; after which it is dropped (0: never)
         # the deadline's handle; submit()'s future; tulip.stages stamps; the owner's own (the gRPC message)
         self.timer = self.future = self.stamps = self.tag = None
@@ -400,8 +391,8 @@ class EngineLoop:
         start = 0
         for r, i in slots:
             n = r.lengths[i]
-            if "sparse" in r.extras:
+            if Extra.SPARSE in r.extras:
                 r.sparse[i] = lexical_weights(r.seq(i), weights[start:start + n], self._special)
-            if "colbert" in r.extras:
-                r.colbert[i] = vectors[start + 1:start + n]  # every token after the first (a copy already)
+            if Extra.COLBERT in r.extras:
+                r.colbert[i] = colbert_vectors(vectors, start, n)  # a copy already
             start += n

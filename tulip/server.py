@@ -23,6 +23,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rose.engine import Engine, EngineConfig
+from rose.layers.heads import Extra
 from rose.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
@@ -87,7 +88,7 @@ def parse_request(req: tulip_pb2.EmbedRequest,
     return ids, lens, pool_from
 
 
-EXTRAS = {tulip_pb2.OUTPUT_SPARSE: "sparse", tulip_pb2.OUTPUT_COLBERT: "colbert"}
+EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}
 NO_EXTRAS = frozenset()
 F32 = np.dtype("<f4")  # the reply's float encoding
 
@@ -293,9 +294,9 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             prompt_tokens=req.num_tokens,
             encoding=request.encoding,
         )
-        if "sparse" in req.extras:
+        if Extra.SPARSE in req.extras:
             reply.sparse.extend(tulip_pb2.SparseVector(token_ids=t, weights=w) for t, w in req.sparse)
-        if "colbert" in req.extras:
+        if Extra.COLBERT in req.extras:
             reply.colbert = np.concatenate(req.colbert).astype("<f4").tobytes()
             reply.colbert_lengths.extend(len(c) for c in req.colbert)
             reply.colbert_dim = self.loop.engine.heads.colbert_dim
