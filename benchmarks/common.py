@@ -94,6 +94,28 @@ class Recorder:
         return row
 
 
+def graph_replay_ms(issue, iters: int) -> float:
+    """Median milliseconds of one replay of a CUDA graph holding what `issue()` launches (run once
+    eagerly first, so compilation and kernel selection stay out of the capture)."""
+    import torch
+
+    issue()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        issue()
+    g.replay()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return float(np.median(ts))
+
+
 def progress(items, desc: str):
     """A progress bar on stderr (tqdm) over `items` (or range(items))."""
     from tqdm import tqdm

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Recorder, progress
+from benchmarks.common import Recorder, graph_replay_ms, progress
 from rose.modeldir import ModelSpec, resolve_model_path
 
 
@@ -50,19 +50,10 @@ def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
         for _ in range(iters):
             fn(x)
         return (time.perf_counter() - t0) / iters
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    def issue():
         for _ in range(calls):
             fn(x)
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
+    return graph_replay_ms(issue, iters) / 1e3 / calls
 
 
 def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):

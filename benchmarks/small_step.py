@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Recorder, progress
+from benchmarks.common import Recorder, graph_replay_ms, progress
 from rose.graphs import GraphKey
 from rose.layers.activation import linear_gelu
 from rose.layers.attention import AttentionMetadata, select_backend
@@ -46,24 +46,10 @@ def set_mode(mode: str) -> None:
 
 def time_graph(fn, layers: int, iters: int) -> float:
     """Median microseconds per call of fn(i) for i in range(layers), captured in one graph."""
-    for i in range(layers):  # compile / select kernels outside the capture
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    def issue():
         for i in range(layers):
             fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / layers)
-    return float(np.median(ts))
+    return graph_replay_ms(issue, iters) * 1e3 / layers
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:

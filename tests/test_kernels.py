@@ -101,6 +101,15 @@ class Interpreted(AttentionBackend):
         return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
 
 
+def ragged_batch(causal: bool, lens=(9, 30, 1), bucket: int = 48):
+    """Token ids, positions and metadata of `lens` padded to a `bucket`-token step (rows past the last
+    sequence belong to none), as a graph's step sees them."""
+    ids = torch.randint(5, 100, (bucket,), device=DEV)
+    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(bucket - sum(lens), dtype=torch.long)]).to(DEV)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    return ids, pos, AttentionMetadata(cu, 64, tuple(lens), causal)
+
+
 BERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
             max_position_embeddings=128, hidden_act="gelu_new", layer_norm_eps=1e-12)
 
@@ -114,12 +123,7 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     torch.manual_seed(0)
     act = "gelu_new" if ops or DEV.type == "cuda" else "gelu"
     model = BertModel({**BERT, "hidden_act": act}).to(DEV, DT).eval()
-    lens = [9, 30, 1]
-    T = 48  # a bucket with padding
-    ids = torch.randint(5, 100, (T,), device=DEV)
-    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)]).to(DEV)
-    cu = torch.tensor([0, 9, 39, 40], dtype=torch.int32, device=DEV)
-    meta = AttentionMetadata(cu, 64, tuple(lens), False)
+    ids, pos, meta = ragged_batch(causal=False)
     with torch.inference_mode():
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
         assert model.use_kernels(1024)
@@ -178,11 +182,7 @@ def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
     for p in model.parameters():  # norms away from 1, so a wrong weight shows
         if p.dim() == 1:
             p.data.uniform_(0.5, 1.5)
-    lens, T = [9, 30, 1], 48
-    ids = torch.randint(5, 100, (T,), device=DEV)
-    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)]).to(DEV)
-    cu = torch.tensor([0, 9, 39, 40], dtype=torch.int32, device=DEV)
-    meta = AttentionMetadata(cu, 64, tuple(lens), causal)
+    ids, pos, meta = ragged_batch(causal)
     with torch.inference_mode():
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
         assert model.use_kernels(1024) == Qwen3Model.MAX_KERNEL_TOKENS == 256
