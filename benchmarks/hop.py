@@ -107,6 +107,22 @@ async def _in_process(loop, n: int) -> dict:
     return percentiles(ts[200:])
 
 
+def _wait_ready(p, ready, timeout: float):
+    """The server process's first message, or an error as soon as it dies (a failed import or model
+    load must not leave the benchmark waiting out the whole timeout)."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return ready.get(timeout=1.0)
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"the benchmark server exited with code {p.exitcode} before it was ready "
+                                   "(its traceback is above)") from None
+    raise TimeoutError(f"the benchmark server was not ready after {timeout:.0f} s")
+
+
 def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
     import grpc
     import uvloop
@@ -277,7 +293,7 @@ def main(argv=None) -> int:
         p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready, cmd), daemon=True)
         p.start()
         try:
-            in_process = ready.get(timeout=900)  # the server is listening (and measured itself in-process)
+            in_process = _wait_ready(p, ready, 900)  # the server is listening (and measured itself in-process)
             tulip = kind != "echo"
             common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
                           cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms)

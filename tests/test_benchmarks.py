@@ -189,3 +189,25 @@ def test_gateway_benchmark_measures_ivy_alone(tmp_path):
     assert {"receive", "decode", "tokenize", "balancer", "grpc", "encode", "send", "total"} <= set(stages)
     assert all(s["n"] == 30 for k, s in stages.items() if not k.startswith("outside"))
     assert stages["total"]["p50_us"] > stages["tokenize"]["p50_us"] > 0
+
+
+def _exit_at_once(queue):
+    raise SystemExit(3)
+
+
+def test_hop_fails_fast_when_its_server_dies():
+    """A server that dies before it is ready (an import or model load failing on the GPU host) is an
+    error within seconds, not a wait for the whole start-up timeout."""
+    import multiprocessing as mp
+    import time
+
+    from benchmarks.hop import _wait_ready
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_exit_at_once, args=(q,))
+    p.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        _wait_ready(p, q, 600)
+    assert time.monotonic() - t0 < 30
