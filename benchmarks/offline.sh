@@ -45,7 +45,7 @@ case "${1:-}" in
       fi
       rm "$whl".part??
     done
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STASH"/*.whl 2>&1 | { grep -v "already exists" || true; }
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "$STASH"/*.whl 2>&1 | { grep -v "already exists" || true; }
     rm -f "$STASH"/*.whl
     echo "$(find "$SITE" -maxdepth 1 -name '*.dist-info' | wc -l) packages in $SITE" ;;
   run)
