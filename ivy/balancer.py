@@ -21,6 +21,10 @@ log = logging.getLogger("ivy.balancer")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 DOWN_SECONDS = 2.0
+# A replica that answered RESOURCE_EXHAUSTED (its queue is full) is passed over this long, and the
+# chunk tried on the others: a fast-rejecting replica has the fewest outstanding tokens and would
+# otherwise draw every request.
+BUSY_SECONDS = 0.25
 
 
 class Replica:
@@ -29,6 +33,7 @@ class Replica:
         self.target = target
         self.outstanding = 0  # tokens sent and not yet answered
         self.down_until = 0.0
+        self.busy_until = 0.0  # RESOURCE_EXHAUSTED lately: passed over while others have room
 
 
 def chunk(seqs: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
@@ -60,7 +65,8 @@ class Balancer:
             return candidates[0] if candidates else None
         turn = next(self._rr)
         n = len(self.replicas)
-        return min(candidates, key=lambda r: (r.down_until > now, r.outstanding, (self.replicas.index(r) - turn) % n))
+        return min(candidates, key=lambda r: (r.down_until > now, r.busy_until > now, r.outstanding,
+                                              (self.replicas.index(r) - turn) % n))
 
     def start(self) -> None:
         """Ask for Info in the background from now on (call on the serving event loop)."""
@@ -125,10 +131,13 @@ class Balancer:
                 r.down_until = 0.0
                 return out
             except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    r.busy_until = time.monotonic() + BUSY_SECONDS  # full: the next replica, if any has room
+                elif e.code() in RETRYABLE:
+                    log.warning("replica %s unavailable (%s); retrying elsewhere", r.target, e.details())
+                    r.down_until = time.monotonic() + DOWN_SECONDS
+                else:
                     raise
-                log.warning("replica %s unavailable (%s); retrying elsewhere", r.target, e.details())
-                r.down_until = time.monotonic() + DOWN_SECONDS
                 last = e
             finally:
                 r.outstanding -= tokens

@@ -32,14 +32,20 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                                    "code": code}})
 
 
+RETRY_AFTER = {429: "1", 503: "1"}  # seconds a client should wait before it tries again
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json")
+    headers = {"Retry-After": RETRY_AFTER[status]} if status in RETRY_AFTER else None
+    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 # gRPC status from a Tulip -> HTTP status for our caller.
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
+    grpc.StatusCode.OUT_OF_RANGE: (413, "request_too_large"),  # more than a replica can ever take: split it
     grpc.StatusCode.UNAVAILABLE: (503, "replica_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "deadline_exceeded"),
     grpc.StatusCode.CANCELLED: (503, "cancelled"),

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import orjson
 
-from ivy.errors import APIError, error_body
+from ivy.errors import RETRY_AFTER, APIError, error_body
 
 log = logging.getLogger("ivy")
 
@@ -137,8 +137,10 @@ class Front:
         return error_body(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes")
 
     async def reply(self, send, route: str, status: int, payload: bytes) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
+        headers = [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]
+        if status in RETRY_AFTER:
+            headers.append((b"retry-after", RETRY_AFTER[status].encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         self.count(route, status)
 

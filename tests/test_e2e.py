@@ -135,6 +135,7 @@ def test_openai_client_errors(client, kwargs, status, fragment):
     ({"input": [[101, 2**40]]}, "outside the vocabulary"),
     ({"input": [101, -(2**40)]}, "outside the vocabulary"),
     ({"input": [101, 2**70]}, "outside the vocabulary"),
+    ({"input": [2**63]}, "outside the vocabulary"),  # issue #17 fault 1: 2^63..2^64-1 gave a 500
     ([1, 2], "JSON object"),
 ])
 def test_wrong_types_are_400_not_500(stack, body, fragment):

@@ -271,17 +271,39 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 self.loop.cancel(req)
 
     def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
-        """Validate one request; raise RpcFailure(INVALID_ARGUMENT) with the reason."""
+        """Validate one request; raise RpcFailure with the reason: INVALID_ARGUMENT for a malformed
+        one, OUT_OF_RANGE for one this server can never take (more tokens than its whole queue, or a
+        reply over its message limit), so a retry is not worth it."""
+        if type(request) is Undecodable:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
         try:
             ids, lengths, pool_from = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        cfg = self.loop.cfg
+        if len(ids) > cfg.max_queued_tokens:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"request of {len(ids)} tokens exceeds this server's whole "
+                             f"queue of {cfg.max_queued_tokens} tokens (--max-queued-tokens); split it")
+        if (size := self._reply_bytes(request, len(lengths), len(ids))) > (cfg.max_message_mb << 20) - 4096:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the reply would be {size / 2**20:.1f} MiB, over this "
+                             f"server's message limit of {cfg.max_message_mb} MiB (--max-message-mb); split the request")
         if pool_from is not None and any(pool_from) and self.loop.engine.spec.include_prompt:
             # this model's pooling takes the prompt with the text (the engine pools every token)
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
                              "text (sentence-transformers include_prompt: true); send no pool_from")
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
         return Request(ids, lengths, extras, on_done, pool_from)
+
+    def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
+        """An upper bound of the reply's size, known before any work."""
+        dims = request.dimensions or self.info.embedding_dim
+        row = {tulip_pb2.ENCODING_INT8: dims, tulip_pb2.ENCODING_BINARY: -(-dims // 8)}.get(request.encoding, 4 * dims)
+        size = seqs * row + 64
+        if tulip_pb2.OUTPUT_COLBERT in request.outputs:
+            size += (tokens - seqs) * self.loop.engine.heads.colbert_dim * 4 + 8 * seqs
+        if tulip_pb2.OUTPUT_SPARSE in request.outputs:
+            size += tokens * 10 + 8 * seqs  # a varint id and a float per kept token, framing per sequence
+        return size
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
         """The reply for a completed request."""
@@ -303,11 +325,30 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         return reply
 
 
+class Undecodable:
+    """An Embed message that is not an EmbedRequest: answered INVALID_ARGUMENT on its own (on a
+    stream, the stream and its other requests carry on), never UNKNOWN or a dropped stream."""
+
+    request_id = ""  # no id could be read: the reply says so with an empty one
+    timeout_ms = 0
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def decode_request(data: bytes):
+    try:
+        return tulip_pb2.EmbedRequest.FromString(data)
+    except Exception as e:  # protobuf's DecodeError, or whatever a hostile message provokes
+        return Undecodable(f"{type(e).__name__}: {e}")
+
+
 def add_tulip(server, servicer: TulipServicer) -> None:
     """Register the Tulip service on `server` (as the generated `add_TulipServicer_to_server`, whose
-    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on)."""
+    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on;
+    a message that does not decode reaches the servicer as `Undecodable`)."""
     stages = servicer.loop.stages
-    req_in, rep_out = tulip_pb2.EmbedRequest.FromString, tulip_pb2.EmbedReply.SerializeToString
+    req_in, rep_out = decode_request, tulip_pb2.EmbedReply.SerializeToString
     if stages is not None:
         req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
     handlers = {

@@ -1,0 +1,138 @@
+"""Faults found by attacking the running stack (issue #17), each against real processes: garbage on
+Tulip's RPCs, a request larger than a replica's whole queue, a reply over the message limit, a
+replica whose full queue rejects fast, and 429 / 503 carrying Retry-After."""
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from ivy.balancer import Balancer
+from ivy.front import Front
+from tests.conftest import Proc, free_port
+from trellis.tulip.v1 import tulip_pb2
+from tulip.client import TulipClient, pack
+
+rng = np.random.default_rng(7)
+EMBED = "/trellis.tulip.v1.Tulip/Embed"
+STREAM = "/trellis.tulip.v1.Tulip/EmbedStream"
+GARBAGE = b"\xff\xff\xff\xff\x0f"  # not a protobuf message (a truncated varint field)
+
+
+def seqs(*lens):
+    return [rng.integers(1000, 30000, n).astype(np.int32) for n in lens]
+
+
+def request(lens, rid="", **kw) -> bytes:
+    ids, lengths = pack(seqs(*lens))
+    return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, request_id=rid, **kw).SerializeToString()
+
+
+def start_tulip(tmp_path, *args):
+    port = free_port()
+    proc = Proc(["-m", "tulip", "--model", "default", "--port", str(port), "--device", "cpu", *args], tmp_path)
+    proc.wait_for(lambda: "TULIP_READY" in proc.output())
+    return f"127.0.0.1:{port}", proc
+
+
+def test_garbage_on_unary_embed_is_invalid_argument(tulip_server):
+    target, _ = tulip_server
+
+    async def main():
+        async with grpc.aio.insecure_channel(target) as ch:
+            call = ch.unary_unary(EMBED)  # raw bytes both ways
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call(GARBAGE, timeout=10)
+            ok = tulip_pb2.EmbedReply.FromString(await call(request([7]), timeout=30))
+            return e.value, ok
+
+    err, ok = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed EmbedRequest" in err.details()
+    assert list(ok.shape) == [1, 384]
+
+
+def test_garbage_on_the_stream_fails_that_message_only(tulip_server):
+    target, _ = tulip_server
+
+    async def main():
+        async with grpc.aio.insecure_channel(target) as ch:
+            call = ch.stream_stream(STREAM)(iter([request([5], rid="a"), GARBAGE, request([9], rid="c")]), timeout=30)
+            replies = [tulip_pb2.EmbedReply.FromString(r) async for r in call]
+            return replies, await call.code()
+
+    replies, code = asyncio.run(main())
+    assert code == grpc.StatusCode.OK and len(replies) == 3  # every message answered, the stream ends cleanly
+    bad = [r for r in replies if r.error_code]
+    assert len(bad) == 1 and bad[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "malformed EmbedRequest" in bad[0].error_message
+    assert sorted(r.request_id for r in replies if not r.error_code) == ["a", "c"]
+
+
+def test_a_request_larger_than_the_whole_queue_is_out_of_range_at_once(tulip_server):
+    target, _ = tulip_server  # --max-queued-tokens 20000, idle: a retry could never succeed
+
+    async def main():
+        async with TulipClient(target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.embed(seqs(*[256] * 80))  # 20,480 tokens
+            return e.value
+
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "20480 tokens" in err.details() and "queue of 20000 tokens" in err.details()
+
+
+def test_a_reply_over_the_message_limit_is_refused_before_the_work(tmp_path):
+    target, proc = start_tulip(tmp_path, "--max-message-mb", "1")
+    try:
+        async def main():
+            async with TulipClient(target, transport="stream") as c:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.embed(seqs(*[1] * 700))  # 700 x 384 float32 = 1.03 MiB of reply
+                return e.value, await c.embed(seqs(3))  # the stream carries on
+
+        err, ok = asyncio.run(main())
+        assert err.code() == grpc.StatusCode.OUT_OF_RANGE and "message limit of 1 MiB" in err.details()
+        assert ok.shape == (1, 384)
+    finally:
+        proc.stop()
+
+
+def test_a_replica_with_a_full_queue_passes_work_to_one_with_room(tulip_server, tmp_path):
+    """Fault 3: a replica whose small queue rejects at once has the fewest outstanding tokens; its
+    RESOURCE_EXHAUSTED must send the request to a replica with room, not back to the caller."""
+    target, _ = tulip_server
+    small, proc = start_tulip(tmp_path, "--max-batch-tokens", "512", "--max-queued-tokens", "512")
+    try:
+        async def main():
+            b = Balancer((small, target), max_chunk_tokens=4096)
+            try:
+                results = await asyncio.gather(*(b.embed(seqs(200, 200), 0, timeout=60) for _ in range(12)),
+                                               return_exceptions=True)
+                return results, b.replicas[0].busy_until > 0
+            finally:
+                await b.close()
+
+        results, small_was_full = asyncio.run(main())
+        assert [type(r).__name__ for r in results if isinstance(r, BaseException)] == []
+        assert all(r.vectors.shape == (2, 384) for r in results)
+        assert small_was_full  # the small replica did reject, and nobody saw it
+    finally:
+        proc.stop()
+
+
+def test_429_and_503_carry_retry_after():
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status"],
+                                                     registry=CollectorRegistry()))
+    for status in (429, 503, 400):
+        sent.clear()
+        asyncio.run(front.reply(send, "/v1/embeddings", status, b"{}"))
+        headers = dict(sent[0]["headers"])
+        assert (headers.get(b"retry-after") == b"1") == (status != 400)
