@@ -28,8 +28,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                                   "code": code}})
+    kind = _TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")  # 405, 415, ...
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 RETRY_AFTER = {429: "1", 503: "1"}  # seconds a client should wait before it tries again
@@ -53,7 +53,12 @@ GRPC_TO_HTTP = {
 
 
 def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
+    """A Tulip's status as our caller's error. Tulip's own messages (validation, limits) are passed
+    on; gRPC's transport text (addresses, resolver and connection errors) is not: it says nothing a
+    caller can act on and names internal hosts."""
     status, code = GRPC_TO_HTTP.get(e.code(), (502, "upstream_error"))
+    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or status == 502:
+        return APIError(status, "no inference server could take the request; retry shortly", None, code)
     return APIError(status, f"inference server: {e.details()}", None, code)
 
 

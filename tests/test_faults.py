@@ -136,3 +136,38 @@ def test_429_and_503_carry_retry_after():
         asyncio.run(front.reply(send, "/v1/embeddings", status, b"{}"))
         headers = dict(sent[0]["headers"])
         assert (headers.get(b"retry-after") == b"1") == (status != 400)
+
+
+def test_a_lost_replica_is_a_plain_503_and_a_wrong_method_a_client_error(tmp_path):
+    """Fault 8 (part): a 503 carries no gRPC transport text (internal addresses), and a 405 is an
+    invalid_request_error, not a server_error."""
+    import httpx
+
+    (tmp_path / "t").mkdir()
+    target, tulip = start_tulip(tmp_path / "t")
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", target], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
+        assert httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30).status_code == 200
+        r = httpx.get(url + "/v1/embeddings")
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+        tulip.stop()
+        r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "127.0.0.1" not in message and "ipv4" not in message and "retry" in message
+        assert r.headers["retry-after"] == "1"
+    finally:
+        ivy.stop()
+        tulip.stop()
+
+
+def _status(url: str) -> int:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
