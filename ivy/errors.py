@@ -78,6 +78,8 @@ def parse_body(model: type[M], body: bytes) -> M:
         raise _decode_error(str(e), getattr(model, "input_kinds", None)) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec recurses per nesting level
+        raise APIError(400, "request body is nested too deeply") from None
 
 
 EMBEDDING_INPUTS = "a string, an array of strings, an array of token ids, or an array of token-id arrays"

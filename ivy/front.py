@@ -84,6 +84,8 @@ class Front:
         if not self.bearers or not scope["path"].startswith("/v1/"):
             return True
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, key = got.partition(b" ")
+        got = b"Bearer " + key.strip() if scheme.lower() == b"bearer" else got  # the scheme is case-insensitive
         return any(hmac.compare_digest(got, b) for b in self.bearers)
 
     async def __call__(self, scope, receive, send):

@@ -171,3 +171,24 @@ def _status(url: str) -> int:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return 0
+
+
+def test_deeply_nested_json_is_a_400():
+    """msgspec recurses per nesting level: a body nested 100,000 deep raised RecursionError, a 500."""
+    from ivy.errors import APIError, parse_body
+    from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest
+
+    body = b'{"input": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for model in (EmbeddingRequest, RerankRequest, TokenizeRequest):
+        with pytest.raises(APIError) as e:
+            parse_body(model, body)
+        assert e.value.status == 400 and "nested too deeply" in e.value.message
+
+
+def test_the_bearer_scheme_is_case_insensitive():
+    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status"],
+                                                     registry=CollectorRegistry()), api_keys=("k1",))
+    scope = lambda v: {"path": "/v1/embeddings", "headers": [(b"authorization", v)]}  # noqa: E731
+    assert front.authorized(scope(b"Bearer k1")) and front.authorized(scope(b"bearer k1"))
+    assert front.authorized(scope(b"BEARER  k1"))
+    assert not front.authorized(scope(b"Bearer k2")) and not front.authorized(scope(b"Basic k1"))

@@ -169,3 +169,29 @@ def test_fast_encoder_reloads_and_stays_exact(standin_dir, monkeypatch):
     assert tt.fast.tok is not first
     ref = reference(standin_dir)
     assert [g.tolist() for g in got] == [ref.encode(t).ids for t in texts]
+
+
+def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypatch):
+    """tokie holds the GIL and can only yield between texts, so one text over YIELD_CHARS would stall
+    every other request on the worker: such a batch is encoded by `tokenizers` (the same tokens) in
+    a thread."""
+    import asyncio
+
+    from ivy import tokenizer as tkz
+
+    tt = TextTokenizer(standin_dir, 8192, 1000)
+    assert tt.backend == "tokie"
+    text = "the long document keeps going " * 2000  # 60,000 characters
+    monkeypatch.setattr(tt, "_encode_yielding", lambda *a: (_ for _ in ()).throw(AssertionError("on the loop")))
+    threads = []
+    real = asyncio.to_thread
+
+    async def spy(fn, *a):
+        threads.append(fn.__name__)
+        return await real(fn, *a)
+
+    monkeypatch.setattr(tkz.asyncio, "to_thread", spy)
+    got = asyncio.run(tt.encode([text, "short"], truncate=True))
+    assert threads == ["_encode_exact"]
+    assert [len(g) for g in got] == [8192, len(tt.truncating.encode("short").ids)]
+    assert got[0].tolist() == tt.truncating.encode(text).ids
