@@ -192,3 +192,47 @@ def test_the_bearer_scheme_is_case_insensitive():
     assert front.authorized(scope(b"Bearer k1")) and front.authorized(scope(b"bearer k1"))
     assert front.authorized(scope(b"BEARER  k1"))
     assert not front.authorized(scope(b"Bearer k2")) and not front.authorized(scope(b"Basic k1"))
+
+
+def test_a_caller_that_disconnects_has_its_queued_work_dropped(tmp_path):
+    """Fault 7: a big request abandoned by its HTTP client was computed in full, and small requests
+    behind it waited (9.9 s in the review). Now Ivy cancels it and Tulip drops what is still queued:
+    its CANCELLED count rises and a small request is answered after at most the running step."""
+    import json
+    import socket
+    import time
+
+    import httpx
+
+    (tmp_path / "t").mkdir()
+    metrics = free_port()
+    target, tulip = start_tulip(tmp_path / "t", "--metrics-port", str(metrics))
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", target], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
+        words = "tulips and roses grow in the garden by the river " * 12
+        body = json.dumps({"input": [f"{i} {words}" for i in range(2000)]}).encode()  # ~200k tokens
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.5)
+        s.close()  # the caller is gone
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
+        waited = time.monotonic() - t0
+        assert r.status_code == 200
+        cancelled = 0.0
+        for _ in range(50):
+            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+            cancelled = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                            if line.startswith("tulip_requests_total") and 'status="CANCELLED"' in line)
+            if cancelled:
+                break
+            time.sleep(0.1)
+        assert cancelled >= 1, "Tulip saw no cancellation"
+        assert waited < 20, waited
+    finally:
+        ivy.stop()
+        tulip.stop()

@@ -83,6 +83,7 @@ class TulipStream:
         self._pending: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._write_lock = asyncio.Lock()
+        self._cancels: set[asyncio.Task] = set()
 
     async def _read(self, call) -> None:
         err = rpc_error(grpc.StatusCode.UNAVAILABLE, "Tulip closed the stream")
@@ -125,13 +126,33 @@ class TulipStream:
         try:
             reply = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            self._cancel(call, rid)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:  # our caller is gone: so is Tulip's queued work for it
+            self._cancel(call, rid)
+            raise
         finally:
             self._pending.pop(rid, None)
         if reply.error_code:
             raise rpc_error(grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == reply.error_code)),
                             reply.error_message)
         return reply
+
+    def _cancel(self, call, rid: str) -> None:
+        """Tell Tulip (in the background) that request `rid` on `call` has no caller any more."""
+        if self._call is not call:
+            return  # that stream is gone, and its queued work with it
+
+        async def send():
+            try:
+                async with self._write_lock:
+                    await call.write(tulip_pb2.EmbedRequest(request_id=rid, cancel=True))
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the stream closed meanwhile: nothing left to cancel
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
+        task.add_done_callback(self._cancels.discard)
 
     async def close(self) -> None:
         if self._call is not None:

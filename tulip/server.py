@@ -190,6 +190,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         replies: deque = deque()
         waiter: asyncio.Future | None = None
         outstanding: set[Request] = set()
+        by_id: dict[str, Request] = {}  # outstanding requests that carry an id (a cancel names one)
         count = self.loop.metrics.requests
         stages = self.loop.stages
         aloop = asyncio.get_running_loop()
@@ -210,6 +211,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         def done(req, rows, error):
             outstanding.discard(req)
             request = req.tag
+            if request.request_id:
+                by_id.pop(request.request_id, None)
             if error is not None:
                 fail(request, RpcFailure.of(error))
                 return
@@ -230,6 +233,13 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         async def read():
             try:
                 async for request in request_iterator:
+                    if type(request) is not Undecodable and request.cancel:
+                        req = by_id.pop(request.request_id, None)
+                        if req is not None and req in outstanding:  # its caller is gone: drop what is queued
+                            outstanding.discard(req)
+                            self.loop.cancel(req)
+                            count.labels("CANCELLED").inc()
+                        continue
                     try:
                         stamps = stages.received(request) if stages is not None else None
                         req = self._request(request, done)
@@ -240,9 +250,12 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                         if request.timeout_ms:
                             req.deadline = time.monotonic() + request.timeout_ms / 1e3
                         outstanding.add(req)
+                        if request.request_id:
+                            by_id[request.request_id] = req
                         self.loop.submit_nowait(req)
                     except OverflowError as e:
                         outstanding.discard(req)
+                        by_id.pop(request.request_id, None)
                         fail(request, RpcFailure.of(e))
                     except RpcFailure as e:
                         fail(request, e)

@@ -36,7 +36,7 @@ class SparseVector(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from")
+    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class EmbedRequest(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     POOL_FROM_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
@@ -53,7 +54,8 @@ class EmbedRequest(_message.Message):
     encoding: Encoding
     timeout_ms: int
     pool_from: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
     __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message")
