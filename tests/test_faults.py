@@ -236,3 +236,31 @@ def test_a_caller_that_disconnects_has_its_queued_work_dropped(tmp_path):
     finally:
         ivy.stop()
         tulip.stop()
+
+
+def test_keepalive_pings_do_not_tear_down_an_idle_stream(tulip_server):
+    """Fault 8 (part): the server's ping policy disagreed with clients' keepalive, so idle streams got
+    GOAWAY "too_many_pings". A client pinging every second, idle on an open stream, still gets answers."""
+    target, _ = tulip_server
+
+    async def main():
+        opts = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0)]
+        async with grpc.aio.insecure_channel(target, options=opts) as ch:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def messages():
+                while (m := await queue.get()) is not None:
+                    yield m
+
+            call = ch.stream_stream(STREAM)(messages(), timeout=60)
+            await queue.put(request([4], rid="first"))
+            first = tulip_pb2.EmbedReply.FromString(await call.read())
+            await asyncio.sleep(8)  # idle; the client pings all the while
+            await queue.put(request([4], rid="after"))
+            after = tulip_pb2.EmbedReply.FromString(await call.read())
+            await queue.put(None)
+            return first, after
+
+    first, after = asyncio.run(main())
+    assert not first.error_code and not after.error_code and after.request_id == "after"
