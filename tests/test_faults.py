@@ -264,3 +264,29 @@ def test_keepalive_pings_do_not_tear_down_an_idle_stream(tulip_server):
 
     first, after = asyncio.run(main())
     assert not first.error_code and not after.error_code and after.request_id == "after"
+
+
+def test_a_draining_tulip_sends_new_work_elsewhere(tmp_path):
+    """Fault 8 (part): after SIGTERM a Tulip kept taking new messages on open streams for its whole
+    grace period. Now a new request is UNAVAILABLE at once (a balancer retries it on another replica)
+    while the one in flight completes."""
+    import signal
+
+    target, proc = start_tulip(tmp_path, "--max-batch-tokens", "512")
+    try:
+        async def main():
+            async with TulipClient(target, transport="stream") as c:
+                first = asyncio.create_task(c.embed(seqs(*[256] * 48)))
+                await asyncio.sleep(0.3)  # queued and stepping
+                proc.p.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.embed(seqs(5))
+                return await first, e.value
+
+        out, err = asyncio.run(main())
+        assert out.shape == (48, 384)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+        assert proc.p.wait(30) == 0
+    finally:
+        proc.stop()

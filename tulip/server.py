@@ -148,6 +148,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         )
 
         self._ok = loop.metrics.requests.labels("OK")
+        self.draining = False  # set at SIGTERM: new requests are UNAVAILABLE (a balancer retries them elsewhere)
 
     async def Info(self, request, context):
         return self.info
@@ -287,6 +288,9 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         """Validate one request; raise RpcFailure with the reason: INVALID_ARGUMENT for a malformed
         one, OUT_OF_RANGE for one this server can never take (more tokens than its whole queue, or a
         reply over its message limit), so a retry is not worth it."""
+        if self.draining:
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "this server is draining (shutting down); send the "
+                             "request to another replica")
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
         try:
@@ -440,6 +444,7 @@ async def serve(cfg: TulipConfig) -> int:
         aloop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("tulip: draining (up to %.1f s)", cfg.drain_seconds)
+    servicer.draining = True  # new work, on open streams too, is sent elsewhere; what is in flight finishes
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_seconds)
