@@ -21,7 +21,6 @@ import queue
 import statistics
 import struct
 import sys
-import threading
 import time
 
 import grpc

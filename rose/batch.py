@@ -15,6 +15,25 @@ import numpy as np
 import torch
 
 
+# One sequence's positions and seq_ids are a prefix of these (views: no allocation per batch),
+# its cu_seqlens one small tensor per length: the online request's batch is built from its ids alone.
+# Shared, so nothing may write into a Batch's tensors (the engine only copies them to the device).
+_ARANGE = torch.arange(0, dtype=torch.int64)
+_ZEROS = torch.zeros(0, dtype=torch.int64)
+_CU: dict[int, torch.Tensor] = {}
+
+
+def _one_sequence(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    global _ARANGE, _ZEROS
+    if n > _ARANGE.shape[0]:
+        size = 1 << (n - 1).bit_length()
+        _ARANGE, _ZEROS = torch.arange(size, dtype=torch.int64), torch.zeros(size, dtype=torch.int64)
+    cu = _CU.get(n)
+    if cu is None:
+        cu = _CU[n] = torch.tensor([0, n], dtype=torch.int32)
+    return _ARANGE[:n], cu, _ZEROS[:n]
+
+
 @dataclass(frozen=True)
 class Batch:
     """A ragged batch of N sequences, T tokens in all.
@@ -54,18 +73,18 @@ class Batch:
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
         if pool_from is not None and any(pool_from):
-            b = cls.from_sequences(seqs)  # its seq_ids are its own: mark the left-out tokens in place
-            b.seq_ids.numpy()[b.positions.numpy() < np.repeat(np.asarray(pool_from, dtype=np.int64), b.seq_lens)] = \
+            b = cls.from_sequences(seqs)
+            seq_ids = b.seq_ids.clone()  # (a one-sequence batch shares its seq_ids): mark the left-out tokens
+            seq_ids.numpy()[b.positions.numpy() < np.repeat(np.asarray(pool_from, dtype=np.int64), b.seq_lens)] = \
                 b.num_seqs
-            return b
+            return cls(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen, b.seq_lens, seq_ids)
         if len(seqs) == 1:  # the online case: skip the ragged bookkeeping
             ids = np.asarray(seqs[0], dtype=np.int64)
             n = ids.shape[0]
             if n == 0:
                 raise ValueError("empty sequence at index 0")
-            return cls(torch.from_numpy(ids), torch.from_numpy(np.arange(n)),
-                       torch.from_numpy(np.array([0, n], dtype=np.int32)), n, (n,),
-                       torch.from_numpy(np.zeros(n, dtype=np.int64)))
+            positions, cu, seq_ids = _one_sequence(n)
+            return cls(torch.from_numpy(ids), positions, cu, n, (n,), seq_ids)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         if (lens <= 0).any():
             raise ValueError(f"empty sequence at index {int(np.argmin(lens))}")

@@ -164,8 +164,7 @@ class Engine:
         if not kernels.available():
             log.info("engine: Triton is not installed; small steps keep torch's path")
             return 0
-        use = getattr(self.model, "use_kernels", None)
-        return use(self.cfg.kernel_tokens) if use else 0
+        return self.model.use_kernels(self.cfg.kernel_tokens)
 
     @property
     def embedding_dim(self) -> int:

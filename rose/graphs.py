@@ -54,8 +54,6 @@ class GraphKey(NamedTuple):
     extras: frozenset = frozenset()  # token-level outputs computed too ("sparse", "colbert")
 
 
-Key = GraphKey
-
 
 @dataclass(frozen=True)
 class GraphConfig:
@@ -165,16 +163,16 @@ class GraphRunner:
         self._slot_events = [None] * R
         self._slot = 0
         self._out_tokens: list[torch.Tensor | None] = [None, None]  # rings for weights / vectors, made on first use
-        self._hits: dict[Key, int] = {}
-        self._graphs: dict[Key, tuple[object, torch.Tensor]] = {}
+        self._hits: dict[GraphKey, int] = {}
+        self._graphs: dict[GraphKey, tuple[object, torch.Tensor]] = {}
 
-    def key(self, batch: Batch, extras: frozenset = frozenset()) -> Key | None:
+    def key(self, batch: Batch, extras: frozenset = frozenset()) -> GraphKey | None:
         n, t = self.cfg.seq_bucket(batch.num_seqs), self.cfg.token_bucket(batch.num_tokens)
         if n is None or t is None:
             return None
         return GraphKey(n, t, self.cfg.len_bucket(batch.max_seqlen, t), frozenset(extras))
 
-    def state(self, key: Key) -> str:
+    def state(self, key: GraphKey) -> str:
         if key in self._graphs:
             return "captured"
         return "warm" if self._hits.get(key) else "cold"
@@ -201,7 +199,7 @@ class GraphRunner:
         cu[: N + 1] = batch.cu_seqlens.numpy()
         cu[N + 1: nb + 1] = T  # empty dummy sequences
 
-    def _run_key(self, key: Key):
+    def _run_key(self, key: GraphKey):
         nb, tb, lb = key.seqs, key.tokens, key.max_len
         tok, cu = self._tokens, self._cu
 

@@ -404,3 +404,17 @@ def test_prompt_left_out_of_pooling(tmp_path, pooling):
             h = hf(input_ids=torch.tensor([s])).last_hidden_state[0]
         want = h[k] if pooling == "cls" else h[k:].mean(0)
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_sequence_batches_share_no_written_state():
+    """One-sequence batches take their positions / seq_ids from shared tensors; a batch that leaves a
+    prompt out of pooling writes its own copy, so later batches of that length are unchanged."""
+    from rose.batch import Batch
+
+    plain = Batch.from_sequences([[7, 8, 9, 10]])
+    skip = Batch.from_sequences([[7, 8, 9, 10]], [2])
+    again = Batch.from_sequences([[1, 2, 3, 4]])
+    assert skip.seq_ids.tolist() == [1, 1, 0, 0]
+    assert plain.seq_ids.tolist() == again.seq_ids.tolist() == [0, 0, 0, 0]
+    assert again.positions.tolist() == [0, 1, 2, 3] and again.cu_seqlens.tolist() == [0, 4]
+    assert Batch.from_sequences([list(range(5000))]).positions[-1].item() == 4999  # grows past the first size

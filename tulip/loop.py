@@ -17,7 +17,6 @@ from time import perf_counter_ns
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from rose.batch import Batch
 from rose.engine import Engine
@@ -78,28 +77,6 @@ def _resolve(req: Request, rows, error) -> None:
     fut = req.future
     if not fut.done():
         fut.set_exception(error) if error is not None else fut.set_result(rows)
-
-
-class _OneSequence:
-    """Batch pieces for a batch of one sequence of n tokens (positions, cu_seqlens, seq_ids), cached
-    per n: they depend on n only, and the engine only reads a Batch (it copies it into its own
-    buffers). The online request's batch is then its ids as int64 and these."""
-
-    def __init__(self, longest: int):
-        self._positions = torch.arange(max(longest, 1), dtype=torch.int64)
-        self._zeros = torch.zeros(max(longest, 1), dtype=torch.int64)
-        self._cache: dict[int, tuple] = {}
-
-    def batch(self, ids: np.ndarray) -> Batch:
-        n = ids.shape[0]
-        parts = self._cache.get(n)
-        if parts is None:
-            if not 0 < n <= self._positions.shape[0]:
-                return Batch.from_sequences([ids])  # its own error for 0; any length beyond the cache
-            parts = self._cache[n] = (self._positions[:n], torch.tensor([0, n], dtype=torch.int32),
-                                      self._zeros[:n])
-        pos, cu, zeros = parts
-        return Batch(torch.from_numpy(ids.astype(np.int64)), pos, cu, n, (n,), zeros)
 
 
 def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
@@ -195,7 +172,6 @@ class EngineLoop:
         # running step and joining the next, larger one.
         self._overlap_tokens = cfg.max_batch_tokens // 4
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
-        self._one = _OneSequence(min(engine.spec.max_seq_len, cfg.max_batch_tokens))
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._watching = False  # a _watch callback or _wait task owns the oldest step
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
@@ -282,10 +258,7 @@ class EngineLoop:
                 if len(slots) == 1:  # the online case
                     r, i = slots[0]
                     extras = r.extras
-                    if r.pool_from is None and r.offsets is None:
-                        batch = self._one.batch(r.ids)
-                    else:
-                        batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]])
+                    batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]])
                 else:
                     extras, skip = _NO_EXTRAS, None
                     for r, i in slots:

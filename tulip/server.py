@@ -314,8 +314,11 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
     def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
         """An upper bound of the reply's size, known before any work."""
         dims = request.dimensions or self.info.embedding_dim
-        row = {tulip_pb2.ENCODING_INT8: dims, tulip_pb2.ENCODING_BINARY: -(-dims // 8)}.get(request.encoding, 4 * dims)
+        enc = request.encoding
+        row = 4 * dims if not enc else dims if enc == tulip_pb2.ENCODING_INT8 else -(-dims // 8)
         size = seqs * row + 64
+        if not request.outputs:
+            return size
         if tulip_pb2.OUTPUT_COLBERT in request.outputs:
             size += (tokens - seqs) * self.loop.engine.heads.colbert_dim * 4 + 8 * seqs
         if tulip_pb2.OUTPUT_SPARSE in request.outputs:

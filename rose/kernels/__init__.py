@@ -38,3 +38,11 @@ def pdl() -> bool:
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
+
+
+def launch(kernel, grid, *args, **kw) -> None:
+    """Launch a ROSE Triton kernel (each takes USE_GDC) on `grid`, with PDL where `pdl()` says so."""
+    if pdl():
+        kernel[grid](*args, **kw, USE_GDC=True, launch_pdl=True)
+    else:
+        kernel[grid](*args, **kw, USE_GDC=False)

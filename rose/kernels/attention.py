@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import pdl
+from rose.kernels import launch
 
 
 @triton.jit
@@ -98,13 +98,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     bm = block_m(max_seqlen)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=64 if D <= 64 else 32, CAUSAL=causal, USE_GDC=pdl(), num_warps=4)
+              BLOCK_N=64 if D <= 64 else 32, CAUSAL=causal, num_warps=4)
     args = (q, k, v, out, cu_seqlens, T, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(D))
-    if pdl():
-        _attention_kernel[grid](*args, **kw, launch_pdl=True)
-    else:
-        _attention_kernel[grid](*args, **kw)
+    launch(_attention_kernel, grid, *args, **kw)
     return out
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import pdl
+from rose.kernels import launch
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 
@@ -134,13 +134,6 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
     tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, grid, *args, **kw):
-    if pdl():
-        kernel[grid](*args, **kw, launch_pdl=True)
-    else:
-        kernel[grid](*args, **kw)
-
-
 Config = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 
 
@@ -212,16 +205,16 @@ def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | 
         raise ValueError(f"K {K} does not split {split} ways in blocks of {bk}")
     grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), split)
     kw = dict(K_SPLIT=K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, HAS_BIAS=b is not None,
-              ACT=ACTS[act], USE_GDC=pdl(), num_warps=warps)
+              ACT=ACTS[act], num_warps=warps)
     bias = b if b is not None else w
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xd = TensorDescriptor.from_tensor(x, [bm, bk])
         wd = TensorDescriptor.from_tensor(w, [bn, bk])
-        _launch(_linear_tma_kernel, grid, xd, wd, bias, out, M, n, out.stride(-2), STAGES=stages, **kw)
+        launch(_linear_tma_kernel, grid, xd, wd, bias, out, M, n, out.stride(-2), STAGES=stages, **kw)
     else:
-        _launch(_linear_kernel, grid, x, w, bias, out, M, n, x.stride(0), w.stride(0), out.stride(-2),
+        launch(_linear_kernel, grid, x, w, bias, out, M, n, x.stride(0), w.stride(0), out.stride(-2),
                 n * w.stride(0), num_stages=stages, **kw)
     return out
 
@@ -258,9 +251,9 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     split, M, N = partials.shape
     out = torch.empty_like(residual)
     total = torch.empty_like(residual) if rms else out
-    _launch(_add_norm_kernel, (M,), partials, bias if bias is not None else weight, residual, weight,
+    launch(_add_norm_kernel, (M,), partials, bias if bias is not None else weight, residual, weight,
             norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
-            BLOCK=triton.next_power_of_2(N), HAS_BIAS=bias is not None, RMS=rms, USE_GDC=pdl(),
+            BLOCK=triton.next_power_of_2(N), HAS_BIAS=bias is not None, RMS=rms,
             num_warps=4 if N <= 2048 else 8)
     return (total, out) if rms else out
 

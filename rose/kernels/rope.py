@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import pdl
+from rose.kernels import launch
 
 
 @triton.jit
@@ -64,11 +64,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
     block = 16
     grid = (triton.cdiv(T, block), heads + kv_heads)
     args = (qkv, positions, table, q_weight, k_weight, q, k, T, qkv.stride(0), table.shape[1], eps)
-    kw = dict(H=heads, HK=kv_heads, D=head_dim, BLOCK_T=block, USE_GDC=pdl(), num_warps=4)
-    if pdl():
-        _qk_norm_rope_kernel[grid](*args, **kw, launch_pdl=True)
-    else:
-        _qk_norm_rope_kernel[grid](*args, **kw)
+    kw = dict(H=heads, HK=kv_heads, D=head_dim, BLOCK_T=block, num_warps=4)
+    launch(_qk_norm_rope_kernel, grid, *args, **kw)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
     return q, k, v
 

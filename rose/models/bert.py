@@ -90,15 +90,12 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(cfg)
         self.intermediate = BertIntermediate(cfg)
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
-        self.kernel_tokens = 0  # steps of up to this many tokens take `small_step` (BertModel.use_kernels)
 
     # Projections the small step runs in Triton. Measured on an H200 (bge-m3, engine step 1x128, graphs):
     # out + down 0.830 ms, all four 0.922 (cuBLAS's q/k/v and GELU up GEMMs were faster at these rows).
     TRITON_OPS = frozenset({"out", "down"})
 
     def forward(self, x, meta, attn):
-        if x.shape[0] <= self.kernel_tokens:  # a host-side choice: x's rows are the graph's token bucket
-            return self.small_step(x, meta, attn)
         return self.feed_forward(self.attention.self(x, meta, attn), x)
 
     def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
@@ -146,6 +143,7 @@ class BertModel(nn.Module):
         ".attention.self.value.": (".attention.self.qkv.", 2),
     }
     causal = False
+    kernel_tokens = 0  # steps of up to this many tokens take BertLayer.small_step (use_kernels)
     position_offset = 0  # added to 0-based positions (XLM-RoBERTa numbers from pad_token_id + 1)
 
     def __init__(self, cfg: dict):
@@ -165,14 +163,14 @@ class BertModel(nn.Module):
         (the epilogue's activation) can. Returns the largest token count that takes it (0: none)."""
         if not self.blocks[0].intermediate.gelu:
             return 0
-        for layer in self.blocks:
-            layer.kernel_tokens = max_tokens
+        self.kernel_tokens = max_tokens
         return max_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if self.position_offset:
             positions = positions + self.position_offset
         x = self.embeddings(input_ids, positions)
+        small = x.shape[0] <= self.kernel_tokens  # host-side: x's rows are the graph's token bucket
         for layer in self.encoder.layer:
-            x = layer(x, meta, attn)
+            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
         return x
