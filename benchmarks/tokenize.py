@@ -56,9 +56,46 @@ def texts_of(reference, tokens: int, langs, count: int, seed: int = 3) -> list[s
     return out
 
 
+def _sentencepiece(model: Path, reference) -> dict:
+    import numpy as np
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model / "sentencepiece.bpe.model"))
+    unk, bos, eos = reference.token_to_id("<unk>"), reference.token_to_id("<s>"), reference.token_to_id("</s>")
+    # fairseq / XLM-R ids: model piece i is token i + 1, the model's <unk> (0) is <unk> (3)
+    to_hf = np.arange(1, sp.get_piece_size() + 1, dtype=np.int64)
+    to_hf[sp.unk_id()] = unk
+    return {"sentencepiece.encode": lambda t: sp.encode(t),
+            "sentencepiece.encode (mapped)": lambda t: [bos, *to_hf[sp.encode(t)].tolist(), eos]}
+
+
+def _tokie(model: Path, reference) -> dict:
+    import tokie
+
+    tk = tokie.Tokenizer.from_json(str(model / "tokenizer.json"))
+    return {"tokie.encode": lambda t: tk.encode(t).ids}
+
+
+def _kitoken(model: Path, reference) -> dict:
+    import kitoken
+    import numpy as np
+
+    kt = kitoken.Kitoken.from_sentencepiece_file(str(model / "sentencepiece.bpe.model"))
+    kt_hf = np.arange(1, reference.get_vocab_size() - 1, dtype=np.int64)  # the same mapping as sentencepiece's
+    kt_hf[0] = reference.token_to_id("<unk>")
+    return {"kitoken.encode": lambda t: kt.encode(t, False),
+            "kitoken.encode (mapped)": lambda t: [0, *kt_hf[kt.encode(t, False)].tolist(), 2]}
+
+
+def _fastokens(model: Path, reference) -> dict:
+    import fastokens
+
+    ft = fastokens.Tokenizer.from_file(str(model / "tokenizer.json"))
+    return {"fastokens.encode": lambda t: ft.encode(t).ids}
+
+
 def candidates(model: Path, reference, max_len: int) -> tuple[dict, dict]:
     """name -> encode(text) -> ids (list or array), and name -> why it is missing."""
-    import numpy as np
 
     from ivy.tokenizer import TextTokenizer
 
@@ -68,51 +105,14 @@ def candidates(model: Path, reference, max_len: int) -> tuple[dict, dict]:
     have["tokenizers.encode_batch_fast"] = lambda t: batch([t])[0].ids
     ivy = TextTokenizer(model, max_len, 1 << 30)
     have[f"ivy ({ivy.backend})"] = lambda t: ivy._encode([t], False)[0]
-    spm_path = model / "sentencepiece.bpe.model"
-    try:
-        import sentencepiece as spm
-
-        sp = spm.SentencePieceProcessor(model_file=str(spm_path))
-        unk, bos, eos = reference.token_to_id("<unk>"), reference.token_to_id("<s>"), reference.token_to_id("</s>")
-        # fairseq / XLM-R ids: model piece i is token i + 1, the model's <unk> (0) is <unk> (3)
-        to_hf = np.arange(1, sp.get_piece_size() + 1, dtype=np.int64)
-        to_hf[sp.unk_id()] = unk
-        have["sentencepiece.encode"] = lambda t: sp.encode(t)
-        have["sentencepiece.encode (mapped)"] = lambda t: [bos, *to_hf[sp.encode(t)].tolist(), eos]
-    except ImportError:
-        missing["sentencepiece"] = "not installed"
-    except OSError as e:
-        missing["sentencepiece"] = f"no SentencePiece model: {e}"
-    try:
-        import tokie
-
-        tk = tokie.Tokenizer.from_json(str(model / "tokenizer.json"))
-        have["tokie.encode"] = lambda t: tk.encode(t).ids
-    except ImportError:
-        missing["tokie"] = "not installed"
-    except Exception as e:
-        missing["tokie"] = f"{type(e).__name__}: {e}"
-    try:
-        import kitoken
-
-        kt = kitoken.Kitoken.from_sentencepiece_file(str(spm_path))
-        kt_hf = np.arange(1, reference.get_vocab_size() - 1, dtype=np.int64)  # the same mapping
-        kt_hf[0] = reference.token_to_id("<unk>")
-        have["kitoken.encode"] = lambda t: kt.encode(t, False)
-        have["kitoken.encode (mapped)"] = lambda t: [0, *kt_hf[kt.encode(t, False)].tolist(), 2]
-    except ImportError:
-        missing["kitoken"] = "not installed"
-    except Exception as e:
-        missing["kitoken"] = f"{type(e).__name__}: {e}"
-    try:
-        import fastokens
-
-        ft = fastokens.Tokenizer.from_file(str(model / "tokenizer.json"))
-        have["fastokens.encode"] = lambda t: ft.encode(t).ids
-    except ImportError:
-        missing["fastokens"] = "not installed"
-    except Exception as e:
-        missing["fastokens"] = f"{type(e).__name__}: {e}"
+    for lib, build in (("sentencepiece", _sentencepiece), ("tokie", _tokie), ("kitoken", _kitoken),
+                       ("fastokens", _fastokens)):
+        try:
+            have.update(build(model, reference))
+        except ImportError:
+            missing[lib] = "not installed"
+        except Exception as e:  # cannot load this tokenizer (a missing model file, an unsupported normalizer)
+            missing[lib] = f"{type(e).__name__}: {e}"
     return have, missing
 
 
