@@ -63,7 +63,7 @@ def gate(url: str, model_name: str, model: str, text: str, L: int) -> float:
 
     from rose.batch import Batch
     from rose.engine import Engine, EngineConfig
-    from rose.modeldir import resolve_model_path
+    from trellis.modeldir import resolve_model_path
 
     r = httpx.post(url + "/v1/embeddings", json={"model": model_name, "input": text, "truncate": True}, timeout=120)
     if r.status_code != 200:
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bulk-requests", type=int, default=10, help="bulk requests (of 100 inputs) per client; 0: none")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from rose.modeldir import default_served_name, resolve_model_path
+    from trellis.modeldir import default_served_name, resolve_model_path
 
     path = resolve_model_path(args.model)
     served_name = default_served_name(args.model, path)

@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.common import Recorder
     from benchmarks.concurrency import text_of
-    from rose.modeldir import default_served_name, resolve_model_path
+    from trellis.modeldir import default_served_name, resolve_model_path
 
     path = resolve_model_path(args.model)
     served = default_served_name(args.model, path)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Recorder, graph_replay_ms, progress
-from rose.modeldir import ModelSpec, resolve_model_path
+from trellis.modeldir import ModelSpec, resolve_model_path
 
 
 def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:

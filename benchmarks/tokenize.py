@@ -38,9 +38,9 @@ def pin(cpu: int | None) -> None:
 
 
 def texts_of(reference, tokens: int, langs, count: int, seed: int = 3) -> list[str]:
-    """`count` distinct generated texts (rose.standin) of `tokens` tokens with the special tokens,
+    """`count` distinct generated texts (trellis.standin) of `tokens` tokens with the special tokens,
     cut at the word where the count is reached (so a text may have a token or two more)."""
-    from rose import standin
+    from trellis import standin
 
     out = []
     for i in range(count):
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     from tokenizers import Tokenizer
 
     from benchmarks.common import Recorder
-    from rose.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec, resolve_model_path
 
     model = resolve_model_path(args.model)
     spec = ModelSpec.read(model)

@@ -31,7 +31,7 @@ from ivy.front import Front, Stamp, _no_stamp
 from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest, schema
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
-from rose.modeldir import ModelSpec, default_served_name, resolve_model_path
+from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
 from trellis.tulip.v1 import tulip_pb2
 
 log = logging.getLogger("ivy")

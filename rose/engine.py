@@ -24,9 +24,9 @@ from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
-from rose.modeldir import ModelSpec, resolve_model_path
 from rose.models import model_class
-from rose.presets import RANDOM_WEIGHTS
+from trellis.modeldir import ModelSpec, resolve_model_path
+from trellis.presets import RANDOM_WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +113,19 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.spec = ModelSpec.read(resolve_model_path(cfg.model))
+        spec = ModelSpec.read(resolve_model_path(cfg.model))
+        family = model_class(spec.model_type)
+        self.spec = family.serving(spec)  # the family's defaults where the directory is silent
         self.device = cfg.torch_device()
         self.dtype = cfg.torch_dtype(self.device)
-        cls = model_class(self.spec.model_type)
         with torch.device("meta"):
-            model = cls(self.spec.config)
+            model = family(self.spec.config)
         if (self.spec.path / RANDOM_WEIGHTS).is_file():
             log.warning("engine: %s is a preset: RANDOM WEIGHTS, embeddings are meaningless", self.spec.path.name)
             self.model = random_weights(model, self.device, self.dtype)
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
-        self.causal = bool(getattr(self.model, "causal", False))
+        self.causal = self.model.causal
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
         # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
         # takes the first token after it, mean divides by the tokens kept; only such models pay for it.
@@ -133,9 +134,7 @@ class Engine:
         self.kernels = self._use_kernels()
         if cfg.compile:
             compile_blocks(self.model.blocks)
-        c = self.spec.config
-        heads = c["num_attention_heads"]
-        heads = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
+        heads = family.head_shape(self.spec.config)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
         if cfg.attention == "auto":
             make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,

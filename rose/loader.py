@@ -11,44 +11,34 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
+
+from rose.models.base import Family
 
 
-def _map_name(model: nn.Module, key: str) -> tuple[str, int | None] | None:
+def _map_name(model: Family, key: str) -> tuple[str, int | None] | None:
     """Checkpoint key -> (our parameter name, shard index or None); None = ignored."""
-    for prefix in getattr(model, "strip_prefixes", ()):
+    for prefix in model.strip_prefixes:
         if key.startswith(prefix):
             key = key[len(prefix):]
             break
-    ignored = getattr(model, "ignored", None)
-    if ignored is not None and ignored.search(key):
+    if model.ignored is not None and model.ignored.search(key):
         return None
-    for src, (dst, shard) in getattr(model, "stacked_params", {}).items():
+    for src, (dst, shard) in model.stacked_params.items():
         if src in key:
             return key.replace(src, dst), shard
     return key, None
 
 
-def _shard_rows(model: nn.Module, name: str, param: torch.Tensor) -> tuple[int, ...]:
-    """Row counts of the checkpoint tensors stacked into `name` (equal unless the model says)."""
-    if hasattr(model, "stacked_rows"):
-        return tuple(model.stacked_rows(name))
-    dsts = [d for d, _ in getattr(model, "stacked_params", {}).values()]
-    n = sum(1 for d in dsts if d == next(d for d in dsts if d in name))
-    return (param.shape[0] // n,) * n
+def _stacked_dst(model: Family, name: str) -> bool:
+    return any(d in name for d, _ in model.stacked_params.values())
 
 
-def _stacked_dst(model: nn.Module, name: str) -> bool:
-    return any(d in name for d, _ in getattr(model, "stacked_params", {}).values())
-
-
-def _finish(model: nn.Module, device: torch.device) -> nn.Module:
-    if hasattr(model, "materialize"):  # non-persistent buffers (e.g. rotary tables) are not in checkpoints
-        model.materialize(device)
+def _finish(model: Family, device: torch.device) -> Family:
+    model.materialize(device)
     return model.eval().requires_grad_(False)
 
 
-def random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+def random_weights(model: Family, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Family:
     """Materialise `model` with seeded random weights (presets only: real shapes, meaningless outputs)."""
     model = model.to_empty(device=device).to(dtype)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -63,7 +53,7 @@ def random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, s
     return _finish(model, device)
 
 
-def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_weights(model: Family, path: Path, device: torch.device, dtype: torch.dtype) -> Family:
     """Materialise `model` (built on meta) on `device` in `dtype` from path/*.safetensors."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -86,7 +76,7 @@ def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torc
                         continue
                     target = param
                     if shard is not None:
-                        rows = _shard_rows(model, name, param)
+                        rows = model.stacked_rows(name)
                         start = sum(rows[:shard])
                         target = param[start:start + rows[shard]]
                     tensor = f.get_tensor(key)
@@ -104,7 +94,7 @@ def load_weights(model: nn.Module, path: Path, device: torch.device, dtype: torc
     missing = []
     for name, param in params.items():
         got = filled.get(name, set())
-        want = len(_shard_rows(model, name, param)) if _stacked_dst(model, name) else None
+        want = len(model.stacked_rows(name)) if _stacked_dst(model, name) else None
         if (want is None and not got) or (want is not None and len(got) != want):
             missing.append(name)
     if missing:

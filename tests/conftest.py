@@ -64,7 +64,7 @@ class Proc:
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from rose.modeldir import resolve_model_path
+    from trellis.modeldir import resolve_model_path
 
     return resolve_model_path("default")
 

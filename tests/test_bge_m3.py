@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rose.presets import _stand_in_tokenizer
+from trellis.presets import _stand_in_tokenizer
 from tests.checkpoints import save_checkpoint
 from tests.conftest import Proc, free_port
 

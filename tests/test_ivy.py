@@ -201,3 +201,15 @@ def test_openapi_documents_the_raw_body_routes(model_path):
     s = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert len(s["properties"]["input"]["anyOf"]) == 4
     assert "base64" in s["properties"]["encoding_format"]["enum"]
+
+
+def test_the_gateway_imports_neither_the_engine_nor_torch():
+    """Ivy depends on the shared contracts (trellis/) only: its image carries no torch or CUDA."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ivy.__main__, ivy.app; from ivy.app import create_app; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'rose', 'triton')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr

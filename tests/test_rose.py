@@ -139,7 +139,7 @@ def test_tiny_random_qwen3_matches_transformers(tmp_path, bidirectional):
 def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
     from tokenizers import Tokenizer
 
-    from rose.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec, resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path(name)
@@ -154,8 +154,8 @@ def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
 def test_preset_directory(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
-    from rose.modeldir import ModelSpec, resolve_model_path
-    from rose.presets import RANDOM_WEIGHTS
+    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.presets import RANDOM_WEIGHTS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path("bge-m3")
@@ -170,7 +170,7 @@ def test_preset_directory(tmp_path, monkeypatch):
 
 
 def test_preset_cache_from_an_older_definition_is_rewritten(tmp_path, monkeypatch):
-    from rose.presets import RANDOM_WEIGHTS, materialize
+    from trellis.presets import RANDOM_WEIGHTS, materialize
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = materialize("bge-m3")
@@ -321,7 +321,7 @@ def test_tiny_checkpoints_match_sentence_transformers(tmp_path, model_path, fami
 
 
 def test_model_spec_reads_old_and_new_sentence_transformers_files(tmp_path):
-    from rose.modeldir import ModelSpec
+    from trellis.modeldir import ModelSpec
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8, "vocab_size": 10}))
     (tmp_path / "1_Pooling").mkdir()

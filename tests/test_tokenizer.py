@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from ivy.tokenizer import FastEncoder, TextTokenizer
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
-from rose import standin
+from trellis import standin
 from tests.sentences import SENTENCES as MORE_SENTENCES
 
 tokie = pytest.importorskip("tokie")
@@ -28,7 +28,7 @@ def varied_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def standin_dir(tmp_path_factory):
-    from rose.presets import materialize
+    from trellis.presets import materialize
 
     old = os.environ.get("TRELLIS_CACHE")
     os.environ["TRELLIS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
@@ -43,7 +43,7 @@ def standin_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def minilm_dir():
-    from rose.modeldir import resolve_model_path
+    from trellis.modeldir import resolve_model_path
 
     return resolve_model_path("default")
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rose.engine import Engine, EngineConfig
 from rose.layers.heads import Extra
-from rose.modeldir import default_served_name
+from trellis.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
 from tulip.loop import EngineLoop, Request, warm_up

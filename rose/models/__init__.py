@@ -1,13 +1,14 @@
-"""Model families by Hugging Face `model_type`."""
+"""Model families by Hugging Face `model_type` (each implements `rose.models.base.Family`)."""
 
+from rose.models.base import Family
 from rose.models.bert import BertModel
 from rose.models.qwen3 import Qwen3Model
 from rose.models.xlm_roberta import XLMRobertaModel
 
-MODELS = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model}
+MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model}
 
 
-def model_class(model_type: str):
+def model_class(model_type: str) -> type[Family]:
     try:
         return MODELS[model_type]
     except KeyError:

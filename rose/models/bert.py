@@ -15,6 +15,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.models.base import Family
 
 
 class BertEmbeddings(nn.Module):
@@ -27,7 +28,7 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # `positions` already include the family's offset (BertModel.position_offset).
+        # `positions` already include the family's offset (Family.position_offset).
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
@@ -132,8 +133,8 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
-class BertModel(nn.Module):
-    # Checkpoint names -> ours: strip these prefixes, skip what matches `ignored`,
+class BertModel(Family):
+    # Checkpoint names -> ours (`Family`): strip these prefixes, skip what matches `ignored`,
     # and stack q/k/v into qkv (shard index along dim 0).
     strip_prefixes = ("bert.", "model.")
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.")
@@ -142,12 +143,10 @@ class BertModel(nn.Module):
         ".attention.self.key.": (".attention.self.qkv.", 1),
         ".attention.self.value.": (".attention.self.qkv.", 2),
     }
-    causal = False
-    kernel_tokens = 0  # steps of up to this many tokens take BertLayer.small_step (use_kernels)
-    position_offset = 0  # added to 0-based positions (XLM-RoBERTa numbers from pad_token_id + 1)
 
     def __init__(self, cfg: dict):
         super().__init__()
+        self.offset = self.position_offset(cfg)
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
         self.hidden_size = cfg["hidden_size"]
@@ -167,8 +166,8 @@ class BertModel(nn.Module):
         return max_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        if self.position_offset:
-            positions = positions + self.position_offset
+        if self.offset:
+            positions = positions + self.offset
         x = self.embeddings(input_ids, positions)
         small = x.shape[0] <= self.kernel_tokens  # host-side: x's rows are the graph's token bucket
         for layer in self.encoder.layer:

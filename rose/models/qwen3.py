@@ -14,17 +14,13 @@ from torch import nn
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
 from rose.layers.rotary import Rotary, apply_rotary, rope_theta
-
-
-def _heads(cfg: dict) -> tuple[int, int, int]:
-    h = cfg["num_attention_heads"]
-    return h, cfg.get("num_key_value_heads", h), cfg.get("head_dim") or cfg["hidden_size"] // h
+from rose.models.base import Family
 
 
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
-        self.h, self.hk, self.d = _heads(cfg)
+        self.h, self.hk, self.d = Family.head_shape(cfg)
         bias, eps = cfg.get("attention_bias", False), cfg.get("rms_norm_eps", 1e-6)
         self.qkv_proj = nn.Linear(cfg["hidden_size"], (self.h + 2 * self.hk) * self.d, bias=bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg["hidden_size"], bias=bias)
@@ -107,7 +103,7 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(Family):
     strip_prefixes = ("model.",)
     ignored = re.compile(r"^lm_head\.|(^|\.)rotary_emb\.")
     stacked_params = {
@@ -118,14 +114,26 @@ class Qwen3Model(nn.Module):
         ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
     }
 
-    kernel_tokens = 0  # steps of up to this many tokens take the small path (use_kernels)
+    @classmethod
+    def is_causal(cls, config: dict) -> bool:
+        return not (config.get("is_causal") is False or config.get("use_bidirectional_attention", False))
+
+    @classmethod
+    def default_pooling(cls, config: dict) -> str:
+        """Last token for causal Qwen3 (Qwen3-Embedding), mean for bidirectional (pplx-embed-1)."""
+        return "last" if cls.is_causal(config) else "mean"
+
+    @classmethod
+    def quantized_outputs(cls, config: dict) -> bool:
+        """pplx-embed-1 (bidirectional Qwen3) is trained for int8 / binary outputs."""
+        return not cls.is_causal(config)
 
     def __init__(self, cfg: dict):
         super().__init__()
         if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
-        self.causal = not (cfg.get("is_causal") is False or cfg.get("use_bidirectional_attention", False))
-        h, hk, d = _heads(cfg)
+        self.causal = self.is_causal(cfg)
+        h, hk, d = self.head_shape(cfg)
         self._rows = {"qkv_proj": (h * d, hk * d, hk * d),
                       "gate_up_proj": (cfg["intermediate_size"], cfg["intermediate_size"])}
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])

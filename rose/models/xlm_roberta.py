@@ -9,7 +9,7 @@ from rose.models.bert import BertModel
 class XLMRobertaModel(BertModel):
     strip_prefixes = ("roberta.", "model.")
 
-    def __init__(self, cfg: dict):
-        super().__init__(cfg)
-        # Hugging Face numbers unpadded positions from padding_idx + 1.
-        self.position_offset = int(cfg.get("pad_token_id", 1)) + 1
+    @classmethod
+    def position_offset(cls, config: dict) -> int:
+        """Hugging Face numbers unpadded positions from padding_idx + 1."""
+        return int(config.get("pad_token_id", 1)) + 1

