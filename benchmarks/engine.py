@@ -3,7 +3,7 @@
     python -m benchmarks.engine --model bge-m3 --out benchmarks/results [--iters 200] [--hf-baseline]
 
 Cells: step p50/p99 at 1 x 128 / 512 / 4096 tokens (step + copy + sync, wall clock) with the device
-time of the same step (CUDA events) and the host share; throughput for 100 x 512 and for 100 mixed
+time of the same step (CUDA events) and the host share, the host time until `step()` returns and of the bare graph replay call; throughput for 100 x 512 and for 100 mixed
 lengths 32..512 (batched on a 16384-token budget like Tulip, steps pipelined); graph capture time per
 key and graph memory. `--hf-baseline` adds Hugging Face transformers eager (bf16, SDPA, padded) on
 the same shapes and random weights of the same architecture, `--hf-compile` the same model under
@@ -49,13 +49,14 @@ def time_online(engine: Engine, L: int, iters: int, seqs: int = 1) -> dict:
         engine.step(batch).synchronize()
     cuda = engine.device.type == "cuda"
     stream = (engine.runner.ops.stream if engine.runner else torch.cuda.current_stream()) if cuda else None
-    wall, dev = [], []
+    wall, dev, launch = [], [], []
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
         t0 = time.perf_counter()
         lazy = engine.step(batch)
+        launch.append((time.perf_counter() - t0) * 1e3)
         if cuda:
             end.record(stream)
         lazy.synchronize()
@@ -67,7 +68,26 @@ def time_online(engine: Engine, L: int, iters: int, seqs: int = 1) -> dict:
     if not cuda:
         return p
     d = float(np.median(dev))
-    return {**p, "device_p50_ms": round(d, 4), "host_share": round(max(0.0, 1 - d / p["p50_ms"]), 3)}
+    return {**p, "device_p50_ms": round(d, 4), "host_share": round(max(0.0, 1 - d / p["p50_ms"]), 3),
+            "launch_p50_ms": round(float(np.median(launch)), 4), **_replay_call(engine, batch, iters)}
+
+
+def _replay_call(engine: Engine, batch: Batch, iters: int) -> dict:
+    """Host milliseconds of the bare `CUDAGraph.replay()` call of this batch's graph (the launch
+    cost of its kernels, without staging and copies), the GPU idle before each call."""
+    r = engine.runner
+    graph = r._graphs.get(r.key(batch, frozenset())) if r is not None else None
+    if graph is None:
+        return {}
+    ts = []
+    with r.ops.stream_ctx():
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph[0].replay()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return {"replay_call_p50_ms": round(float(np.median(ts)), 4)}
 
 
 def time_throughput(engine: Engine, lens, repeats: int) -> dict:
