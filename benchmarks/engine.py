@@ -110,8 +110,9 @@ def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str, compiled: b
     model is transformers' class for the family (`AutoModel`), named in the rows' backend."""
     import transformers
 
+    hf_type = {"bidirectional_pplx_qwen3": "qwen3"}.get(spec.model_type, spec.model_type)  # remote code: Qwen3's
     cfg = transformers.AutoConfig.for_model(
-        spec.model_type, **{k: v for k, v in spec.config.items() if k not in ("architectures", "model_type")})
+        hf_type, **{k: v for k, v in spec.config.items() if k not in ("architectures", "model_type")})
     kw = {"add_pooling_layer": False} if spec.model_type in ("bert", "xlm-roberta") else {}
     model = transformers.AutoModel.from_config(cfg, **kw).to("cuda", torch.bfloat16).eval()
     model.config._attn_implementation = "sdpa"

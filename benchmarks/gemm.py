@@ -36,7 +36,7 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     heads = cfg["num_attention_heads"]
     d = cfg.get("head_dim") or h // heads
     kv = cfg.get("num_key_value_heads") or heads
-    gated = cfg.get("model_type") == "qwen3"
+    gated = "qwen3" in cfg.get("model_type", "")  # qwen3, bidirectional_pplx_qwen3
     return {"qkv": (h, (heads + 2 * kv) * d), "o_proj": (heads * d, h),
             "up" if not gated else "gate_up": (h, inter * (2 if gated else 1)), "down": (inter, h)}
 

@@ -55,7 +55,7 @@ def time_graph(fn, layers: int, iters: int) -> float:
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     """(N, K) of each linear layer of a block."""
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    if cfg["model_type"].startswith("qwen3"):
+    if "qwen3" in cfg["model_type"]:
         heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
         d = cfg.get("head_dim") or h // heads
         return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h), "down": (h, inter)}
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     rec = Recorder(args.out, f"small_step_{Path(args.model).name}")
     L = args.layers
     eps = cfg.get("layer_norm_eps", cfg.get("rms_norm_eps", 1e-6))
-    rms = cfg["model_type"].startswith("qwen3")
+    rms = "qwen3" in cfg["model_type"]
     best: dict = {}
 
     def emit(op, tokens, impl, us, **kw):

@@ -85,7 +85,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     tokenizer = TextTokenizer(model_path, spec.max_seq_len, cfg.tokenize_offload_chars)
     templates = Templates(spec.prompts, Path(cfg.prompts_file) if cfg.prompts_file else None)
     # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)
-    pool_without_prompt = spec.pooling in ("mean", "cls") and not spec.include_prompt
+    pool_without_prompt = spec.pooling != "last" and not spec.include_prompt
     metrics = Metrics()
     created = int(time.time())
     balancer: Balancer  # gRPC channels must be made on the server's event loop: see lifespan

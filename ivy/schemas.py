@@ -54,8 +54,8 @@ class EmbeddingRequest(Body):
     truncate:        cut inputs longer than the model's maximum instead of answering 400.
     input_type:      "query" or "document": prefix text inputs with the model's prompt for it.
     instruction:     a task for instruction-tuned models ("Instruct: {instruction}\nQuery:{text}").
-    encoding_format: also "base64_int8" (clamp(round(tanh(x) * 127)) as int8) and "base64_binary"
-                     (sign bits, packed MSB first) where the model supports quantised outputs.
+    encoding_format: also "base64_int8" (round(tanh(x) * 127) as int8) and "base64_binary"
+                     (the bits x >= 0, packed MSB first) where the model has a quantizer module.
     return_sparse:   also return BGE-M3 lexical weights: "sparse_embedding" {token id: weight} and
                      "sparse_tokens" {token id: token string}.
     return_colbert:  also return BGE-M3 ColBERT vectors, "colbert_embedding": one vector per token

@@ -20,6 +20,7 @@ from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionMetadata, select_backend
 from rose.layers.attention_table import builtin_table, load_table
+from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import normalize, pool
 from rose.lazy import LazyTensor
@@ -127,6 +128,7 @@ class Engine:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = self.model.causal
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
+        self.dense = DenseStack.load(self.spec.dense, self.device)  # after pooling, before Normalize
         # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
         # takes the first token after it, mean divides by the tokens kept; only such models pay for it.
         self._pool_mode = self.spec.pooling if self.spec.include_prompt else \
@@ -147,9 +149,9 @@ class Engine:
             self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg,
                                       forward_extras=self._forward_extras if self.heads is not None else None)
         log.info(
-            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, normalize=%s, triton small steps=%s",
-            self.spec.path, self.spec.model_type, self.device, self.dtype,
-            self.attention.name, self.spec.pooling, self.spec.normalize,
+            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s",
+            self.spec.path, self.spec.model_type, self.device, self.dtype, self.attention.name, self.spec.pooling,
+            " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
             f"<= {self.kernels} tokens" if self.kernels else "off",
         )
 
@@ -167,26 +169,30 @@ class Engine:
 
     @property
     def embedding_dim(self) -> int:
-        return self.spec.hidden_size
+        return self.spec.embedding_dim
 
     def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
         """Device tensors in, token states [T, hidden] out."""
         return self.model(ids, positions, AttentionMetadata(cu, max_seqlen, seq_lens, self.causal), self.attention)
 
-    def _pooled(self, hidden, cu, seq_ids) -> torch.Tensor:
-        out = pool(hidden, cu, seq_ids, self._pool_mode)
+    def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
+        """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""
+        out = pool(hidden, cu, seq_ids, self._pool_mode, positions)
+        if self.dense is not None:
+            out = self.dense(out)
         return normalize(out) if self.spec.normalize else out.float()
 
     def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
-        """Device tensors in, float32 [N, dim] pooled (and normalised) embeddings out."""
-        return self._pooled(self._encode(ids, positions, cu, max_seqlen, seq_lens), cu, seq_ids)
+        """Device tensors in, float32 [N, dim] embeddings out (pooled, through any Dense modules, normalised
+        where the model says)."""
+        return self._pooled(self._encode(ids, positions, cu, max_seqlen, seq_lens), cu, seq_ids, positions)
 
     def _forward_extras(self, ids, positions, seq_ids, cu, max_seqlen, extras: frozenset, seq_lens=None):
         """As `_forward`, plus the token-level outputs named in `extras` from the same hidden states:
         (dense [N, dim], float32 weights [T] or empty, float32 vectors [T, colbert_dim] or empty)."""
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens)
         empty = torch.empty(0, device=hidden.device)
-        return (self._pooled(hidden, cu, seq_ids),
+        return (self._pooled(hidden, cu, seq_ids, positions),
                 self.heads.token_weights(hidden) if Extra.SPARSE in extras else empty,
                 self.heads.token_vectors(hidden) if Extra.COLBERT in extras else empty)
 

@@ -54,3 +54,30 @@ def qwen3_reference(model, seq, bidirectional: bool) -> torch.Tensor:
             mask = torch.zeros(1, 1, len(seq), len(seq))
             return model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
         return model(input_ids=ids).last_hidden_state[0]
+
+
+PPLX_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "", "type": "st_quantize.FlexibleQuantizer", "kwargs": ["quantization"]},
+]
+
+
+def save_pplx(path, seed: int = 0, **overrides):
+    """A small random bidirectional Qwen3 saved by transformers, in pplx-embed-v1's published layout:
+    config.json rewritten to its model_type / architectures, modules.json = Transformer, mean Pooling
+    (the older boolean keys, as published), the quantizer module (no Normalize). Returns (path, hf_model)."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    _, model = save_qwen3(path, seed, **overrides)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="bidirectional_pplx_qwen3", architectures=["PPLXQwen3Model"],
+               use_bidirectional_attention=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "modules.json").write_text(json.dumps(PPLX_MODULES))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": cfg["hidden_size"], "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False, "include_prompt": True}))
+    return path, model

@@ -144,7 +144,9 @@ def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path(name)
     spec = ModelSpec.read(path)
-    assert (spec.model_type, spec.pooling, spec.normalize, spec.hidden_size) == ("qwen3", pooling, normalize, dim)
+    pplx = name.startswith("pplx")  # the published layout: its own model_type, the quantizer module
+    assert (spec.model_type, spec.pooling, spec.normalize, spec.hidden_size, spec.quantized_outputs) == (
+        "bidirectional_pplx_qwen3" if pplx else "qwen3", pooling, normalize, dim, pplx)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode("hi").ids
     assert len(ids) == 3 and ids[-1] == 0  # two bytes, then <|endoftext|>
     if name.startswith("qwen3-embedding"):
@@ -333,13 +335,13 @@ def test_model_spec_reads_old_and_new_sentence_transformers_files(tmp_path):
     assert (ModelSpec.read(tmp_path).pooling, ModelSpec.read(tmp_path).normalize) == ("mean", True)
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
     assert ModelSpec.read(tmp_path).pooling == "last"
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
-    with pytest.raises(ValueError, match="unsupported pooling_mode 'max'"):
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean_sqrt_len_tokens"}))
+    with pytest.raises(ValueError, match="unsupported pooling_mode 'mean_sqrt_len_tokens'"):
         ModelSpec.read(tmp_path)
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
-    modules.append({"path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append({"path": "3_Custom", "type": "my_module.Custom"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(ValueError, match="Dense' is not supported"):
+    with pytest.raises(ValueError, match="module 'my_module.Custom' is not supported"):
         ModelSpec.read(tmp_path)
 
 

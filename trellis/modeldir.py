@@ -2,9 +2,10 @@
 
 A model directory holds config.json, *.safetensors, tokenizer.json and, for
 sentence-transformers models, modules.json, 1_Pooling/config.json,
-sentence_bert_config.json and config_sentence_transformers.json. This module
-turns those files into one frozen `ModelSpec`; it loads no weights and imports
-nothing of the engine or torch (the gateway reads model directories too).
+sentence_bert_config.json, config_sentence_transformers.json and the modules after
+pooling (N_Dense/, N_Normalize/, a quantizer). This module turns those files into one
+frozen `ModelSpec`; it loads no weights and imports nothing of the engine or torch (the
+gateway reads model directories too). A module it does not know is an error naming it.
 
 What a directory leaves to the model family (the default pooling without a Pooling
 module, how many positions the architecture numbers) is the family's to say:
@@ -55,26 +56,58 @@ def _read_json(path: Path) -> dict | list | None:
 
 
 @dataclass(frozen=True)
+class DenseSpec:
+    """One sentence-transformers Dense module after pooling: y = activation(x W^T + b).
+
+    path:         the module's directory (its weights: model.safetensors, or pytorch_model.bin from
+                  older releases; tensors `linear.weight` [out, in] and, with a bias, `linear.bias`).
+    in_features:  the width it takes (the pooled vector's, or the previous Dense's out_features).
+    out_features: the width it gives.
+    bias:         whether the linear layer has a bias.
+    activation:   `activation_function` as written, e.g. "torch.nn.modules.linear.Identity",
+                  "torch.nn.modules.activation.Tanh" (the engine maps it: `rose.layers.dense`).
+    """
+
+    path: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+
+
+# sentence-transformers' Dense without an activation_function key uses its constructor's default.
+DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"
+# Custom modules read as they are published (modules.json "type" -> what it adds): perplexity-ai's
+# pplx-embed-v1 quantizer (its repo's st_quantize.py): int8 = round(tanh(x) * 127), packed sign bits.
+QUANTIZER_MODULES = ("st_quantize.FlexibleQuantizer",)
+# The pipeline's stages in the order they must come (Dense may repeat).
+_STAGES = ("Transformer", "Pooling", "Dense", "Normalize", "Quantizer")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a model directory says about serving it.
 
     path:        the directory.
     config:      config.json as a dict (the architecture's hyper-parameters).
     model_type:  config["model_type"], e.g. "bert".
-    pooling:     "cls" | "mean" | "last" from 1_Pooling/config.json; "" without a Pooling module
-                 (the family's default applies: `Family.default_pooling`).
-    normalize:   whether a Normalize module follows pooling (modules.json).
+    pooling:     "cls" | "mean" | "max" | "weightedmean" | "last" from 1_Pooling/config.json; "" without a
+                 Pooling module (the family's default applies: `Family.default_pooling`).
+    normalize:   whether a Normalize module follows pooling (and any Dense modules) in modules.json.
     max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's max_seq_length
                  (what sentence-transformers truncates to), else tokenizer_config.json's
                  model_max_length, else config.json's max_position_embeddings; the family caps it
                  by the positions its architecture numbers (`Family.max_positions`).
     prompts:     named prompts from config_sentence_transformers.json.
     special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
-    include_prompt: False when the Pooling config says `include_prompt: false`: mean pooling then
-                 leaves a prompt's tokens (and the first special token) out and CLS pooling takes
-                 the first token after it, as sentence-transformers does.
-    quantized_outputs: int8 / binary outputs offered (Info lists them): the model is trained for
-                 them (pplx-embed-1's quantizer module; the family may say so too).
+    include_prompt: False when the Pooling config says `include_prompt: false`: pooling then leaves a
+                 prompt's tokens out (mean / max / weighted mean over the rest, weighted mean keeping
+                 the tokens' positions in the sequence as weights; CLS takes the first token after it),
+                 as sentence-transformers does.
+    dense:       the Dense modules between pooling and Normalize, in order (EmbeddingGemma has two);
+                 the served vector is the last one's out_features wide (`embedding_dim`).
+    quantized_outputs: int8 / binary outputs offered (Info lists them): modules.json ends with a
+                 quantizer module the model is trained for (`QUANTIZER_MODULES`: pplx-embed-v1's).
     """
 
     path: Path
@@ -86,6 +119,7 @@ class ModelSpec:
     prompts: dict[str, str] = field(default_factory=dict)
     special_token_ids: tuple[int, ...] = ()
     include_prompt: bool = True
+    dense: tuple[DenseSpec, ...] = ()
     quantized_outputs: bool = False
 
     @property
@@ -96,25 +130,17 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the served vector: the last Dense module's out_features, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else self.hidden_size
+
     @classmethod
     def read(cls, path: Path) -> "ModelSpec":
         config = _read_json(path / "config.json")
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
-        modules = _read_json(path / "modules.json") or []
-        pooling, normalize, include_prompt = "", False, True
-        for m in modules:
-            # By class name: sentence-transformers writes "sentence_transformers.models.Pooling" or,
-            # in newer releases, e.g. "sentence_transformers.sentence_transformer.modules.pooling.Pooling".
-            kind = m.get("type", "").rsplit(".", 1)[-1]
-            if kind == "Normalize":
-                normalize = True
-            elif kind == "Pooling":
-                pcfg = _read_json(path / m.get("path", "") / "config.json") or {}
-                pooling, include_prompt = _pooling_mode(pcfg), bool(pcfg.get("include_prompt", True))
-            elif kind != "Transformer":
-                raise ValueError(f"{path / 'modules.json'}: module {m.get('type')!r} is not supported "
-                                 "(supported: Transformer, Pooling, Normalize)")
+        pipeline = _read_pipeline(path, _read_json(path / "modules.json") or [], int(config.get("hidden_size", 0)))
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
         limit = tok_cfg.get("model_max_length")
@@ -123,23 +149,89 @@ class ModelSpec:
         prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
-        return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special,
-                   include_prompt)
+        return cls(path, config, config["model_type"], max_seq_len=max_len, prompts=dict(prompts),
+                   special_token_ids=special, **pipeline)
+
+
+def _stage(module_type: str) -> str:
+    """modules.json "type" -> its stage in `_STAGES`. sentence-transformers' own modules by class name
+    ("sentence_transformers.models.Pooling" in older releases, e.g.
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling" or
+    "sentence_transformers.base.modules.dense.Dense" in newer ones); custom modules by full name."""
+    kind = module_type.rsplit(".", 1)[-1]
+    if module_type.startswith("sentence_transformers.") and kind in _STAGES[:4]:
+        return kind
+    if module_type in QUANTIZER_MODULES:
+        return "Quantizer"
+    raise ValueError(f"module {module_type!r} is not supported (supported: sentence-transformers' "
+                     f"Transformer, Pooling, Dense, Normalize; custom: {', '.join(QUANTIZER_MODULES)})")
+
+
+def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
+    """modules.json (Transformer, Pooling, Dense..., Normalize, quantizer, in that order, each optional)
+    -> the ModelSpec fields it decides."""
+    out = dict(pooling="", normalize=False, include_prompt=True, dense=(), quantized_outputs=False)
+    where = path / "modules.json"
+    last, dim = -1, hidden
+    for m in modules:
+        module_type = m.get("type", "")
+        stage = _stage(module_type)
+        at = _STAGES.index(stage)
+        if at < last or (at == last and stage != "Dense"):
+            raise ValueError(f"{where}: module {module_type!r} comes after {_STAGES[last]} (supported order: "
+                             f"{' -> '.join(_STAGES)}, Dense repeatable)")
+        if stage == "Dense" and not out["pooling"]:
+            raise ValueError(f"{where}: Dense module {module_type!r} without a Pooling module before it")
+        last = at
+        mdir = path / m.get("path", "")
+        cfg = _read_json(mdir / "config.json") or {}
+        if stage in ("Dense", "Normalize"):
+            for key in ("module_input_name", "module_output_name"):
+                if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+                    raise ValueError(f"{mdir / 'config.json'}: {key} {cfg[key]!r} is not supported (only modules "
+                                     "on the pooled vector, 'sentence_embedding')")
+        if stage == "Pooling":
+            out["pooling"], out["include_prompt"] = _pooling_mode(cfg), bool(cfg.get("include_prompt", True))
+        elif stage == "Dense":
+            d = _dense(mdir, cfg)
+            if d.in_features != dim:
+                raise ValueError(f"{mdir / 'config.json'}: in_features {d.in_features} does not match the "
+                                 f"{dim} values before it")
+            out["dense"], dim = (*out["dense"], d), d.out_features
+        elif stage == "Normalize":
+            out["normalize"] = True
+        elif stage == "Quantizer":
+            out["quantized_outputs"] = True
+    return out
+
+
+def _dense(mdir: Path, cfg: dict) -> DenseSpec:
+    if not isinstance(cfg.get("in_features"), int) or not isinstance(cfg.get("out_features"), int):
+        raise ValueError(f"{mdir / 'config.json'}: a Dense module needs integer in_features and out_features")
+    if cfg.get("use_residual"):
+        raise ValueError(f"{mdir / 'config.json'}: Dense use_residual is not supported")
+    if not ((mdir / "model.safetensors").is_file() or (mdir / "pytorch_model.bin").is_file()):
+        raise ValueError(f"{mdir}: a Dense module needs model.safetensors or pytorch_model.bin")
+    return DenseSpec(mdir, cfg["in_features"], cfg["out_features"], bool(cfg.get("bias", True)),
+                     str(cfg.get("activation_function") or DEFAULT_DENSE_ACTIVATION))
+
+
+# sentence-transformers' pooling modes -> ours (one mode; combinations concatenate and are not served).
+_POOLING = {"cls": "cls", "mean": "mean", "max": "max", "weightedmean": "weightedmean", "lasttoken": "last"}
+_LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                   "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 
 
 def _pooling_mode(cfg: dict) -> str:
-    """1_Pooling/config.json: booleans (pooling_mode_mean_tokens, ...) or, in newer
-    sentence-transformers, "pooling_mode": "mean" | "cls" | "lasttoken"."""
+    """1_Pooling/config.json: "pooling_mode": "mean" | ... (newer sentence-transformers) or the older
+    booleans (pooling_mode_mean_tokens, ...); neither means mean, as sentence-transformers reads it."""
     mode = cfg.get("pooling_mode")
-    if isinstance(mode, str):
-        named = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
-        if mode not in named:
-            raise ValueError(f"unsupported pooling_mode {mode!r} (supported: cls, mean, lasttoken)")
-        return named[mode]
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    if cfg.get("pooling_mode_lasttoken"):
-        return "last"
-    if cfg.get("pooling_mode_mean_tokens"):
-        return "mean"
-    raise ValueError(f"unsupported pooling configuration {cfg!r} (supported: cls, mean, lasttoken)")
+    if mode is None:
+        modes = [m for k, m in _LEGACY_POOLING.items() if cfg.get(k)]
+        mode = modes[0] if len(modes) == 1 else tuple(modes) if modes else "mean"
+    if isinstance(mode, list):
+        mode = mode[0] if len(mode) == 1 else tuple(mode)
+    if mode not in _POOLING:
+        raise ValueError(f"unsupported pooling_mode {mode!r} (supported: one of {', '.join(_POOLING)})")
+    return _POOLING[mode]

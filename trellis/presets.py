@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 2  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+FORMAT = 3  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -43,14 +43,19 @@ _QWEN3_0_6B = {
     "rope_theta": 1000000.0, "attention_bias": False, "tie_word_embeddings": True,
 }
 _QWEN3_SPECIALS = {"specials": {"<|endoftext|>": 0, "<unk>": 1}, "wrap": (None, "<|endoftext|>")}
+# pplx-embed-v1's published config.json names its own model type (a bidirectional Qwen3: rose.models.pplx_qwen3).
+_PPLX = {"model_type": "bidirectional_pplx_qwen3", "architectures": ["PPLXQwen3Model"],
+         "use_bidirectional_attention": True}
 PRESETS.update({
-    # perplexity-ai/pplx-embed-1-0.6b: Qwen3-0.6B blocks, bidirectional, mean pooling.
-    "pplx-embed-1-0.6b": {"config": {**_QWEN3_0_6B, "is_causal": False}, "pooling": "mean", "normalize": False,
-                          "max_seq_length": 32768, **_QWEN3_SPECIALS},
-    # perplexity-ai/pplx-embed-1-4b: Qwen3-4B blocks, bidirectional, mean pooling.
+    # perplexity-ai/pplx-embed-v1-0.6b: Qwen3-0.6B blocks, bidirectional, mean pooling, then its int8 /
+    # binary quantizer module (st_quantize.FlexibleQuantizer), no Normalize.
+    "pplx-embed-1-0.6b": {"config": {**_QWEN3_0_6B, **_PPLX}, "pooling": "mean", "normalize": False,
+                          "quantizer": True, "max_seq_length": 32768, **_QWEN3_SPECIALS},
+    # perplexity-ai/pplx-embed-v1-4b: Qwen3-4B blocks, otherwise as the 0.6b.
     "pplx-embed-1-4b": {"config": {**_QWEN3_0_6B, "vocab_size": 151936, "hidden_size": 2560, "num_hidden_layers": 36,
-                                   "num_attention_heads": 32, "intermediate_size": 9728, "is_causal": False},
-                        "pooling": "mean", "normalize": False, "max_seq_length": 32768, **_QWEN3_SPECIALS},
+                                   "num_attention_heads": 32, "intermediate_size": 9728, **_PPLX},
+                        "pooling": "mean", "normalize": False, "quantizer": True, "max_seq_length": 32768,
+                        **_QWEN3_SPECIALS},
     # Qwen/Qwen3-Embedding-0.6B: causal, last-token pooling, normalised, instruction prompt for queries.
     "qwen3-embedding-0.6b": {"config": _QWEN3_0_6B, "pooling": "last", "normalize": True, "max_seq_length": 32768,
                              "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages "
@@ -101,6 +106,9 @@ def materialize(name: str) -> Path:
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if p["normalize"]:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    if p.get("quantizer"):  # as pplx-embed-v1's modules.json lists it (its code is the repo's st_quantize.py)
+        modules.append({"idx": 2, "name": "2", "path": "", "type": "st_quantize.FlexibleQuantizer",
+                        "kwargs": ["quantization"]})
     (d / "modules.json").write_text(json.dumps(modules, indent=2))
     mode = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
     (d / "1_Pooling" / "config.json").write_text(json.dumps(

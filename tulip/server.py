@@ -103,11 +103,13 @@ def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
 
 
 def encode(vectors: np.ndarray, encoding: int) -> bytes:
-    """float32 [n, dim] -> the reply's bytes in `encoding` (see tulip.proto)."""
+    """float32 [n, dim] -> the reply's bytes in `encoding` (see tulip.proto). The quantised ones are
+    pplx-embed-v1's quantizer module (st_quantize.FlexibleQuantizer): int8 = round(tanh(x) * 127)
+    (half to even, as torch.round; tanh keeps it within [-127, 127]); binary = the bits x >= 0, packed."""
     if encoding == tulip_pb2.ENCODING_INT8:
-        return np.clip(np.rint(np.tanh(vectors) * 127), -127, 127).astype(np.int8).tobytes()
+        return np.rint(np.tanh(vectors) * 127).astype(np.int8).tobytes()
     if encoding == tulip_pb2.ENCODING_BINARY:
-        return np.packbits(vectors > 0, axis=1).tobytes()
+        return np.packbits(vectors >= 0, axis=1).tobytes()
     return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
@@ -329,7 +331,10 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         """The reply for a completed request."""
         if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
             return tulip_pb2.EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape, prompt_tokens=req.num_tokens)
-        vectors = truncate_dims(vectors, request.dimensions)
+        if request.encoding:  # the first `dimensions` codes of the quantizer's (sentence-transformers' truncate_dim)
+            vectors = vectors[:, :request.dimensions or None]
+        else:
+            vectors = truncate_dims(vectors, request.dimensions)
         reply = tulip_pb2.EmbedReply(
             embeddings=encode(vectors, request.encoding),
             shape=vectors.shape,

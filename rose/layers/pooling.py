@@ -5,30 +5,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-POOLING_MODES = ("cls", "mean", "last")
+POOLING_MODES = ("cls", "mean", "max", "weightedmean", "last")
 
 
-def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str) -> torch.Tensor:
-    """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], on hidden's device.
+def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, mode: str,
+         positions: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, D] -> [N, D]. cu_seqlens int32 [N+1], seq_ids int64 [T], positions int64 [T]
+    (0-based within each sequence; "weightedmean" only), on hidden's device.
 
-    Tokens with seq_id == N (padding) are pooled into a row that is dropped. Two modes serve
-    models that leave a prompt out of pooling (its tokens carry seq_id == N too): "first" (CLS
-    pooling: each sequence's first kept token) and "mean_kept" (mean pooling divided by the
-    tokens kept, one more kernel than "mean"). Empty sequences (padding to a sequence bucket)
-    give garbage rows the caller drops.
+    Tokens with seq_id == N (padding) are pooled into a row that is dropped. Models that leave a
+    prompt out of pooling mark its tokens so too: "max" and "weightedmean" then pool the rest as they
+    are, and two more modes serve such models: "first" (CLS pooling: each sequence's first kept token)
+    and "mean_kept" (mean pooling divided by the tokens kept, one more kernel than "mean").
+    "weightedmean" weighs each token by its 1-based position in the sequence (sentence-transformers'
+    rule; a left-out prompt keeps the positions of the tokens after it). Empty sequences (padding to
+    a sequence bucket) give garbage rows the caller drops. No mode reads anything back to the host.
     """
     # Empty dummy sequences may start at T (a batch that fills its bucket): clamp to a valid row.
     if mode == "cls":
         return hidden.index_select(0, cu_seqlens[:-1].long().clamp_(max=hidden.shape[0] - 1))
     if mode == "last":
         return hidden.index_select(0, (cu_seqlens[1:].long() - 1).clamp_(min=0))
+    t, n = hidden.shape[0], cu_seqlens.shape[0] - 1
     if mode == "first":  # CLS pooling that may leave a prompt out: each sequence's first pooled token
-        t, n = hidden.shape[0], cu_seqlens.shape[0] - 1
         first = torch.full((n + 1,), t - 1, dtype=torch.int64, device=hidden.device)
         first.scatter_reduce_(0, seq_ids, torch.arange(t, device=hidden.device), reduce="amin")
         return hidden.index_select(0, first[:n])
+    if mode == "max":  # rows no token reaches (empty dummies) keep their zeros
+        out = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        out.scatter_reduce_(0, seq_ids.unsqueeze(1).expand(-1, hidden.shape[1]), hidden.float(), reduce="amax",
+                            include_self=False)
+        return out[:n]
+    if mode == "weightedmean":
+        w = (positions + 1).float()
+        sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, seq_ids, hidden.float() * w.unsqueeze(1))
+        total = torch.zeros(n + 1, dtype=torch.float32, device=hidden.device)
+        total.index_add_(0, seq_ids, w)
+        return sums[:n] / total[:n].clamp(min=1e-9).unsqueeze(1)
     if mode in ("mean", "mean_kept"):
-        n = cu_seqlens.shape[0] - 1
         sums = torch.zeros(n + 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, seq_ids, hidden.float())
         if mode == "mean":

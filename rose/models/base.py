@@ -69,18 +69,12 @@ class Family(nn.Module):
         return False
 
     @classmethod
-    def quantized_outputs(cls, config: dict) -> bool:
-        """Whether the family is trained for int8 / binary outputs whatever its directory says."""
-        return False
-
-    @classmethod
     def serving(cls, spec: ModelSpec) -> ModelSpec:
         """`spec` with the family's defaults where the directory is silent, and its sequence limit
         capped by the positions the architecture numbers."""
         return dataclasses.replace(
             spec, pooling=spec.pooling or cls.default_pooling(spec.config),
-            max_seq_len=min(spec.max_seq_len, cls.max_positions(spec.config)),
-            quantized_outputs=spec.quantized_outputs or cls.quantized_outputs(spec.config))
+            max_seq_len=min(spec.max_seq_len, cls.max_positions(spec.config)))
 
     @property
     def blocks(self) -> nn.ModuleList:

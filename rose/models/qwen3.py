@@ -1,6 +1,6 @@
 """Qwen3 over a ragged batch: causal (Qwen3-Embedding, last-token pooling) or bidirectional
-(pplx-embed-1, mean pooling, selected by `is_causal: false` or `use_bidirectional_attention: true`
-in config.json). Parameter names follow Hugging Face's Qwen3Model; q/k/v are stacked into one
+(mean pooling, selected by `is_causal: false` or `use_bidirectional_attention: true` in config.json;
+pplx-embed-v1's published layout is its own model_type: `rose.models.pplx_qwen3`). Parameter names follow Hugging Face's Qwen3Model; q/k/v are stacked into one
 `qkv_proj` GEMM and gate/up into `gate_up_proj`."""
 
 from __future__ import annotations
@@ -122,11 +122,6 @@ class Qwen3Model(Family):
     def default_pooling(cls, config: dict) -> str:
         """Last token for causal Qwen3 (Qwen3-Embedding), mean for bidirectional (pplx-embed-1)."""
         return "last" if cls.is_causal(config) else "mean"
-
-    @classmethod
-    def quantized_outputs(cls, config: dict) -> bool:
-        """pplx-embed-1 (bidirectional Qwen3) is trained for int8 / binary outputs."""
-        return not cls.is_causal(config)
 
     def __init__(self, cfg: dict):
         super().__init__()
