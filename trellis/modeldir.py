@@ -75,6 +75,9 @@ class ModelSpec:
                  the first token after it, as sentence-transformers does.
     quantized_outputs: int8 / binary outputs offered (Info lists them): the model is trained for
                  them (pplx-embed-1's quantizer module; the family may say so too).
+    activation_fn: a cross-encoder's activation as sentence-transformers saved it in
+                 config_sentence_transformers.json (e.g. "torch.nn.modules.activation.Sigmoid"); ""
+                 none (`rose.layers.scores.activation_name` has the whole rule).
     """
 
     path: Path
@@ -87,6 +90,7 @@ class ModelSpec:
     special_token_ids: tuple[int, ...] = ()
     include_prompt: bool = True
     quantized_outputs: bool = False
+    activation_fn: str = ""
 
     @property
     def hidden_size(self) -> int:
@@ -120,11 +124,12 @@ class ModelSpec:
         limit = tok_cfg.get("model_max_length")
         limit = int(limit) if isinstance(limit, (int, float)) and limit < 1 << 30 else None  # HF's "no limit"
         max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))
-        prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
+        st_cfg = _read_json(path / "config_sentence_transformers.json") or {}
+        prompts = st_cfg.get("prompts") or {}
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special,
-                   include_prompt)
+                   include_prompt, activation_fn=str(st_cfg.get("activation_fn") or ""))
 
 
 def _pooling_mode(cfg: dict) -> str:
