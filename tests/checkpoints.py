@@ -90,7 +90,9 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     from trellis.modeldir import resolve_model_path
 
     path.mkdir(parents=True, exist_ok=True)
-    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels)
+    # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
+    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
+              initializer_range=0.2)
     if family == "bert":
         src = resolve_model_path("default")
         for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
@@ -113,7 +115,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
         raise ValueError(family)
     with torch.no_grad():  # scores spread over (0, 1), not all near sigmoid(0); a second segment that shows
         head = model.classifier if family == "bert" else model.classifier.out_proj
-        head.weight.normal_(0.0, 2.0)
+        head.weight.normal_(0.0, 0.5)
         if family == "bert":
             model.bert.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)
     tok_cfg["model_max_length"] = max_length
