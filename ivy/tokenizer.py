@@ -131,9 +131,12 @@ class TextTokenizer:
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
-        # a cross-encoder's pairs: the template must type its tokens 0 ... 0 1 ... 1 (one boundary) or all 0
+
+    @functools.cached_property
+    def pair_boundary(self) -> bool:
+        """Whether the pair template types a pair's tokens 0 ... 0 1 ... 1 (one boundary) or all 0."""
         types = self.exact.encode("a", "b").type_ids
-        self.pair_boundary = 1 not in types or types == sorted(types)
+        return 1 not in types or types == sorted(types)
 
     def _pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
         tok = self.truncating if truncate else self.exact

@@ -169,14 +169,15 @@ def test_segment_starts_only_for_cross_encoders():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A real Tulip serving the BERT cross-encoder and an Ivy in front of it: (Ivy URL, Tulip target, path)."""
+    """A real Tulip serving the BERT cross-encoder and an Ivy in front of it (a small chunk budget: a
+    rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
     tmp = tmp_path_factory.mktemp("served")
     path, _ = save_cross_encoder("bert", tmp / "ce", max_length=MAX_LEN)
     tport, port = free_port(), free_port()
     tulip = Proc(["-m", "tulip", "--model", str(path), "--port", str(tport), "--device", "cpu",
                   "--served-model-name", "tiny-reranker"], tmp)
     ivy = Proc(["-m", "ivy", "--model", str(path), "--port", str(port), "--tulip", f"127.0.0.1:{tport}",
-                "--served-model-name", "tiny-reranker"], tmp)
+                "--served-model-name", "tiny-reranker"], tmp, env={"IVY_MAX_CHUNK_TOKENS": "128"})  # chunks: pairs split
     try:
         tulip.wait_for(lambda: "TULIP_READY" in tulip.output())
         ivy.wait_for(lambda: http_status(f"http://127.0.0.1:{port}/ready") == 200)
