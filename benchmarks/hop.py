@@ -63,6 +63,8 @@ class TimedEvent:
 class NullEngine:
     """The engine interface with no model: rows of zeros, ready `device_ms` after the step."""
 
+    num_labels, activation = 0, ""  # an embedding model, not a cross-encoder
+
     def __init__(self, device_ms: float, dim: int = 1024):
         import torch
 

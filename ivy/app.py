@@ -1,6 +1,7 @@
 """Ivy's FastAPI application: the OpenAI-compatible HTTP API in front of Tulip.
 
-Routes: POST /v1/embeddings, POST /v1/rerank (documents by cosine similarity to a query),
+Routes: POST /v1/embeddings, POST /v1/rerank (documents by a cross-encoder's score of each
+(query, document) pair, or by cosine similarity to the query's embedding),
 POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready
 (a Tulip answers its health check), GET /metrics.
 """
@@ -142,6 +143,9 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         stamp("decode")
         check_model(req.model)
         info = await model_info()
+        if info.num_labels:
+            raise APIError(400, f"'{served}' is a cross-encoder: it scores query-document pairs and returns no "
+                           "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
         stamp("checks")
         seqs, pool_from = await _sequences(req, info, stamp)
         dims = 0
@@ -215,7 +219,24 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if not d:
                 raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
                                "query" if i == 0 else "documents")
-        await model_info()
+        info = await model_info()
+        if info.num_labels:
+            seqs, scores = await _pair_scores(req, info)
+        else:
+            if req.raw_scores:
+                raise APIError(400, "'raw_scores' applies to cross-encoders; this model ranks by cosine similarity",
+                               "raw_scores")
+            seqs, scores = await _cosine_scores(req)
+        order = np.argsort(-scores, kind="stable")[: req.top_n]
+        tokens = int(sum(len(s) for s in seqs))
+        prompt_tokens.inc(tokens)
+        results = [{"index": int(i), "relevance_score": float(scores[i]),
+                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
+        return orjson.dumps({"model": served, "results": results,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _cosine_scores(req: RerankRequest) -> tuple[list[np.ndarray], np.ndarray]:
+        """A bi-encoder's ranking: the documents' cosine similarity to the query (each with its prompt)."""
         q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query", None)
         d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents", "document")
         pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
@@ -226,14 +247,24 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             raise errors.from_grpc(e) from None
         v = result.vectors.astype(np.float64)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        scores = v[1:] @ v[0]
-        order = np.argsort(-scores, kind="stable")[: req.top_n]
-        tokens = int(sum(len(s) for s in seqs))
-        prompt_tokens.inc(tokens)
-        results = [{"index": int(i), "relevance_score": float(scores[i]),
-                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
-        return orjson.dumps({"model": served, "results": results,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return seqs, v[1:] @ v[0]
+
+    async def _pair_scores(req: RerankRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], np.ndarray]:
+        """A cross-encoder's ranking: each (query, document) pair scored together, as
+        sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores)."""
+        if info.num_labels != 1:
+            raise APIError(400, f"'{served}' gives {info.num_labels} scores per pair (a classifier); reranking needs "
+                           "one relevance score per pair", "model")
+        if req.instruction is not None:
+            raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
+                           "the query and each document together, without one", "instruction")
+        seqs, starts = await tokenizer.encode_pairs(req.query, req.documents, req.truncate)
+        try:
+            result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32,
+                                          segment_starts=starts if any(starts) else (), raw_scores=req.raw_scores)
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_grpc(e) from None
+        return seqs, result.scores[:, 0].astype(np.float64)
 
     async def tokenize(body: bytes, stamp: Stamp) -> bytes:
         req = errors.parse_body(TokenizeRequest, body)

@@ -116,7 +116,8 @@ class Balancer:
         return any(checks)
 
     async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
-                    deadline: float, pool_from: list[int], stamp=None) -> EmbedResult:
+                    deadline: float, pool_from: list[int], stamp=None, segment_starts=(),
+                    raw_scores: bool = False) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -127,7 +128,7 @@ class Balancer:
                 stamp("balancer")
             try:
                 out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
-                                                  encoding, outputs, pool_from)
+                                                  encoding, outputs, pool_from, segment_starts, raw_scores)
                 r.down_until = 0.0
                 return out
             except grpc.aio.AioRpcError as e:
@@ -145,16 +146,20 @@ class Balancer:
         raise last
 
     async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
-                    outputs: tuple = (), pool_from: list[int] = (), stamp=None) -> EmbedResult:
+                    outputs: tuple = (), pool_from: list[int] = (), stamp=None, segment_starts: list[int] = (),
+                    raw_scores: bool = False) -> EmbedResult:
         """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
         `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out. `stamp`
-        (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked."""
+        (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked.
+        A cross-encoder's pairs: `segment_starts` (empty or one per sequence), `raw_scores`; the result's `scores`."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp)
+            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp, segment_starts,
+                                    raw_scores)
         tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
-                                                  pool_from[a:b] if pool_from else ()))
+                                                  pool_from[a:b] if pool_from else (), None,
+                                                  segment_starts[a:b] if segment_starts else (), raw_scores))
                  for a, b in runs]
         try:
             parts = await asyncio.gather(*tasks)
@@ -163,4 +168,5 @@ class Balancer:
                 t.cancel()
             raise
         return EmbedResult(np.concatenate([p.vectors for p in parts]),
-                           [s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert])
+                           [s for p in parts for s in p.sparse], [c for p in parts for c in p.colbert],
+                           None if parts[0].scores is None else np.concatenate([p.scores for p in parts]))

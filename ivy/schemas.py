@@ -79,16 +79,21 @@ class EmbeddingRequest(Body):
 
 class RerankRequest(Body):
     """POST /v1/rerank, in the shape Jina's and Cohere's rerank APIs take: the documents ordered by
-    the cosine similarity of their embeddings to the query's (the query with the model's query
-    prompt, the documents with its document prompt).
+    a cross-encoder's score of each (query, document) pair (a `*ForSequenceClassification` model, as
+    TEI, vLLM and Infinity serve rerankers), or for an embedding model by the cosine similarity of
+    their embeddings to the query's (the query with the model's query prompt, the documents with its
+    document prompt).
 
     top_n:            return only the best `top_n` (default: all).
     return_documents: echo each document's text in its result.
-    truncate:         cut texts longer than the model's maximum instead of answering 400.
-    instruction:      a task for instruction-tuned models, applied to the query.
+    truncate:         cut texts longer than the model's maximum instead of answering 400 (a pair: the
+                      longer side first, as sentence-transformers' CrossEncoder; in practice the document).
+    instruction:      a task for instruction-tuned models, applied to the query (embedding models).
+    raw_scores:       a cross-encoder's raw logits instead of its activated scores (sigmoid for one
+                      label, unless the model saved another activation), as TEI's and Infinity's flag.
     """
 
-    bools: ClassVar = ("return_documents", "truncate")
+    bools: ClassVar = ("return_documents", "truncate", "raw_scores")
 
     query: str
     documents: list[str]
@@ -97,6 +102,7 @@ class RerankRequest(Body):
     return_documents: LaxBool = False
     truncate: LaxBool = False
     instruction: Union[str, None] = None
+    raw_scores: LaxBool = False
 
 
 class TokenizeRequest(Body):

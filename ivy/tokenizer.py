@@ -132,6 +132,44 @@ class TextTokenizer:
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
 
+    @functools.cached_property
+    def pair_boundary(self) -> bool:
+        """Whether the pair template types a pair's tokens 0 ... 0 1 ... 1 (one boundary) or all 0."""
+        types = self.exact.encode("a", "b").type_ids
+        return 1 not in types or types == sorted(types)
+
+    def _pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+        tok = self.truncating if truncate else self.exact
+        seqs, starts = [], []
+        for e in tok.encode_batch_fast(pairs):
+            t = e.type_ids
+            seqs.append(np.asarray(e.ids, dtype=np.int32))
+            starts.append(t.index(1) if 1 in t else 0)
+        return seqs, starts
+
+    async def encode_pairs(self, query: str, documents: list[str], truncate: bool
+                           ) -> tuple[list[np.ndarray], list[int]]:
+        """A cross-encoder's (query, document) pairs as the tokenizer's pair template builds them
+        (`tokenizer(query, document)`: `[CLS] q [SEP] d [SEP]`, `<s> q </s></s> d </s>`), and per pair
+        where token type 1 starts (0: the template types every token 0). With `truncate` the pair is cut
+        to the maximum longest side first (`truncation="longest_first"`, as sentence-transformers'
+        CrossEncoder cuts it: in practice the document); without, a longer pair is a 400 naming it."""
+        if not self.pair_boundary:
+            raise APIError(400, "this model's tokenizer types a pair's tokens other than as two segments; "
+                           "it cannot rerank", "documents")
+        pairs = [(query, d) for d in documents]
+        if len(query) * len(documents) + sum(map(len, documents)) <= self.offload_chars:
+            seqs, starts = self._pairs(pairs, truncate)
+        else:  # `tokenizers` releases the GIL: off the event loop
+            seqs, starts = await asyncio.to_thread(self._pairs, pairs, truncate)
+        if not truncate:
+            for i, s in enumerate(seqs):
+                if len(s) > self.max_len:
+                    raise APIError(400, f"document {i} with the query has {len(s)} tokens, more than this model's "
+                                   f"maximum of {self.max_len}; shorten it or send \"truncate\": true",
+                                   "documents", "context_length_exceeded")
+        return seqs, starts
+
     def prompt_length(self, prompt: str) -> int:
         """Tokens a prompt takes at the start of an input, counted as sentence-transformers (6.x)
         counts them for `include_prompt: false`: the prompt encoded alone with the special tokens the

@@ -8,6 +8,7 @@ copies it to the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,6 +49,9 @@ class Batch:
     seq_ids:    int64 [T]   index of the sequence each token belongs to (pooling uses it);
                 tokens pooling must leave out (a prompt prefix, see `from_sequences`) carry N
                 instead: pooling drops that row.
+    segment_starts: int64 [N] or None: per sequence, where its second segment starts (a cross-encoder's
+                query-document pair: token type 1 from there on), 0 for one segment; None when no
+                sequence has two (the usual case: nothing to copy, no token types).
     """
 
     input_ids: torch.Tensor
@@ -56,6 +60,7 @@ class Batch:
     max_seqlen: int
     seq_lens: tuple[int, ...]
     seq_ids: torch.Tensor
+    segment_starts: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -67,11 +72,18 @@ class Batch:
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[Sequence[int] | np.ndarray],
-                       pool_from: Sequence[int] | None = None) -> "Batch":
+                       pool_from: Sequence[int] | None = None,
+                       segment_starts: Sequence[int] | None = None) -> "Batch":
         """Pack token-id sequences (lists or int arrays) into one ragged batch. `pool_from[i]`:
-        how many leading tokens of sequence i pooling leaves out (they still attend)."""
+        how many leading tokens of sequence i pooling leaves out (they still attend).
+        `segment_starts[i]`: where sequence i's second segment starts (0: none; checked by the caller)."""
         if not seqs:
             raise ValueError("a batch needs at least one sequence")
+        if segment_starts is not None and any(segment_starts):
+            if len(segment_starts) != len(seqs):
+                raise ValueError(f"{len(segment_starts)} segment starts for {len(seqs)} sequences")
+            b = cls.from_sequences(seqs, pool_from)
+            return dataclasses.replace(b, segment_starts=torch.tensor(segment_starts, dtype=torch.int64))
         if pool_from is not None and any(pool_from):
             b = cls.from_sequences(seqs)
             seq_ids = b.seq_ids.clone()  # (a one-sequence batch shares its seq_ids): mark the left-out tokens

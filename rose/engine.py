@@ -4,6 +4,10 @@
     lazy = engine.step(Batch.from_sequences([[101, 7592, 102]]))
     vectors = lazy.synchronize()          # float32 [N, dim] on the host
 
+A cross-encoder directory (`*ForSequenceClassification`, `Family.classifier_architectures`)
+steps to its classification head's raw logits instead, float32 [N, num_labels]; `activate` applies
+the activation sentence-transformers' CrossEncoder would.
+
 The step path reads nothing back from the device: all launch parameters
 (sequence lengths, max_seqlen) come from the host-side `Batch`.
 """
@@ -14,6 +18,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rose.batch import Batch
@@ -23,6 +28,7 @@ from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import normalize, pool
+from rose.layers.scores import ACTIVATIONS, activation_name, token_types
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
 from rose.models import model_class
@@ -127,6 +133,9 @@ class Engine:
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = self.model.causal
+        # a cross-encoder: scores per sequence from its classification head (0: an embedding model)
+        self.num_labels = family.num_labels(self.spec.config)
+        self.activation = activation_name(self.spec, self.num_labels) if self.num_labels else ""
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
         self.dense = DenseStack.load(self.spec.dense, self.device)  # after pooling, before Normalize
         # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
@@ -146,11 +155,15 @@ class Engine:
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
-            self.runner = GraphRunner(self._forward, self.attention.prepare, self.embedding_dim, self.device, gcfg,
-                                      forward_extras=self._forward_extras if self.heads is not None else None)
+            self.runner = GraphRunner(self._scores if self.num_labels else self._forward, self.attention.prepare,
+                                      self.num_labels or self.embedding_dim, self.device, gcfg,
+                                      forward_extras=self._forward_extras if self.heads is not None else None,
+                                      segments=bool(self.num_labels))
         log.info(
-            "engine: %s (%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s",
-            self.spec.path, self.spec.model_type, self.device, self.dtype, self.attention.name, self.spec.pooling,
+            "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s",
+            self.spec.path, self.spec.model_type,
+            f", cross-encoder: {self.num_labels} labels, {self.activation}" if self.num_labels else "",
+            self.device, self.dtype, self.attention.name, self.spec.pooling,
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
             f"<= {self.kernels} tokens" if self.kernels else "off",
         )
@@ -169,11 +182,27 @@ class Engine:
 
     @property
     def embedding_dim(self) -> int:
-        return self.spec.embedding_dim
+        """The embeddings' dimension (the last Dense module's width, else the hidden size); 0 for a
+        cross-encoder (it returns scores, `num_labels` per sequence)."""
+        return 0 if self.num_labels else self.spec.embedding_dim
 
-    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
+    def activate(self, logits: np.ndarray) -> np.ndarray:
+        """A cross-encoder's float32 [N, num_labels] logits -> its scores, as CrossEncoder.predict gives them."""
+        return ACTIVATIONS[self.activation](logits)
+
+    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None, token_type_ids=None) -> torch.Tensor:
         """Device tensors in, token states [T, hidden] out."""
-        return self.model(ids, positions, AttentionMetadata(cu, max_seqlen, seq_lens, self.causal), self.attention)
+        meta = AttentionMetadata(cu, max_seqlen, seq_lens, self.causal)
+        if token_type_ids is None:
+            return self.model(ids, positions, meta, self.attention)
+        return self.model(ids, positions, meta, self.attention, token_type_ids)
+
+    def _scores(self, ids, positions, seq_ids, cu, max_seqlen, segment_starts=None, seq_lens=None) -> torch.Tensor:
+        """A cross-encoder's step: device tensors in (`segment_starts` int64 [N + 1], 0: one segment, or
+        None), float32 [N, num_labels] logits of the head on each sequence's first token out."""
+        types = None if segment_starts is None else token_types(positions, seq_ids, segment_starts)
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types)
+        return self.model.classify(pool(hidden, cu, seq_ids, "cls")).float()
 
     def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""
@@ -204,7 +233,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, batch: Batch, extras: frozenset = frozenset()) -> LazyTensor:
-        """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings.
+        """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings, or a
+        cross-encoder's raw logits [N, num_labels] (the batch's `segment_starts` give token types).
 
         With `extras` ("sparse" and/or "colbert"), the LazyTensor holds a tuple (dense,
         token weights [T], token vectors [T, colbert_dim]); absent ones are empty tensors.
@@ -222,6 +252,11 @@ class Engine:
         args = (batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
                 batch.seq_ids.to(dev, non_blocking=True), batch.cu_seqlens.to(dev, non_blocking=True),
                 batch.max_seqlen)
+        if self.num_labels:
+            seg = batch.segment_starts
+            if seg is not None:  # one more entry (0): the row of tokens pooling drops
+                seg = torch.cat([seg, seg.new_zeros(1)]).to(dev, non_blocking=True)
+            return LazyTensor.from_device(self._scores(*args, segment_starts=seg, seq_lens=batch.seq_lens))
         if not extras:
             return LazyTensor.from_device(self._forward(*args, seq_lens=batch.seq_lens))
         return LazyTensor.from_device(self._forward_extras(*args, frozenset(extras), seq_lens=batch.seq_lens))

@@ -9,7 +9,9 @@ hit). All graphs share one memory pool and read one set of static input
 buffers; the host pads the batch to its bucket in page-locked memory and copies
 it in before replay. Padding tokens belong to no sequence (attention never sees
 them; mean pooling sends them to a discarded row), so they cannot change a real
-sequence's output. A batch larger than the biggest bucket runs eagerly. A step that
+sequence's output. A batch larger than the biggest bucket runs eagerly. A cross-encoder's runner
+(`segments`) also stages each sequence's second-segment start (0: none) and hands them to its
+forward, whose output is the smaller [N, num_labels] scores. A step that
 also wants token-level outputs (BGE-M3's sparse weights, ColBERT vectors) has its own
 keys (`GraphKey.extras` not empty) and graphs, through `forward_extras`.
 
@@ -37,7 +39,7 @@ from rose.lazy import LazyTensor
 
 log = logging.getLogger(__name__)
 
-# forward(ids, positions, seq_ids, cu_seqlens, max_seqlen) -> float32 [num_seqs, dim]
+# forward(ids, positions, seq_ids, cu_seqlens, max_seqlen[, segment_starts [num_seqs + 1]]) -> float32 [num_seqs, dim]
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 # forward_extras(..., max_seqlen, extras) -> (dense [num_seqs, dim], weights [T] or empty, vectors [T, d] or empty)
 ForwardExtras = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -142,7 +144,7 @@ class CudaOps:
 
 class GraphRunner:
     def __init__(self, forward: Forward, prepare: Prepare, dim: int, device: torch.device, cfg: GraphConfig,
-                 ops=None, forward_extras: ForwardExtras | None = None):
+                 ops=None, forward_extras: ForwardExtras | None = None, segments: bool = False):
         self.forward = forward
         self.forward_extras = forward_extras
         self.prepare = prepare
@@ -160,6 +162,12 @@ class GraphRunner:
         self._in_cu = self.ops.pinned((R, N + 1), torch.int32)
         self._out = self.ops.pinned((R, N, dim), torch.float32)
         self._in_tok_np, self._in_cu_np = self._in_tok.numpy(), self._in_cu.numpy()
+        # cross-encoders: per-sequence second-segment starts (token types are derived on the device)
+        self.segments = segments
+        if segments:
+            self._seg = torch.zeros(N + 1, dtype=torch.int64, device=device)
+            self._in_seg = self.ops.pinned((R, N + 1), torch.int64)
+            self._in_seg_np = self._in_seg.numpy()
         self._slot_events = [None] * R
         self._slot = 0
         self._out_tokens: list[torch.Tensor | None] = [None, None]  # rings for weights / vectors, made on first use
@@ -198,6 +206,10 @@ class GraphRunner:
         cu = self._in_cu_np[slot]
         cu[: N + 1] = batch.cu_seqlens.numpy()
         cu[N + 1: nb + 1] = T  # empty dummy sequences
+        if self.segments:
+            seg = self._in_seg_np[slot]
+            seg[:N] = 0 if batch.segment_starts is None else batch.segment_starts.numpy()
+            seg[N: nb + 1] = 0  # dummies and the padding row: one segment
 
     def _run_key(self, key: GraphKey):
         nb, tb, lb = key.seqs, key.tokens, key.max_len
@@ -205,6 +217,8 @@ class GraphRunner:
 
         def fwd():  # eager and capture steps only: a replay needs none of this
             args = (tok[0:tb], tok[tb:2 * tb], tok[2 * tb:3 * tb], cu[: nb + 1], lb)
+            if self.segments:
+                args += (self._seg[: nb + 1],)
             if not key.extras:
                 return self.forward(*args)
             return self.forward_extras(*args, key.extras)
@@ -266,6 +280,8 @@ class GraphRunner:
             self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
             self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
             self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)
+            if self.segments:
+                self._seg[: nb + 1].copy_(self._in_seg[slot, : nb + 1], non_blocking=True)
             out = self._run_key(key)
             dense = out[0] if extras else out
             host = self._out[slot, : batch.num_seqs]

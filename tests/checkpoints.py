@@ -81,3 +81,71 @@ def save_pplx(path, seed: int = 0, **overrides):
         {"word_embedding_dimension": cfg["hidden_size"], "pooling_mode_cls_token": False,
          "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False, "include_prompt": True}))
     return path, model
+
+
+def _unigram_tokenizer_json(path, texts, vocab_size: int = 400) -> int:
+    """An XLM-R-shaped tokenizer.json (Unigram over Metaspace; <s>=0 <pad>=1 </s>=2 <unk>=3; the
+    published pair template `<s> $A </s> </s> $B </s>`, token types all 0) trained on `texts`; its size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    tok.train_from_iterator(list(texts) * 4, trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                                      unk_token="<unk>"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tok.add_special_tokens([AddedToken("<mask>", special=True, lstrip=True, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int = 64, seed: int = 0, **overrides):
+    """A random `BertForSequenceClassification` ("bert", with all-MiniLM-L6-v2's real WordPiece
+    tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template) or
+    `XLMRobertaForSequenceClassification` ("xlm-roberta", a small Unigram tokenizer with XLM-R's
+    template) saved by transformers, as a cross-encoder is published; the tokenizer's
+    model_max_length is `max_length`. Returns (path, hf_model)."""
+    import json
+    import shutil
+
+    import transformers
+
+    from tests.sentences import SENTENCES
+    from trellis.modeldir import resolve_model_path
+
+    path.mkdir(parents=True, exist_ok=True)
+    # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
+    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
+              initializer_range=0.2)
+    if family == "bert":
+        src = resolve_model_path("default")
+        for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
+            shutil.copy(src / name, path / name)
+        tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+        kw.update(vocab_size=30522, max_position_embeddings=96)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**kw))
+    elif family == "xlm-roberta":
+        vocab = _unigram_tokenizer_json(path, SENTENCES)
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
+                   "mask_token": "<mask>", "model_input_names": ["input_ids", "attention_mask"]}
+        kw.update(vocab_size=vocab, max_position_embeddings=max_length + 2, type_vocab_size=1, pad_token_id=1)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(**kw))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():  # scores spread over (0, 1), not all near sigmoid(0); a second segment that shows
+        head = model.classifier if family == "bert" else model.classifier.out_proj
+        head.weight.normal_(0.0, 0.5)
+        if family == "bert":
+            model.bert.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)
+    tok_cfg["model_max_length"] = max_length
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path, model

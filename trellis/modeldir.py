@@ -108,6 +108,9 @@ class ModelSpec:
                  the served vector is the last one's out_features wide (`embedding_dim`).
     quantized_outputs: int8 / binary outputs offered (Info lists them): modules.json ends with a
                  quantizer module the model is trained for (`QUANTIZER_MODULES`: pplx-embed-v1's).
+    activation_fn: a cross-encoder's activation as sentence-transformers saved it in
+                 config_sentence_transformers.json (e.g. "torch.nn.modules.activation.Sigmoid"); ""
+                 none (`rose.layers.scores.activation_name` has the whole rule).
     """
 
     path: Path
@@ -121,6 +124,7 @@ class ModelSpec:
     include_prompt: bool = True
     dense: tuple[DenseSpec, ...] = ()
     quantized_outputs: bool = False
+    activation_fn: str = ""
 
     @property
     def hidden_size(self) -> int:
@@ -146,11 +150,12 @@ class ModelSpec:
         limit = tok_cfg.get("model_max_length")
         limit = int(limit) if isinstance(limit, (int, float)) and limit < 1 << 30 else None  # HF's "no limit"
         max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))
-        prompts = (_read_json(path / "config_sentence_transformers.json") or {}).get("prompts") or {}
+        st_cfg = _read_json(path / "config_sentence_transformers.json") or {}
+        prompts = st_cfg.get("prompts") or {}
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], max_seq_len=max_len, prompts=dict(prompts),
-                   special_token_ids=special, **pipeline)
+                   special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **pipeline)
 
 
 def _stage(module_type: str) -> str:

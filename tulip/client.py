@@ -49,15 +49,20 @@ class EmbedResult:
     """Everything one Embed call returned, per sequence in request order.
 
     vectors: dense rows (see `unpack`); sparse: (token ids, weights) when OUTPUT_SPARSE was asked;
-    colbert: float32 [tokens after the first, colbert_dim] when OUTPUT_COLBERT was asked.
+    colbert: float32 [tokens after the first, colbert_dim] when OUTPUT_COLBERT was asked;
+    scores: a cross-encoder's float32 [n, num_labels] (then `vectors` is empty, [n, 0]).
     """
 
     vectors: np.ndarray
     sparse: list = field(default_factory=list)
     colbert: list = field(default_factory=list)
+    scores: np.ndarray | None = None
 
 
 def unpack_result(reply: tulip_pb2.EmbedReply) -> EmbedResult:
+    if reply.scores:
+        n, labels = tuple(reply.shape)
+        return EmbedResult(np.empty((n, 0), np.float32), scores=np.frombuffer(reply.scores, dtype="<f4").reshape(n, labels))
     sparse = [(np.asarray(s.token_ids, dtype=np.int64), np.asarray(s.weights, dtype=np.float32)) for s in reply.sparse]
     colbert = []
     if reply.colbert_lengths:
@@ -198,6 +203,13 @@ class TulipClient:
     async def info(self, timeout: float | None = 5.0) -> tulip_pb2.InfoReply:
         return await self.stub.Info(tulip_pb2.InfoRequest(), timeout=timeout)
 
+    async def score(self, seqs, segment_starts: Sequence[int] = (), timeout: float | None = None,
+                    raw_scores: bool = False) -> np.ndarray:
+        """A cross-encoder's float32 [n, num_labels] scores of token-id sequences (query-document pairs
+        as its tokenizer's pair template builds them; `segment_starts`: where each second segment starts)."""
+        return (await self.embed_result(seqs, timeout=timeout, segment_starts=segment_starts,
+                                        raw_scores=raw_scores)).scores
+
     async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
                     encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
         """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
@@ -205,12 +217,16 @@ class TulipClient:
 
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
                            encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
-                           pool_from: Sequence[int] = ()) -> EmbedResult:
+                           pool_from: Sequence[int] = (), segment_starts: Sequence[int] = (),
+                           raw_scores: bool = False) -> EmbedResult:
         """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them;
-        `pool_from`: per sequence, leading (prompt) tokens mean pooling leaves out."""
+        `pool_from`: per sequence, leading (prompt) tokens mean pooling leaves out. A cross-encoder's
+        result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
+        `raw_scores`: the head's logits, not activated."""
         ids, lengths = pack(seqs)
         req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
-                                     outputs=list(outputs), pool_from=list(pool_from))
+                                     outputs=list(outputs), pool_from=list(pool_from),
+                                     segment_starts=list(segment_starts), raw_scores=raw_scores)
         self.outstanding += 1
         try:
             self._spinner.kick()

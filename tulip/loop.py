@@ -37,22 +37,23 @@ class Request(Entry):
     """One caller's sequences, packed: `ids[offsets[i]:offsets[i] + lengths[i]]` is sequence i
     (`lengths`: plain ints; one sequence, the online case, needs no offsets and no row list).
 
-    `pool_from[i]` (optional) is how many leading tokens of sequence i mean pooling leaves out.
+    `pool_from[i]` (optional) is how many leading tokens of sequence i mean pooling leaves out;
+    `segments[i]` (optional, cross-encoders) where its second segment starts (0: none).
     As batches complete the loop collects one output row per sequence (and the token-level
     outputs named in `extras` in `sparse` / `colbert`); `pending` counts sequences still
     missing. `on_done(request, rows, error)` is called once, by the engine loop, when it
     completes or fails. `deadline` (monotonic, 0: none) drops its still-queued sequences.
     """
 
-    __slots__ = ("ids", "extras", "on_done", "pool_from", "offsets", "rows", "sparse", "colbert", "pending",
+    __slots__ = ("ids", "extras", "on_done", "pool_from", "segments", "offsets", "rows", "sparse", "colbert", "pending",
                  "queued_at", "deadline", "timer", "future", "stamps", "tag")
 
     def __init__(self, ids: np.ndarray, lengths: Sequence[int], extras: frozenset = _NO_EXTRAS,
                  on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None,
-                 pool_from: Sequence[int] | None = None):
+                 pool_from: Sequence[int] | None = None, segments: Sequence[int] | None = None):
         super().__init__(lengths)
         n = len(self.lengths)
-        self.ids, self.extras, self.on_done, self.pool_from = ids, extras, on_done, pool_from
+        self.ids, self.extras, self.on_done, self.pool_from, self.segments = ids, extras, on_done, pool_from, segments
         self.pending = n
         if n == 1:
             self.offsets = self.rows = None
@@ -258,15 +259,18 @@ class EngineLoop:
                 if len(slots) == 1:  # the online case
                     r, i = slots[0]
                     extras = r.extras
-                    batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]])
+                    batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]],
+                                                 None if r.segments is None else [r.segments[i]])
                 else:
-                    extras, skip = _NO_EXTRAS, None
+                    extras, skip, seg = _NO_EXTRAS, None, None
                     for r, i in slots:
                         if r.extras:
                             extras = extras | r.extras
                         if r.pool_from is not None:  # prompts left out of pooling: only from Ivy for such models
                             skip = [0 if r.pool_from is None else r.pool_from[i] for r, i in slots]
-                    batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip)
+                        if r.segments is not None and seg is None:  # pairs: only for cross-encoders
+                            seg = [0 if r.segments is None else r.segments[i] for r, i in slots]
+                    batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip, seg)
                 if self.stages is not None:
                     _stamp(slots, 5)
                 if self._executor is None:

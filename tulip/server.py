@@ -35,10 +35,10 @@ SERVICE_NAME = "trellis.tulip.v1.Tulip"
 DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens 0: this, or the model's max sequence length where longer
 
 
-def parse_request(req: tulip_pb2.EmbedRequest,
-                  info: tulip_pb2.InfoReply) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None]:
+def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
+                  ) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]:
     """Check an EmbedRequest against the served model and unpack it into (int32 ids, lengths,
-    pool_from or None; both plain ints); raise ValueError with a caller-facing message."""
+    pool_from or None, segment_starts or None; plain ints); raise ValueError with a caller-facing message."""
     lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
     ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
@@ -47,8 +47,8 @@ def parse_request(req: tulip_pb2.EmbedRequest,
         if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
                 and ids.view("<u4").max() < info.vocab_size  # negative ids are huge as unsigned
                 and req.dimensions <= info.embedding_dim and not req.encoding and not req.outputs
-                and not req.pool_from):
-            return ids, lens, None
+                and not req.pool_from and not req.segment_starts and not req.raw_scores):
+            return ids, lens, None, None
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
@@ -66,6 +66,8 @@ def parse_request(req: tulip_pb2.EmbedRequest,
         lo, hi = int(ids.min()), int(ids.max())
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if info.num_labels and req.dimensions:
+        raise ValueError("dimensions applies to embeddings; this model is a cross-encoder (it returns scores)")
     if req.dimensions > dim:
         raise ValueError(f"dimensions {req.dimensions} exceeds the model's embedding size {dim}")
     if req.encoding not in info.encodings:
@@ -85,7 +87,21 @@ def parse_request(req: tulip_pb2.EmbedRequest,
         for i, (p, n) in enumerate(zip(pool_from, lens)):
             if p >= n:
                 raise ValueError(f"pool_from {p} leaves no token of sequence {i} ({n} tokens) to pool")
-    return ids, lens, pool_from
+    segments = None
+    if req.segment_starts:
+        if not info.num_labels:
+            raise ValueError("segment_starts: this model is an embedding model; only a cross-encoder "
+                             "(Info num_labels > 0) scores two-segment sequences")
+        if len(req.segment_starts) != len(lens):
+            raise ValueError(f"segment_starts has {len(req.segment_starts)} entries for {len(lens)} sequences")
+        segments = tuple(req.segment_starts)
+        for i, (s, n) in enumerate(zip(segments, lens)):
+            if s >= n:
+                raise ValueError(f"segment_starts {s} is not inside sequence {i} ({n} tokens): the second "
+                                 f"segment starts at 1..{n - 1}, or 0 for none")
+    if req.raw_scores and not info.num_labels:
+        raise ValueError("raw_scores: this model is an embedding model (it returns no scores)")
+    return ids, lens, pool_from, segments
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}
@@ -133,14 +149,18 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
     def __init__(self, loop: EngineLoop, served_name: str):
         self.loop = loop
         e = loop.engine
+        self.scores = e.num_labels > 0  # a cross-encoder: replies carry scores
         self.info = tulip_pb2.InfoReply(
             model=served_name,
             embedding_dim=e.embedding_dim,
+            num_labels=e.num_labels,
+            activation=e.activation,
             max_seq_len=e.spec.max_seq_len,
             vocab_size=e.spec.vocab_size,
             pooling=e.spec.pooling,
             normalized=e.spec.normalize,
-            outputs=[tulip_pb2.OUTPUT_DENSE] + [o for o, n in EXTRAS.items() if n in e.extra_outputs],
+            outputs=[tulip_pb2.OUTPUT_SCORES] if self.scores else
+            [tulip_pb2.OUTPUT_DENSE] + [o for o, n in EXTRAS.items() if n in e.extra_outputs],
             dtype=str(e.dtype).removeprefix("torch."),
             device=str(e.device),
             max_batch_tokens=loop.cfg.max_batch_tokens,
@@ -296,7 +316,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
         try:
-            ids, lengths, pool_from = parse_request(request, self.info)
+            ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         cfg = self.loop.cfg
@@ -311,10 +331,12 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
                              "text (sentence-transformers include_prompt: true); send no pool_from")
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
-        return Request(ids, lengths, extras, on_done, pool_from)
+        return Request(ids, lengths, extras, on_done, pool_from, segments)
 
     def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
         """An upper bound of the reply's size, known before any work."""
+        if self.scores:
+            return seqs * 4 * self.info.num_labels + 64
         dims = request.dimensions or self.info.embedding_dim
         enc = request.encoding
         row = 4 * dims if not enc else dims if enc == tulip_pb2.ENCODING_INT8 else -(-dims // 8)
@@ -329,6 +351,10 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
         """The reply for a completed request."""
+        if self.scores:  # a cross-encoder's rows are its logits
+            scores = vectors if request.raw_scores else self.loop.engine.activate(vectors)
+            return tulip_pb2.EmbedReply(scores=np.ascontiguousarray(scores, dtype="<f4").tobytes(), shape=scores.shape,
+                                        prompt_tokens=req.num_tokens)
         if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
             return tulip_pb2.EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape, prompt_tokens=req.num_tokens)
         if request.encoding:  # the first `dimensions` codes of the quantizer's (sentence-transformers' truncate_dim)

@@ -17,11 +17,22 @@ Class-level rules (read before the model is built, from config.json alone):
     head_shape(config)        (query heads, key/value heads, head dim) for the attention backend.
     is_causal(config)         causal attention (decoders used as such) or bidirectional.
     serving(spec)             the directory's `ModelSpec` completed with the above.
+    classifier_architectures  config.json `architectures` this family serves as a cross-encoder (a
+                     `*ForSequenceClassification` head on the first token: one score per query-document
+                     pair, or num_labels); empty: embeddings only.
+    num_labels(config)        the head's outputs per sequence for such a directory; 0 for an embedding model.
 
 Instance side:
     blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).
-    forward(input_ids, positions, meta, attn) -> hidden [T, hidden]: positions are 0-based; the
-                     family adds its offset.
+    forward(input_ids, positions, meta, attn, token_type_ids=None) -> hidden [T, hidden]: positions
+                     are 0-based; the family adds its offset. `token_type_ids` (int64 [T], on the device)
+                     come only for cross-encoders whose batch has a second segment (`rose.batch.Batch`'s
+                     `segment_starts`; `rose.layers.scores.token_types`); None means every token is type 0.
+    classify(first) -> logits [N, num_labels]: cross-encoders only (built when num_labels(config) > 0):
+                     the classification head on each sequence's first-token state [N, hidden] (BERT:
+                     pooler dense + tanh, then `classifier`); checkpoint names as Hugging Face's. A head
+                     that uses tensors the embedding model skips (BERT's pooler) sets `ignored` on the
+                     instance (the loader reads the instance's).
     use_kernels(max_tokens) -> int   route steps of up to that many tokens through the family's
                      small-batch path in `rose.kernels`; returns the cap it took (0: none).
     stacked_rows(name), materialize(device)   see below.
@@ -43,6 +54,7 @@ class Family(nn.Module):
     strip_prefixes: ClassVar[tuple[str, ...]] = ()
     ignored: ClassVar[re.Pattern | None] = None
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
+    classifier_architectures: ClassVar[frozenset[str]] = frozenset()
 
     causal = False  # set from is_causal(config) by families that can be causal
     kernel_tokens = 0  # steps of up to this many tokens take the small path (set by use_kernels)
@@ -69,6 +81,14 @@ class Family(nn.Module):
         return False
 
     @classmethod
+    def num_labels(cls, config: dict) -> int:
+        """Outputs per sequence of the directory's classification head (`classifier_architectures`),
+        as transformers counts them (id2label, else num_labels); 0: not a cross-encoder."""
+        if not set(config.get("architectures") or ()) & cls.classifier_architectures:
+            return 0
+        return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+
+    @classmethod
     def serving(cls, spec: ModelSpec) -> ModelSpec:
         """`spec` with the family's defaults where the directory is silent, and its sequence limit
         capped by the positions the architecture numbers."""
@@ -92,3 +112,6 @@ class Family(nn.Module):
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
+
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no classification head")

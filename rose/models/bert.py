@@ -3,7 +3,8 @@
 Parameter names follow Hugging Face's BertModel so checkpoints load with a
 small map; the one change is that query/key/value are stacked into one `qkv`
 GEMM (`stacked_params`). The pooler is not used by embedding models and is
-skipped when loading.
+skipped when loading; a `BertForSequenceClassification` directory (a cross-encoder) loads it
+with its `classifier` (`Family.classify`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # `positions` already include the family's offset (Family.position_offset).
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # `positions` already include the family's offset (Family.position_offset). Without token
+        # types (one segment) every token is type 0: one row, no gather. A model with one token type
+        # (XLM-RoBERTa) numbers every token 0 whatever the segments, as its tokenizer does.
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None or self.token_type_embeddings.num_embeddings == 1:
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -133,11 +139,26 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
+class BertPooler(nn.Module):
+    """`dense` then tanh on each sequence's first token (BertForSequenceClassification's pooler)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.dense = nn.Linear(cfg["hidden_size"], cfg["hidden_size"])
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first))
+
+
+POSITION_IDS = re.compile(r"(^|\.)position_ids$")
+
+
 class BertModel(Family):
     # Checkpoint names -> ours (`Family`): strip these prefixes, skip what matches `ignored`,
     # and stack q/k/v into qkv (shard index along dim 0).
     strip_prefixes = ("bert.", "model.")
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.")
+    classifier_architectures = frozenset({"BertForSequenceClassification"})
     stacked_params = {
         ".attention.self.query.": (".attention.self.qkv.", 0),
         ".attention.self.key.": (".attention.self.qkv.", 1),
@@ -152,6 +173,18 @@ class BertModel(Family):
         self.hidden_size = cfg["hidden_size"]
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
+        if n := self.num_labels(cfg):
+            self.add_classifier(cfg, n)
+
+    def add_classifier(self, cfg: dict, n: int) -> None:
+        """BertForSequenceClassification's head: `pooler` (dense + tanh) then `classifier` (dropout is
+        inference's identity)."""
+        self.pooler = BertPooler(cfg)
+        self.classifier = nn.Linear(cfg["hidden_size"], n)
+        self.ignored = POSITION_IDS  # the pooler is the head's: loaded, not skipped
+
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pooler(first))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -165,10 +198,11 @@ class BertModel(Family):
         self.kernel_tokens = max_tokens
         return max_tokens
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.offset:
             positions = positions + self.offset
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         small = x.shape[0] <= self.kernel_tokens  # host-side: x's rows are the graph's token bucket
         for layer in self.encoder.layer:
             x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)

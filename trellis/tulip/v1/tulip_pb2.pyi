@@ -13,6 +13,7 @@ class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_DENSE: _ClassVar[Output]
     OUTPUT_SPARSE: _ClassVar[Output]
     OUTPUT_COLBERT: _ClassVar[Output]
+    OUTPUT_SCORES: _ClassVar[Output]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ OUTPUT_UNSPECIFIED: Output
 OUTPUT_DENSE: Output
 OUTPUT_SPARSE: Output
 OUTPUT_COLBERT: Output
+OUTPUT_SCORES: Output
 ENCODING_FLOAT32: Encoding
 ENCODING_INT8: Encoding
 ENCODING_BINARY: Encoding
@@ -36,7 +38,7 @@ class SparseVector(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel")
+    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel", "segment_starts", "raw_scores")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,8 @@ class EmbedRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     POOL_FROM_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_STARTS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
@@ -55,10 +59,12 @@ class EmbedRequest(_message.Message):
     timeout_ms: int
     pool_from: _containers.RepeatedScalarFieldContainer[int]
     cancel: bool
-    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    segment_starts: _containers.RepeatedScalarFieldContainer[int]
+    raw_scores: bool
+    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ..., segment_starts: _Optional[_Iterable[int]] = ..., raw_scores: _Optional[bool] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
-    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message")
+    __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message", "scores")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +76,7 @@ class EmbedReply(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     embeddings: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
@@ -81,14 +88,15 @@ class EmbedReply(_message.Message):
     request_id: str
     error_code: int
     error_message: str
-    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Iterable[_Union[SparseVector, _Mapping]]] = ..., colbert: _Optional[bytes] = ..., colbert_lengths: _Optional[_Iterable[int]] = ..., colbert_dim: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    scores: bytes
+    def __init__(self, embeddings: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., sparse: _Optional[_Iterable[_Union[SparseVector, _Mapping]]] = ..., colbert: _Optional[bytes] = ..., colbert_lengths: _Optional[_Iterable[int]] = ..., colbert_dim: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., scores: _Optional[bytes] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention")
+    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention", "num_labels", "activation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +109,8 @@ class InfoReply(_message.Message):
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     embedding_dim: int
     max_seq_len: int
@@ -113,4 +123,6 @@ class InfoReply(_message.Message):
     max_batch_tokens: int
     encodings: _containers.RepeatedScalarFieldContainer[Encoding]
     attention: str
-    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ...) -> None: ...
+    num_labels: int
+    activation: str
+    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ..., num_labels: _Optional[int] = ..., activation: _Optional[str] = ...) -> None: ...
