@@ -61,7 +61,8 @@ class ModelSpec:
     path:        the directory.
     config:      config.json as a dict (the architecture's hyper-parameters).
     model_type:  config["model_type"], e.g. "bert".
-    pooling:     "cls" | "mean" | "last" from 1_Pooling/config.json; "" without a Pooling module
+    pooling:     "cls" | "mean" | "last" from 1_Pooling/config.json, "splade" from a SpladePooling module
+                 (max over tokens of log(1 + relu(MLM logits))); "" without a Pooling module
                  (the family's default applies: `Family.default_pooling`).
     normalize:   whether a Normalize module follows pooling (modules.json).
     max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's max_seq_length
@@ -112,9 +113,11 @@ class ModelSpec:
             elif kind == "Pooling":
                 pcfg = _read_json(path / m.get("path", "") / "config.json") or {}
                 pooling, include_prompt = _pooling_mode(pcfg), bool(pcfg.get("include_prompt", True))
-            elif kind != "Transformer":
+            elif kind == "SpladePooling":  # sentence-transformers' SparseEncoder (SPLADE)
+                pooling = _splade_pooling(_read_json(path / m.get("path", "") / "config.json") or {})
+            elif kind not in ("Transformer", "MLMTransformer"):
                 raise ValueError(f"{path / 'modules.json'}: module {m.get('type')!r} is not supported "
-                                 "(supported: Transformer, Pooling, Normalize)")
+                                 "(supported: Transformer, MLMTransformer, Pooling, SpladePooling, Normalize)")
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
         limit = tok_cfg.get("model_max_length")
@@ -125,6 +128,14 @@ class ModelSpec:
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], pooling, normalize, max_len, dict(prompts), special,
                    include_prompt)
+
+
+def _splade_pooling(cfg: dict) -> str:
+    """SpladePooling's config: the max / relu SPLADE of the published models is supported."""
+    got = (cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
+    if got != ("max", "relu"):
+        raise ValueError(f"unsupported SpladePooling {cfg!r} (supported: pooling_strategy max, activation_function relu)")
+    return "splade"
 
 
 def _pooling_mode(cfg: dict) -> str:

@@ -17,11 +17,24 @@ Class-level rules (read before the model is built, from config.json alone):
     head_shape(config)        (query heads, key/value heads, head dim) for the attention backend.
     is_causal(config)         causal attention (decoders used as such) or bidirectional.
     serving(spec)             the directory's `ModelSpec` completed with the above.
+    standard_config(config)   config.json with Hugging Face's usual key names added where the family's
+                     config uses its own (DistilBERT's `dim`, NomicBERT's GPT-2 style `n_embd`), so
+                     the rest of the stack reads `hidden_size`, `vocab_size`, ... alike.
+    output_dim(config)        width of a sequence's output vector (hidden size; SPLADE: the vocabulary).
+    vocab_output(config)      the output's coordinates are vocabulary ids (SPLADE): its nonzero entries
+                     are the model's sparse output (`rose.layers.heads.vocab_weights`).
+    score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
+                     `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa) can
+                     run it; "auto" picks one and any other backend is a ValueError.
+    sliding_window(config)    half-width w of the local layers' window (|i - j| <= w; 0: no local layers):
+                     backends without a window (`windowed`) run those layers on one that has one.
 
 Instance side:
     blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).
     forward(input_ids, positions, meta, attn) -> hidden [T, hidden]: positions are 0-based; the
                      family adds its offset.
+    pool(hidden, cu_seqlens, seq_ids) -> [N, output_dim] or None   a family whose output is not a pooled
+                     hidden state (SPLADE) computes it here, on the device; None: the engine pools.
     use_kernels(max_tokens) -> int   route steps of up to that many tokens through the family's
                      small-batch path in `rose.kernels`; returns the cap it took (0: none).
     stacked_rows(name), materialize(device)   see below.
@@ -43,6 +56,8 @@ class Family(nn.Module):
     strip_prefixes: ClassVar[tuple[str, ...]] = ()
     ignored: ClassVar[re.Pattern | None] = None
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    score_bias: ClassVar[bool] = False
 
     causal = False  # set from is_causal(config) by families that can be causal
     kernel_tokens = 0  # steps of up to this many tokens take the small path (set by use_kernels)
@@ -69,6 +84,22 @@ class Family(nn.Module):
         return False
 
     @classmethod
+    def sliding_window(cls, config: dict) -> int:
+        return 0
+
+    @classmethod
+    def standard_config(cls, config: dict) -> dict:
+        return config
+
+    @classmethod
+    def output_dim(cls, config: dict) -> int:
+        return int(config["hidden_size"])
+
+    @classmethod
+    def vocab_output(cls, config: dict) -> bool:
+        return False
+
+    @classmethod
     def quantized_outputs(cls, config: dict) -> bool:
         """Whether the family is trained for int8 / binary outputs whatever its directory says."""
         return False
@@ -77,10 +108,11 @@ class Family(nn.Module):
     def serving(cls, spec: ModelSpec) -> ModelSpec:
         """`spec` with the family's defaults where the directory is silent, and its sequence limit
         capped by the positions the architecture numbers."""
+        config = cls.standard_config(spec.config)
         return dataclasses.replace(
-            spec, pooling=spec.pooling or cls.default_pooling(spec.config),
-            max_seq_len=min(spec.max_seq_len, cls.max_positions(spec.config)),
-            quantized_outputs=spec.quantized_outputs or cls.quantized_outputs(spec.config))
+            spec, config=config, pooling=spec.pooling or cls.default_pooling(config),
+            max_seq_len=min(spec.max_seq_len, cls.max_positions(config)),
+            quantized_outputs=spec.quantized_outputs or cls.quantized_outputs(config))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -95,6 +127,9 @@ class Family(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         """Fill non-persistent buffers (e.g. rotary tables), which checkpoints do not hold."""
+
+    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor | None:
+        return None
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
