@@ -208,3 +208,44 @@ def test_mpnet_bias_needs_sdpa(built):
     for name in ("varlen", "triton", "flashinfer-fa2"):
         with pytest.raises(ValueError, match="position bias"):
             engine(path, attention=name)
+
+
+@pytest.mark.parametrize("family", ["mpnet", "nomic_bert", "splade"])
+def test_served_end_to_end(built, family, tmp_path):
+    """deploy.local (a real Tulip and Ivy) serving a family's directory, through the official openai
+    client: vectors against sentence-transformers. The families whose serving differs: MPNet (sdpa only,
+    no graphs), NomicBERT with its query prompt (`input_type`) and Matryoshka `dimensions`, SPLADE's
+    vocabulary-sized rows and sparse output (`return_sparse`); the others differ from BERT only
+    inside the engine (tested above). About 15 s a family on 2 cores."""
+    import signal
+
+    import openai
+
+    from tests.conftest import Proc, free_port
+
+    path, ref = built(family)
+    port = free_port()
+    proc = Proc(["-m", "deploy.local", "--model", str(path), "--port", str(port), "--device", "cpu"], tmp_path)
+    try:
+        proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        texts = TEXTS[:8]
+        kw, want = {}, reference(ref, texts)
+        if family == "nomic_bert":
+            kw = {"dimensions": 16, "extra_body": {"input_type": "query"}}
+            want = torch.from_numpy(ref.encode(texts, prompt_name="query", truncate_dim=16))
+        if family == "splade":
+            kw = {"extra_body": {"return_sparse": True}}
+        reply = client.embeddings.create(model=name, input=texts, **kw)
+        got = torch.tensor([d.embedding for d in reply.data])
+        assert got.shape == want.shape
+        assert F.cosine_similarity(got, want).min().item() >= 0.9999
+        if family == "splade":
+            for i, d in enumerate(reply.data):
+                sparse = {int(k): v for k, v in d.model_extra["sparse_embedding"].items()}
+                nz = torch.nonzero(want[i]).flatten().tolist()
+                assert sorted(sparse) == nz
+                assert max(abs(sparse[j] - want[i, j].item()) for j in nz) < 1e-4
+    finally:
+        proc.stop(signal.SIGINT)
