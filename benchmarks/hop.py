@@ -82,6 +82,7 @@ class NullEngine:
         self.spec = types.SimpleNamespace(max_seq_len=8192, vocab_size=250002, pooling="cls", normalize=True,
                                           special_token_ids=(), quantized_outputs=False)
         self.extra_outputs = ()
+        self.sparse_rows = False
         self.attention = types.SimpleNamespace(name="none")
 
     def step(self, batch, extras=frozenset()):

@@ -23,7 +23,7 @@ import torch
 
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
-from rose.layers.attention import AttentionMetadata, select_backend
+from rose.layers.attention import AttentionBackend, AttentionMetadata, LayerRouted, select_backend
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
@@ -121,7 +121,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         spec = ModelSpec.read(resolve_model_path(cfg.model))
-        family = model_class(spec.model_type)
+        family = model_class(spec)
         self.spec = family.serving(spec)  # the family's defaults where the directory is silent
         self.device = cfg.torch_device()
         self.dtype = cfg.torch_dtype(self.device)
@@ -145,20 +145,21 @@ class Engine:
         self.kernels = self._use_kernels()
         if cfg.compile:
             compile_blocks(self.model.blocks)
-        heads = family.head_shape(self.spec.config)
-        self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
-        if cfg.attention == "auto":
-            make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
-                                     causal=self.causal)
-            self.attention = load_table(cfg.attention_table, heads, self.causal, make, self.attention) \
-                if cfg.attention_table else builtin_table(make, self.attention)
+        # SPLADE: the output's nonzero entries are its sparse output, taken on the host (Tulip)
+        self.sparse_rows = family.vocab_output(self.spec.config)
+        self._output_dim = self.spec.embedding_dim if self.spec.dense else family.output_dim(self.spec.config)
+        self.attention = self._select_attention(family)
         self.runner: GraphRunner | None = None
-        if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
-            gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
-            self.runner = GraphRunner(self._scores if self.num_labels else self._forward, self.attention.prepare,
-                                      self.num_labels or self.embedding_dim, self.device, gcfg,
-                                      forward_extras=self._forward_extras if self.heads is not None else None,
-                                      segments=bool(self.num_labels))
+        if self.device.type == "cuda" and cfg.graphs != "off":
+            if self.attention.capturable:
+                gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
+                self.runner = GraphRunner(self._scores if self.num_labels else self._forward, self.attention.prepare,
+                                          self.num_labels or self.embedding_dim, self.device, gcfg,
+                                          forward_extras=self._forward_extras if self.heads is not None else None,
+                                          segments=bool(self.num_labels))
+            else:
+                log.info("engine: CUDA graphs off: attention %s cannot be captured; every step runs eagerly",
+                         self.attention.name)
         log.info(
             "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s",
             self.spec.path, self.spec.model_type,
@@ -167,6 +168,45 @@ class Engine:
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
             f"<= {self.kernels} tokens" if self.kernels else "off",
         )
+
+    def _select_attention(self, family) -> AttentionBackend:
+        """The backend `cfg.attention` names, or the best one here for "auto" (a swept table or the
+        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` takes; local
+        layers (ModernBERT) run on a windowed backend where the chosen one has no window."""
+        cfg, config = self.cfg, self.spec.config
+        heads = family.head_shape(config)
+        make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
+                                 causal=self.causal)
+        if family.score_bias:
+            if cfg.attention not in ("auto", "sdpa"):
+                raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: it adds a relative "
+                                 "position bias to the attention scores, which only 'sdpa' takes (choose auto or sdpa)")
+            log.info("engine: %s adds a position bias to attention scores: attention sdpa", self.spec.model_type)
+            return make("sdpa")
+        attn = make(cfg.attention)
+        if cfg.attention == "auto":
+            attn = load_table(cfg.attention_table, heads, self.causal, make, attn) if cfg.attention_table \
+                else builtin_table(make, attn)
+        if family.sliding_window(config) and not attn.windowed:
+            local = self._windowed_backend(make)
+            log.info("engine: attention %s has no local window: %s's local layers run on %s",
+                     attn.name, self.spec.model_type, local.name)
+            attn = LayerRouted(attn, local)
+        return attn
+
+    def _windowed_backend(self, make) -> AttentionBackend:
+        """A backend with a local window: FlashAttention varlen or 4 where installed and their
+        signature has `window_size` (CUDA, half precision), else sdpa."""
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            for name in ("varlen", "fa4"):
+                try:
+                    b = make(name)
+                except (ImportError, ValueError) as e:
+                    log.info("engine: attention %s unavailable for local layers (%s)", name, e)
+                    continue
+                if b.windowed:
+                    return b
+        return make("sdpa")
 
     def _use_kernels(self) -> int:
         """The largest step (tokens) that takes the family's Triton path: `kernel_tokens`, or less
@@ -182,9 +222,9 @@ class Engine:
 
     @property
     def embedding_dim(self) -> int:
-        """The embeddings' dimension (the last Dense module's width, else the hidden size); 0 for a
-        cross-encoder (it returns scores, `num_labels` per sequence)."""
-        return 0 if self.num_labels else self.spec.embedding_dim
+        """The embeddings' dimension (the last Dense module's width, else the family's output: the hidden
+        size, SPLADE's vocabulary); 0 for a cross-encoder (it returns scores, `num_labels` per sequence)."""
+        return 0 if self.num_labels else self._output_dim
 
     def activate(self, logits: np.ndarray) -> np.ndarray:
         """A cross-encoder's float32 [N, num_labels] logits -> its scores, as CrossEncoder.predict gives them."""
@@ -206,7 +246,8 @@ class Engine:
 
     def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""
-        out = pool(hidden, cu, seq_ids, self._pool_mode, positions)
+        out = self.model.pool(hidden, cu, seq_ids)  # a family's own output (SPLADE), else pooling
+        out = pool(hidden, cu, seq_ids, self._pool_mode, positions) if out is None else out
         if self.dense is not None:
             out = self.dense(out)
         return normalize(out) if self.spec.normalize else out.float()
@@ -227,7 +268,10 @@ class Engine:
 
     @property
     def extra_outputs(self) -> tuple[str, ...]:
-        """Token-level outputs this model has heads for: "sparse", "colbert"."""
+        """Token-level outputs this model has heads for: "sparse", "colbert" (SPLADE: "sparse", the
+        nonzero entries of its output, `sparse_rows`)."""
+        if self.sparse_rows:
+            return (Extra.SPARSE,)
         h = self.heads
         return tuple(n for n, m in ((Extra.SPARSE, h and h.sparse), (Extra.COLBERT, h and h.colbert)) if m is not None)
 
@@ -237,12 +281,15 @@ class Engine:
         cross-encoder's raw logits [N, num_labels] (the batch's `segment_starts` give token types).
 
         With `extras` ("sparse" and/or "colbert"), the LazyTensor holds a tuple (dense,
-        token weights [T], token vectors [T, colbert_dim]); absent ones are empty tensors.
+        token weights [T], token vectors [T, colbert_dim]); absent ones are empty tensors. A model
+        with `sparse_rows` (SPLADE) returns its rows alone: their nonzero entries are the sparse output.
         On CUDA a batch goes through the GraphRunner (padded to its bucket, graph replayed; a
         batch with extras through graphs of its own); bigger batches and any batch on CPU run eagerly.
         """
         if extras and (unknown := set(extras) - set(self.extra_outputs)):
             raise ValueError(f"this model has no {sorted(map(str, unknown))} output")
+        if self.sparse_rows:
+            extras = frozenset()  # the caller takes the sparse output from the rows (`sparse_rows`)
         if self.runner is not None:
             lazy = self.runner.step(batch, frozenset(extras))
             if lazy is not None:

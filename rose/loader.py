@@ -44,7 +44,7 @@ def random_weights(model: Family, device: torch.device, dtype: torch.dtype, seed
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("LayerNorm.weight") or name.endswith("norm.weight"):
+            if name.endswith(("LayerNorm.weight", "norm.weight", "norm1.weight", "norm2.weight", "emb_ln.weight")):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()

@@ -39,6 +39,7 @@ class FakeGpuEngine:
         self.spec = types.SimpleNamespace(max_seq_len=512, vocab_size=1000, pooling="mean", normalize=False,
                                           special_token_ids=(), quantized_outputs=False)
         self.extra_outputs = ()
+        self.sparse_rows = False
 
     def step(self, batch, extras=frozenset()):
         now = time.monotonic()

@@ -266,7 +266,7 @@ def test_pplx_layout_spec(tmp_path):
     spec = ModelSpec.read(d)
     assert (spec.model_type, spec.pooling, spec.normalize, spec.quantized_outputs, spec.dense) == (
         "bidirectional_pplx_qwen3", "mean", False, True, ())
-    assert model_class(spec.model_type) is PPLXQwen3Model
+    assert model_class(spec) is PPLXQwen3Model
     assert not PPLXQwen3Model.is_causal({**spec.config, "use_bidirectional_attention": False})  # always
     # the quantizer decides, not the family: a bidirectional Qwen3 without it offers no int8 / binary
     (d / "modules.json").write_text(json.dumps(json.loads((d / "modules.json").read_text())[:2]))

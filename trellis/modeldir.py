@@ -82,6 +82,8 @@ DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"
 QUANTIZER_MODULES = ("st_quantize.FlexibleQuantizer",)
 # The pipeline's stages in the order they must come (Dense may repeat).
 _STAGES = ("Transformer", "Pooling", "Dense", "Normalize", "Quantizer")
+# sentence-transformers' SparseEncoder (SPLADE) modules, read as the stage they hold.
+_ALIASES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling"}
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class ModelSpec:
     path:        the directory.
     config:      config.json as a dict (the architecture's hyper-parameters).
     model_type:  config["model_type"], e.g. "bert".
-    pooling:     "cls" | "mean" | "max" | "weightedmean" | "last" from 1_Pooling/config.json; "" without a
+    pooling:     "cls" | "mean" | "max" | "weightedmean" | "last" from 1_Pooling/config.json, "splade" from
+                 a SpladePooling module (max over tokens of log(1 + relu(MLM logits))); "" without a
                  Pooling module (the family's default applies: `Family.default_pooling`).
     normalize:   whether a Normalize module follows pooling (and any Dense modules) in modules.json.
     max_seq_len: longest sequence served, in tokens: sentence_bert_config.json's max_seq_length
@@ -164,6 +167,7 @@ def _stage(module_type: str) -> str:
     "sentence_transformers.sentence_transformer.modules.pooling.Pooling" or
     "sentence_transformers.base.modules.dense.Dense" in newer ones); custom modules by full name."""
     kind = module_type.rsplit(".", 1)[-1]
+    kind = _ALIASES.get(kind, kind)
     if module_type.startswith("sentence_transformers.") and kind in _STAGES[:4]:
         return kind
     if module_type in QUANTIZER_MODULES:
@@ -195,7 +199,9 @@ def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
                 if cfg.get(key, "sentence_embedding") != "sentence_embedding":
                     raise ValueError(f"{mdir / 'config.json'}: {key} {cfg[key]!r} is not supported (only modules "
                                      "on the pooled vector, 'sentence_embedding')")
-        if stage == "Pooling":
+        if stage == "Pooling" and module_type.endswith(".SpladePooling"):
+            out["pooling"] = _splade_pooling(cfg)
+        elif stage == "Pooling":
             out["pooling"], out["include_prompt"] = _pooling_mode(cfg), bool(cfg.get("include_prompt", True))
         elif stage == "Dense":
             d = _dense(mdir, cfg)
@@ -208,6 +214,14 @@ def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
         elif stage == "Quantizer":
             out["quantized_outputs"] = True
     return out
+
+
+def _splade_pooling(cfg: dict) -> str:
+    """SpladePooling's config: the max / relu SPLADE of the published models is supported."""
+    got = (cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
+    if got != ("max", "relu"):
+        raise ValueError(f"unsupported SpladePooling {cfg!r} (supported: pooling_strategy max, activation_function relu)")
+    return "splade"
 
 
 def _dense(mdir: Path, cfg: dict) -> DenseSpec:
@@ -226,6 +240,14 @@ _POOLING = {"cls": "cls", "mean": "mean", "max": "max", "weightedmean": "weighte
 _LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                    "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def _splade_pooling(cfg: dict) -> str:
+    """SpladePooling's config: the max / relu SPLADE of the published models is supported."""
+    got = (cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
+    if got != ("max", "relu"):
+        raise ValueError(f"unsupported SpladePooling {cfg!r} (supported: pooling_strategy max, activation_function relu)")
+    return "splade"
 
 
 def _pooling_mode(cfg: dict) -> str:

@@ -7,7 +7,9 @@ with seeded random values, logging loudly that it did. A preset has the real
 architecture, shapes and cost; its embeddings mean nothing. `bge-m3`'s stand-in
 tokenizer is XLM-R-like (trellis/standin.py: a 250k-piece Unigram vocabulary, so
 that tokenizing costs what it costs with the real one); the Qwen3 presets' is
-byte-level (one token per UTF-8 byte).
+byte-level (one token per UTF-8 byte), as are the encoder presets' (`msmarco-distilbert`,
+`all-mpnet-base-v2`, `gte-modernbert-base`, `nomic-embed-text-v1.5`, `splade-cocondenser`: each
+model's published config.json hyper-parameters, BERT-style [CLS] ... [SEP] wrapping).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 3  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+FORMAT = 4  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -64,6 +66,50 @@ PRESETS.update({
 })
 
 
+_BERT_SPECIALS = {"specials": {"[PAD]": 0, "<unk>": 1, "[CLS]": 2, "[SEP]": 3}, "wrap": ("[CLS]", "[SEP]")}
+_BERT_BASE = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512, "type_vocab_size": 2,
+              "layer_norm_eps": 1e-12, "pad_token_id": 0, "position_embedding_type": "absolute"}
+PRESETS.update({
+    # sentence-transformers/msmarco-distilbert-base-v4: DistilBERT base (6 layers), mean pooling, not normalised.
+    "msmarco-distilbert": {"config": {"model_type": "distilbert", "architectures": ["DistilBertModel"], "vocab_size": 30522,
+                                      "dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072, "activation": "gelu",
+                                      "max_position_embeddings": 512, "sinusoidal_pos_embds": False, "pad_token_id": 0},
+                           "pooling": "mean", "normalize": False, "max_seq_length": 512, **_BERT_SPECIALS},
+    # sentence-transformers/all-mpnet-base-v2: MPNet base with its relative position bias, mean pooling, normalised.
+    "all-mpnet-base-v2": {"config": {**_BERT_BASE, "model_type": "mpnet", "architectures": ["MPNetForMaskedLM"],
+                                     "vocab_size": 30527, "max_position_embeddings": 514, "layer_norm_eps": 1e-5,
+                                     "relative_attention_num_buckets": 32, "pad_token_id": 1, "bos_token_id": 0,
+                                     "eos_token_id": 2},
+                          "pooling": "mean", "normalize": True, "max_seq_length": 384, **_BERT_SPECIALS},
+    # Alibaba-NLP/gte-modernbert-base: ModernBERT base (22 layers, every third global, 128-token local
+    # window, rotary bases of ModernBERT-base), CLS pooling, normalised.
+    "gte-modernbert-base": {"config": {"model_type": "modernbert", "architectures": ["ModernBertModel"],
+                                       "vocab_size": 50368, "hidden_size": 768, "num_hidden_layers": 22,
+                                       "num_attention_heads": 12, "intermediate_size": 1152, "hidden_activation": "gelu",
+                                       "max_position_embeddings": 8192, "global_attn_every_n_layers": 3,
+                                       "local_attention": 128, "global_rope_theta": 160000.0, "local_rope_theta": 10000.0,
+                                       "norm_eps": 1e-5, "norm_bias": False, "attention_bias": False, "mlp_bias": False,
+                                       "pad_token_id": 50283, "cls_token_id": 50281, "sep_token_id": 50282,
+                                       "classifier_pooling": "cls"},
+                            "pooling": "cls", "normalize": True, "max_seq_length": 8192, **_BERT_SPECIALS},
+    # nomic-ai/nomic-embed-text-v1.5: NomicBERT (its published GPT-2 style config), mean pooling, normalised,
+    # search_query / search_document prompts.
+    "nomic-embed-text-v1.5": {"config": {"model_type": "nomic_bert", "architectures": ["NomicBertModel"],
+                                         "vocab_size": 30528, "n_embd": 768, "n_head": 12, "n_layer": 12, "n_inner": 3072,
+                                         "n_positions": 8192, "max_trained_positions": 2048, "rotary_emb_base": 1000,
+                                         "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+                                         "rotary_scaling_factor": None, "activation_function": "swiglu",
+                                         "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+                                         "prenorm": False, "layer_norm_epsilon": 1e-12, "type_vocab_size": 2},
+                              "pooling": "mean", "normalize": True, "max_seq_length": 8192,
+                              "prompts": {"query": "search_query: ", "document": "search_document: "}, **_BERT_SPECIALS},
+    # naver/splade-cocondenser-ensembledistil: BertForMaskedLM (BERT base), SPLADE max pooling over the vocabulary.
+    "splade-cocondenser": {"config": {**_BERT_BASE, "model_type": "bert", "architectures": ["BertForMaskedLM"]},
+                           "pooling": "splade", "normalize": False, "max_seq_length": 512, **_BERT_SPECIALS},
+})
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
 
@@ -100,10 +146,14 @@ def materialize(name: str) -> Path:
     fp = fingerprint(name)
     if marker.is_file() and fp in marker.read_text():
         return d
-    (d / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    splade = p["pooling"] == "splade"  # sentence-transformers' SparseEncoder layout
+    pool_dir = d / ("1_SpladePooling" if splade else "1_Pooling")
+    pool_dir.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(p["config"], indent=2))
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    kinds = ("sparse_encoder.models.MLMTransformer", "sparse_encoder.models.SpladePooling") if splade else \
+        ("models.Transformer", "models.Pooling")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": f"sentence_transformers.{kinds[0]}"},
+               {"idx": 1, "name": "1", "path": pool_dir.name, "type": f"sentence_transformers.{kinds[1]}"}]
     if p["normalize"]:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     if p.get("quantizer"):  # as pplx-embed-v1's modules.json lists it (its code is the repo's st_quantize.py)
@@ -111,8 +161,10 @@ def materialize(name: str) -> Path:
                         "kwargs": ["quantization"]})
     (d / "modules.json").write_text(json.dumps(modules, indent=2))
     mode = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
-    (d / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": p["config"]["hidden_size"], mode[p["pooling"]]: True}))
+    (pool_dir / "config.json").write_text(json.dumps(
+        {"pooling_strategy": "max", "activation_function": "relu"} if splade else
+        {"word_embedding_dimension": p["config"].get("hidden_size") or p["config"].get("dim") or p["config"]["n_embd"],
+         mode[p["pooling"]]: True}))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))

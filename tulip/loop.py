@@ -24,7 +24,7 @@ from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Entry, Scheduler
 from tulip.spin import Spinner
-from rose.layers.heads import Extra, colbert_vectors, lexical_weights
+from rose.layers.heads import Extra, colbert_vectors, lexical_weights, vocab_weights
 from tulip.stages import StageRecorder
 
 log = logging.getLogger("tulip")
@@ -173,6 +173,7 @@ class EngineLoop:
         # running step and joining the next, larger one.
         self._overlap_tokens = cfg.max_batch_tokens // 4
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
+        self._sparse_rows = engine.sparse_rows  # SPLADE: the sparse output is a row's nonzero entries
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._watching = False  # a _watch callback or _wait task owns the oldest step
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
@@ -343,6 +344,10 @@ class EngineLoop:
             try:
                 if isinstance(result, tuple):
                     self._scatter_extras(step.slots, weights, vectors)
+                elif self._sparse_rows:
+                    for row, (r, i) in enumerate(step.slots):
+                        if Extra.SPARSE in r.extras:
+                            r.sparse[i] = vocab_weights(out[row])
                 for row, (r, i) in enumerate(step.slots):
                     r.pending -= 1
                     if r.rows is None:  # one sequence: its row is the answer

@@ -346,7 +346,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         if tulip_pb2.OUTPUT_COLBERT in request.outputs:
             size += (tokens - seqs) * self.loop.engine.heads.colbert_dim * 4 + 8 * seqs
         if tulip_pb2.OUTPUT_SPARSE in request.outputs:
-            size += tokens * 10 + 8 * seqs  # a varint id and a float per kept token, framing per sequence
+            # a varint id and a float per kept token (SPLADE: per vocabulary id), framing per sequence
+            size += (seqs * self.info.vocab_size if self.loop.engine.sparse_rows else tokens) * 10 + 8 * seqs
         return size
 
     def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:

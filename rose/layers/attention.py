@@ -13,6 +13,12 @@ padding, no cross-sequence attention). Backends:
 - `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
 - `triton`: ROSE's own kernel for short sequences (`rose.kernels.attention`): one program per
             query block, sequence and head; GQA without repeating kv heads.
+
+Two per-layer extras some families need: an additive score bias (`AttentionMetadata.bias`, MPNet's
+relative position bias: only `sdpa` takes one, `takes_bias`) and a local window
+(`AttentionMetadata.window`, ModernBERT's local layers: `sdpa` with a band mask, `varlen` / `fa4`
+where their signature has `window_size`; `windowed`). `LayerRouted` runs the windowed layers on a
+second backend where the first has no window.
 """
 
 from __future__ import annotations
@@ -38,12 +44,18 @@ class AttentionMetadata:
                 inside a CUDA graph, the token bucket).
     seq_lens:   the N lengths on the host (None inside a graph: capturable backends ignore it).
     causal:     causal (decoder-style) rather than bidirectional attention.
+    window:     local attention: a token sees keys at most `window` positions away (0: all); set per
+                layer by the family (`dataclasses.replace`).
+    bias:       an additive score bias [heads, L, L] by position within a sequence (L >= the longest
+                sequence; each sequence takes its top-left [n, n]), or None; set by the family.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     seq_lens: tuple[int, ...] | None
     causal: bool = False
+    window: int = 0
+    bias: torch.Tensor | None = None
 
 
 class AttentionBackend(abc.ABC):
@@ -51,6 +63,8 @@ class AttentionBackend(abc.ABC):
 
     name: str
     capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
+    windowed = False  # honours AttentionMetadata.window
+    takes_bias = False  # adds AttentionMetadata.bias to the scores
 
     def prepare(self, key, cu_host: np.ndarray, num_tokens: int) -> None:
         """Host-side planning before a forward (outside any graph).
@@ -65,9 +79,12 @@ class AttentionBackend(abc.ABC):
 
 
 class SdpaBackend(AttentionBackend):
-    """One SDPA call per sequence; handles GQA by letting SDPA broadcast kv heads."""
+    """One SDPA call per sequence; handles GQA by letting SDPA broadcast kv heads, a local window
+    with a band mask and a score bias as SDPA's additive mask."""
 
     name = "sdpa"
+    windowed = True
+    takes_bias = True
 
     def __call__(self, q, k, v, meta):
         gqa = q.shape[1] != k.shape[1]
@@ -75,9 +92,18 @@ class SdpaBackend(AttentionBackend):
         start = 0
         for n in meta.seq_lens:
             s = slice(start, start + n)
+            mask = None if meta.bias is None else meta.bias[:, :n, :n]
+            band = meta.window and n > meta.window + 1
+            if band or (meta.causal and mask is not None):  # the rule as a boolean mask
+                i = torch.arange(n, device=q.device)
+                keep = (i[:, None] - i[None, :]).abs() <= meta.window if band else \
+                    torch.ones(n, n, dtype=torch.bool, device=q.device)
+                if meta.causal:
+                    keep &= i[:, None] >= i[None, :]
+                mask = keep if mask is None else mask.masked_fill(~keep, float("-inf"))
             o = F.scaled_dot_product_attention(
-                q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
-                is_causal=meta.causal, enable_gqa=gqa,
+                q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), attn_mask=mask,
+                is_causal=meta.causal and mask is None, enable_gqa=gqa,
             )
             out[s] = o.transpose(0, 1)
             start += n
@@ -98,10 +124,13 @@ class VarlenBackend(AttentionBackend):
         # torch 2.10/2.11 take is_causal; later releases take window_size.
         self._causal_kw = "is_causal" if "is_causal" in params else "window_size"
         self._gqa = "enable_gqa" in params
+        self.windowed = "window_size" in params
 
     def __call__(self, q, k, v, meta):
         kw = {}
-        if meta.causal:
+        if meta.window:
+            kw["window_size"] = (meta.window, 0 if meta.causal else meta.window)
+        elif meta.causal:
             kw[self._causal_kw] = True if self._causal_kw == "is_causal" else (-1, 0)
         if q.shape[1] != k.shape[1]:
             if self._gqa:
@@ -124,11 +153,13 @@ class FlashAttn4Backend(AttentionBackend):
         from flash_attn.cute import flash_attn_varlen_func
 
         self._fn = flash_attn_varlen_func
+        self.windowed = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
 
     def __call__(self, q, k, v, meta):
         cu, n = meta.cu_seqlens, meta.max_seqlen
+        kw = {"window_size": (meta.window, 0 if meta.causal else meta.window)} if meta.window else {}
         out, _ = self._fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
-                          causal=meta.causal)
+                          causal=meta.causal, **kw)
         return out
 
 
@@ -220,6 +251,25 @@ class TritonBackend(AttentionBackend):
 
     def __call__(self, q, k, v, meta):
         return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+
+
+class LayerRouted(AttentionBackend):
+    """`full` for every layer but the windowed ones (`meta.window`), which run on `local`: a
+    family with local layers (ModernBERT) on a backend without a window."""
+
+    windowed = True
+
+    def __init__(self, full: AttentionBackend, local: AttentionBackend):
+        self.full, self.local = full, local
+        self.name = f"{full.name}, local layers {local.name}"
+        self.capturable = full.capturable and local.capturable
+
+    def prepare(self, key, cu_host, num_tokens):
+        self.full.prepare(key, cu_host, num_tokens)
+        self.local.prepare(key, cu_host, num_tokens)
+
+    def __call__(self, q, k, v, meta):
+        return (self.local if meta.window else self.full)(q, k, v, meta)
 
 
 BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")

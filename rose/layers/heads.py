@@ -5,6 +5,9 @@
 - ColBERT: colbert_linear(h) per token, L2-normalised; the host keeps every token after the
   first (CLS) of each sequence.
 
+SPLADE's sparse output is its whole (vocabulary-sized) output row, reduced on the device by its
+family (`rose.models.splade`); `vocab_weights` is its host-side half.
+
 `Extra` names them wherever a step asks for them (the graph keys, Tulip's requests); the host-side
 halves (`lexical_weights`, `colbert_vectors`) live here too, beside the heads they finish.
 """
@@ -39,6 +42,13 @@ def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -
     np.maximum.at(best, inverse, weights)
     order = np.argsort(first, kind="stable")
     return uniq[order], best[order]
+
+
+def vocab_weights(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's sparse output from a vocabulary-sized output row (SPLADE): its nonzero
+    entries, by ascending token id."""
+    ids = np.flatnonzero(row > 0)
+    return ids, row[ids]
 
 
 def colbert_vectors(vectors: np.ndarray, start: int, n: int) -> np.ndarray:

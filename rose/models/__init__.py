@@ -2,16 +2,33 @@
 
 from rose.models.base import Family
 from rose.models.bert import BertModel
+from rose.models.distilbert import DistilBertModel
+from rose.models.modernbert import ModernBertModel
+from rose.models.mpnet import MPNetModel
+from rose.models.nomic_bert import NomicBertModel
 from rose.models.pplx_qwen3 import PPLXQwen3Model
 from rose.models.qwen3 import Qwen3Model
+from rose.models.splade import SpladeModel
 from rose.models.xlm_roberta import XLMRobertaModel
+from trellis.modeldir import ModelSpec
 
 MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model,
-                                   "bidirectional_pplx_qwen3": PPLXQwen3Model}
+                                   "bidirectional_pplx_qwen3": PPLXQwen3Model,
+                                   "distilbert": DistilBertModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
+                                   "nomic_bert": NomicBertModel}
+# Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
+# Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
+SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}
 
 
-def model_class(model_type: str) -> type[Family]:
+def model_class(spec: ModelSpec) -> type[Family]:
+    masked_lm = any(a.endswith("ForMaskedLM") for a in spec.config.get("architectures") or ())
+    if spec.pooling == "splade" or (masked_lm and not spec.pooling and spec.model_type in SPLADE):
+        if not (masked_lm and spec.model_type in SPLADE):
+            raise ValueError(f"SPLADE pooling needs a masked-LM checkpoint of {sorted(SPLADE)} "
+                             f"(this one: {spec.model_type} {spec.config.get('architectures')})")
+        return SPLADE[spec.model_type]
     try:
-        return MODELS[model_type]
+        return MODELS[spec.model_type]
     except KeyError:
-        raise ValueError(f"unsupported model_type {model_type!r} (supported: {sorted(MODELS)})") from None
+        raise ValueError(f"unsupported model_type {spec.model_type!r} (supported: {sorted(MODELS)})") from None

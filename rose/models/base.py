@@ -21,6 +21,17 @@ Class-level rules (read before the model is built, from config.json alone):
                      `*ForSequenceClassification` head on the first token: one score per query-document
                      pair, or num_labels); empty: embeddings only.
     num_labels(config)        the head's outputs per sequence for such a directory; 0 for an embedding model.
+    standard_config(config)   config.json with Hugging Face's usual key names added where the family's
+                     config uses its own (DistilBERT's `dim`, NomicBERT's GPT-2 style `n_embd`), so
+                     the rest of the stack reads `hidden_size`, `vocab_size`, ... alike.
+    output_dim(config)        width of a sequence's output vector (hidden size; SPLADE: the vocabulary).
+    vocab_output(config)      the output's coordinates are vocabulary ids (SPLADE): its nonzero entries
+                     are the model's sparse output (`rose.layers.heads.vocab_weights`).
+    score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
+                     `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa) can
+                     run it; "auto" picks one and any other backend is a ValueError.
+    sliding_window(config)    half-width w of the local layers' window (|i - j| <= w; 0: no local layers):
+                     backends without a window (`windowed`) run those layers on one that has one.
 
 Instance side:
     blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).
@@ -33,6 +44,8 @@ Instance side:
                      pooler dense + tanh, then `classifier`); checkpoint names as Hugging Face's. A head
                      that uses tensors the embedding model skips (BERT's pooler) sets `ignored` on the
                      instance (the loader reads the instance's).
+    pool(hidden, cu_seqlens, seq_ids) -> [N, output_dim] or None   a family whose output is not a pooled
+                     hidden state (SPLADE) computes it here, on the device; None: the engine pools.
     use_kernels(max_tokens) -> int   route steps of up to that many tokens through the family's
                      small-batch path in `rose.kernels`; returns the cap it took (0: none).
     stacked_rows(name), materialize(device)   see below.
@@ -55,6 +68,8 @@ class Family(nn.Module):
     ignored: ClassVar[re.Pattern | None] = None
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
     classifier_architectures: ClassVar[frozenset[str]] = frozenset()
+
+    score_bias: ClassVar[bool] = False
 
     causal = False  # set from is_causal(config) by families that can be causal
     kernel_tokens = 0  # steps of up to this many tokens take the small path (set by use_kernels)
@@ -89,12 +104,29 @@ class Family(nn.Module):
         return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
 
     @classmethod
+    def sliding_window(cls, config: dict) -> int:
+        return 0
+
+    @classmethod
+    def standard_config(cls, config: dict) -> dict:
+        return config
+
+    @classmethod
+    def output_dim(cls, config: dict) -> int:
+        return int(config["hidden_size"])
+
+    @classmethod
+    def vocab_output(cls, config: dict) -> bool:
+        return False
+
+    @classmethod
     def serving(cls, spec: ModelSpec) -> ModelSpec:
         """`spec` with the family's defaults where the directory is silent, and its sequence limit
         capped by the positions the architecture numbers."""
+        config = cls.standard_config(spec.config)
         return dataclasses.replace(
-            spec, pooling=spec.pooling or cls.default_pooling(spec.config),
-            max_seq_len=min(spec.max_seq_len, cls.max_positions(spec.config)))
+            spec, config=config, pooling=spec.pooling or cls.default_pooling(config),
+            max_seq_len=min(spec.max_seq_len, cls.max_positions(config)))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -109,6 +141,9 @@ class Family(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         """Fill non-persistent buffers (e.g. rotary tables), which checkpoints do not hold."""
+
+    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor | None:
+        return None
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0

@@ -1,0 +1,146 @@
+"""ModernBERT (ModernBertModel, as in gte-modernbert-base and modernbert-embed-base) over a
+ragged batch: pre-norm layers without biases, rotary positions, a GeGLU MLP, a final norm, and
+attention that alternates global layers with local ones (a sliding window).
+
+Every `global_attn_every_n_layers`-th layer (0, 3, 6, ...) is global; the others see keys at most
+`local_attention // 2` positions away (Hugging Face's `sliding_window`, |i - j| <= 64 for 128),
+with their own rotary base (`local_rope_theta` 10,000 against `global_rope_theta` 160,000; in
+newer config.json files `layer_types` and `rope_parameters` per layer type say the same). The
+first layer has no attention norm (Hugging Face's Identity). The window reaches the attention
+backend as `AttentionMetadata.window`; a backend without one runs the local layers elsewhere
+(`rose.layers.attention.LayerRouted`, chosen by the engine). Hugging Face parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from rose.layers.activation import get_activation
+from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.rotary import Rotary, apply_rotary
+from rose.models.base import Family
+
+GLOBAL, LOCAL = "full_attention", "sliding_attention"
+
+
+def layer_types(cfg: dict) -> list[str]:
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    every = int(cfg.get("global_attn_every_n_layers", 3))
+    return [LOCAL if i % every else GLOBAL for i in range(cfg["num_hidden_layers"])]
+
+
+def rope_thetas(cfg: dict) -> dict[str, float]:
+    params = cfg.get("rope_parameters") or {}
+    out = {}
+    for kind, key, default in ((GLOBAL, "global_rope_theta", 160_000.0), (LOCAL, "local_rope_theta", 10_000.0)):
+        p = params.get(kind) or {}
+        if p.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {p['rope_type']!r} for modernbert (supported: default)")
+        out[kind] = float(p.get("rope_theta", cfg.get(key, default)))
+    return out
+
+
+def _norm(cfg: dict) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg["hidden_size"], eps=cfg.get("norm_eps", 1e-5), bias=cfg.get("norm_bias", False))
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.norm = _norm(cfg)
+
+    def forward(self, input_ids):
+        return self.norm(self.tok_embeddings(input_ids))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, bias = cfg["hidden_size"], cfg.get("attention_bias", False)
+        self.num_heads = cfg["num_attention_heads"]
+        self.Wqkv = nn.Linear(h, 3 * h, bias=bias)
+        self.Wo = nn.Linear(h, h, bias=bias)
+
+    def forward(self, x, cos_sin, meta, attn):
+        q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
+        q, k = apply_rotary(q, k, cos_sin)
+        return self.Wo(attn(q, k, v, meta).reshape(x.shape[0], -1))
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        bias = cfg.get("mlp_bias", False)
+        self.Wi = nn.Linear(cfg["hidden_size"], 2 * cfg["intermediate_size"], bias=bias)
+        self.Wo = nn.Linear(cfg["intermediate_size"], cfg["hidden_size"], bias=bias)
+        self.act = get_activation(cfg.get("hidden_activation", "gelu"))
+
+    def forward(self, x):
+        inp, gate = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.act(inp) * gate)
+
+
+class ModernBertEncoderLayer(nn.Module):
+    def __init__(self, cfg: dict, index: int):
+        super().__init__()
+        self.attn_norm = _norm(cfg) if index else nn.Identity()
+        self.attn = ModernBertAttention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = ModernBertMLP(cfg)
+        self.local = layer_types(cfg)[index] == LOCAL
+
+    def forward(self, x, cos_sin, meta, attn):
+        return self.feed_forward(self.attn(self.attn_norm(x), cos_sin, meta, attn), x)
+
+    def feed_forward(self, a, x):
+        """Residual, norm, GeGLU MLP, residual: fused by `Engine(compile=True)`."""
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertModel(Family):
+    strip_prefixes = ("model.",)
+    ignored = re.compile(r"^(head|decoder|classifier)\.|(^|\.)rotary_emb\.")
+
+    @classmethod
+    def default_pooling(cls, config: dict) -> str:
+        """config.json's `classifier_pooling` ("cls" or "mean") without a Pooling module; gte-modernbert-base
+        pools CLS, modernbert-embed-base mean (their Pooling modules say so)."""
+        return config.get("classifier_pooling", "cls")
+
+    @classmethod
+    def sliding_window(cls, config: dict) -> int:
+        return int(config.get("local_attention", 128)) // 2
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.window = self.sliding_window(cfg)
+        self.embeddings = ModernBertEmbeddings(cfg)
+        self.layers = nn.ModuleList(ModernBertEncoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.final_norm = _norm(cfg)
+        d, n, thetas = cfg["hidden_size"] // cfg["num_attention_heads"], cfg.get("max_position_embeddings", 8192), rope_thetas(cfg)
+        self.rotary_global = Rotary(d, n, thetas[GLOBAL])
+        self.rotary_local = Rotary(d, n, thetas[LOCAL])
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def materialize(self, device: torch.device) -> None:
+        self.rotary_global.materialize(device)
+        self.rotary_local.materialize(device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embeddings(input_ids)
+        full = (self.rotary_global.lookup(positions, x.dtype), meta)
+        local = (self.rotary_local.lookup(positions, x.dtype), dataclasses.replace(meta, window=self.window))
+        for layer in self.layers:
+            cos_sin, m = local if layer.local else full
+            x = layer(x, cos_sin, m, attn)
+        return self.final_norm(x)

@@ -1,0 +1,136 @@
+"""MPNet (MPNetModel, as in all-mpnet-base-v2) over a ragged batch: BERT's post-norm layers plus a
+relative position bias, shared by every layer, added to the attention scores.
+
+The bias is `encoder.relative_attention_bias` (buckets x heads) looked up by T5-style buckets of
+j - i (key minus query position within a sequence); Hugging Face computes the buckets with 32
+whatever `relative_attention_num_buckets` says, and so does this. Fused attention kernels take no
+bias: the family declares `score_bias`, so the engine runs it on `sdpa` (the bias as each
+sequence's additive mask), which CUDA graphs cannot capture: MPNet steps run eagerly.
+
+Positions are numbered from padding_idx + 1 = 2, as XLM-RoBERTa's. Hugging Face parameter names;
+q/k/v are stacked into one `qkv` GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+from torch import nn
+
+from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.models.base import Family
+from rose.models.bert import BertDenseLayerNorm, BertIntermediate
+
+NUM_BUCKETS, MAX_DISTANCE = 32, 128  # Hugging Face's compute_position_bias defaults
+
+
+def relative_position_bucket(rel: torch.Tensor, num_buckets: int = NUM_BUCKETS, max_distance: int = MAX_DISTANCE):
+    """T5's bidirectional buckets of relative positions (key - query), as MPNet uses them."""
+    n = -rel
+    half = num_buckets // 2
+    ret = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                     * (half - exact)).long()
+    return ret + torch.where(n < exact, n, large.clamp(max=half - 1))
+
+
+class MPNetSelfAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.qkv = nn.Linear(h, 3 * h)
+        self.o = nn.Linear(h, h)
+
+    def forward(self, x, meta, attn):
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
+        return self.o(attn(q, k, v, meta).reshape(x.shape[0], -1))
+
+
+class MPNetAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.attn = MPNetSelfAttention(cfg)
+        self.LayerNorm = nn.LayerNorm(cfg["hidden_size"], eps=cfg.get("layer_norm_eps", 1e-12))
+
+
+class MPNetLayer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.attention = MPNetAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertDenseLayerNorm(cfg["intermediate_size"], cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
+
+    def forward(self, x, meta, attn):
+        return self.feed_forward(self.attention.attn(x, meta, attn), x)
+
+    def feed_forward(self, a, x):
+        """Residual + LayerNorm, FFN, residual + LayerNorm: fused by `Engine(compile=True)`."""
+        x = self.attention.LayerNorm(a + x)
+        return self.output(self.intermediate(x), x)
+
+
+class MPNetEmbeddings(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.word_embeddings = nn.Embedding(cfg["vocab_size"], h)
+        self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], h)
+        self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
+
+    def forward(self, input_ids, positions):
+        return self.LayerNorm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
+
+
+class MPNetEncoder(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.layer = nn.ModuleList(MPNetLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.relative_attention_bias = nn.Embedding(cfg.get("relative_attention_num_buckets", 32),
+                                                    cfg["num_attention_heads"])
+
+    def position_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """[heads, length, length]: the bias of key j for query i, by bucket of j - i."""
+        i = torch.arange(length, device=self.relative_attention_bias.weight.device)
+        return self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None])).permute(2, 0, 1).to(dtype)
+
+
+class MPNetModel(Family):
+    strip_prefixes = ("mpnet.",)
+    ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^lm_head\.")
+    stacked_params = {
+        ".attention.attn.q.": (".attention.attn.qkv.", 0),
+        ".attention.attn.k.": (".attention.attn.qkv.", 1),
+        ".attention.attn.v.": (".attention.attn.qkv.", 2),
+    }
+    score_bias = True
+
+    @classmethod
+    def position_offset(cls, config: dict) -> int:
+        return 2  # Hugging Face's MPNetEmbeddings: padding_idx (1, fixed) + 1
+
+    @classmethod
+    def default_pooling(cls, config: dict) -> str:
+        """Mean, as all-mpnet-base-v2 (whose Pooling module says so, then Normalize)."""
+        return "mean"
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.embeddings = MPNetEmbeddings(cfg)
+        self.encoder = MPNetEncoder(cfg)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layer
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions + 2)
+        meta = dataclasses.replace(meta, bias=self.encoder.position_bias(meta.max_seqlen, x.dtype))
+        for layer in self.encoder.layer:
+            x = layer(x, meta, attn)
+        return x

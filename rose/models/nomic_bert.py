@@ -1,0 +1,136 @@
+"""NomicBERT (nomic-embed-text-v1 / v1.5) over a ragged batch: BERT's post-norm layers with rotary
+positions instead of learned ones, a fused q/k/v projection, a SwiGLU MLP and no biases.
+
+Parameter names are the published checkpoint's (`embeddings.word_embeddings`, `emb_ln`,
+`encoder.layers.N.attn.Wqkv` / `attn.out_proj`, `mlp.fc11` (up), `mlp.fc12` (gate: the SiLU is
+applied to it), `mlp.fc2`, `norm1`, `norm2`), which transformers' own NomicBertModel also writes
+and reads. config.json is the published remote-code one (GPT-2 style `n_embd`, `n_head`, `n_layer`,
+`n_inner`, `n_positions`, `rotary_emb_base`, ...) or transformers' (`hidden_size`, ...,
+`rope_parameters`); `standard_config` reads either. Supported as published: full rotary fraction,
+non-interleaved ("rotate half"), no rotary scaling, post-norm; other settings are a clear error.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.rotary import Rotary, apply_rotary, rope_theta
+from rose.models.base import Family
+
+_GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+              "n_inner": "intermediate_size", "n_positions": "max_position_embeddings",
+              "layer_norm_epsilon": "layer_norm_eps", "rotary_emb_base": "rope_theta"}
+
+
+class NomicBertEmbeddings(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), cfg["hidden_size"])
+
+
+class NomicBertAttention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.Wqkv = nn.Linear(h, 3 * h, bias=cfg.get("qkv_proj_bias", False))
+        self.out_proj = nn.Linear(h, h, bias=cfg.get("qkv_proj_bias", False))
+
+    def forward(self, x, cos_sin, meta, attn):
+        q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
+        q, k = apply_rotary(q, k, cos_sin)
+        return self.out_proj(attn(q, k, v, meta).reshape(x.shape[0], -1))
+
+
+class NomicBertMLP(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, f = cfg["hidden_size"], cfg["intermediate_size"]
+        self.fc11 = nn.Linear(h, f, bias=cfg.get("mlp_fc1_bias", False))
+        self.fc12 = nn.Linear(h, f, bias=cfg.get("mlp_fc1_bias", False))
+        self.fc2 = nn.Linear(f, h, bias=cfg.get("mlp_fc2_bias", False))
+
+    def forward(self, x):
+        return self.fc2(self.fc11(x) * F.silu(self.fc12(x)))
+
+
+class NomicBertBlock(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        eps = cfg.get("layer_norm_eps", 1e-12)
+        self.attn = NomicBertAttention(cfg)
+        self.norm1 = nn.LayerNorm(cfg["hidden_size"], eps=eps)
+        self.mlp = NomicBertMLP(cfg)
+        self.norm2 = nn.LayerNorm(cfg["hidden_size"], eps=eps)
+
+    def forward(self, x, cos_sin, meta, attn):
+        return self.feed_forward(self.attn(x, cos_sin, meta, attn), x)
+
+    def feed_forward(self, a, x):
+        """Residual + norm, SwiGLU MLP, residual + norm: fused by `Engine(compile=True)`."""
+        x = self.norm1(x + a)
+        return self.norm2(x + self.mlp(x))
+
+
+class NomicBertEncoder(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.layers = nn.ModuleList(NomicBertBlock(cfg) for _ in range(cfg["num_hidden_layers"]))
+
+
+class NomicBertModel(Family):
+    strip_prefixes = ("nomic_bert.",)
+    ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^cls\.|(^|\.)inv_freq$")
+
+    @classmethod
+    def standard_config(cls, config: dict) -> dict:
+        out = dict(config)
+        for gpt2, hf in _GPT2_KEYS.items():
+            if gpt2 in config and hf not in config:
+                out[hf] = config[gpt2]
+        out.setdefault("intermediate_size", 4 * out["hidden_size"])
+        for key, ok in (("rotary_emb_fraction", 1.0), ("rotary_emb_interleaved", False), ("rotary_scaling_factor", None),
+                        ("prenorm", False), ("use_rms_norm", False), ("parallel_block", False)):
+            if config.get(key, ok) != ok:
+                raise ValueError(f"nomic_bert: {key}={config[key]!r} is not supported (supported: {ok!r})")
+        if config.get("activation_function", "swiglu") != "swiglu" or config.get("hidden_act", "silu") != "silu":
+            raise ValueError("nomic_bert: only the SwiGLU MLP (activation_function swiglu, hidden_act silu) is supported")
+        return out
+
+    @classmethod
+    def default_pooling(cls, config: dict) -> str:
+        """Mean, as nomic-embed-text (its Pooling module says so)."""
+        return "mean"
+
+    @classmethod
+    def max_positions(cls, config: dict) -> int:
+        return int(config.get("max_position_embeddings", 2048))
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.embeddings = NomicBertEmbeddings(cfg)
+        self.emb_ln = nn.LayerNorm(cfg["hidden_size"], eps=cfg.get("layer_norm_eps", 1e-12))
+        self.encoder = NomicBertEncoder(cfg)
+        theta = rope_theta({"rope_theta": 1000.0, **cfg})  # NomicBERT's default base is 1000
+        self.rotary = Rotary(cfg["hidden_size"] // cfg["num_attention_heads"], self.max_positions(cfg), theta)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.encoder.layers
+
+    def materialize(self, device: torch.device) -> None:
+        self.rotary.materialize(device)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        e = self.embeddings
+        x = self.emb_ln(e.word_embeddings(input_ids) + e.token_type_embeddings.weight[0])
+        cos_sin = self.rotary.lookup(positions, x.dtype)
+        for layer in self.encoder.layers:
+            x = layer(x, cos_sin, meta, attn)
+        return x
