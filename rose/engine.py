@@ -18,7 +18,7 @@ import torch
 
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
-from rose.layers.attention import AttentionMetadata, select_backend
+from rose.layers.attention import AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import normalize, pool
@@ -136,11 +136,14 @@ class Engine:
             compile_blocks(self.model.blocks)
         heads = family.head_shape(self.spec.config)
         self.attention = select_backend(cfg.attention, self.device, self.dtype, heads, self.causal)
+        make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
+                                 causal=self.causal)
         if cfg.attention == "auto":
-            make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
-                                     causal=self.causal)
             self.attention = load_table(cfg.attention_table, heads, self.causal, make, self.attention) \
                 if cfg.attention_table else builtin_table(make, self.attention)
+        window = getattr(self.model, "window", 0)  # sliding-window layers (Mistral, Gemma3)
+        if window and self.spec.max_seq_len > window:  # sequences can exceed it: the backend must honour it
+            self.attention = with_window_support(self.attention, make)
         self.runner: GraphRunner | None = None
         if self.device.type == "cuda" and cfg.graphs != "off" and self.attention.capturable:
             gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)

@@ -13,11 +13,17 @@ padding, no cross-sequence attention). Backends:
 - `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
 - `triton`: ROSE's own kernel for short sequences (`rose.kernels.attention`): one program per
             query block, sequence and head; GQA without repeating kv heads.
+
+Sliding-window layers (Mistral, Gemma3) set `AttentionMetadata.window`. A backend with `windowed`
+honours it (sdpa with a band mask, varlen / fa4 with their `window_size`); `WindowFallback` sends
+the windowed calls whose sequences may exceed the window past one that does not (flashinfer,
+triton) to one that does, so a windowed model never silently gets full attention.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
@@ -38,12 +44,34 @@ class AttentionMetadata:
                 inside a CUDA graph, the token bucket).
     seq_lens:   the N lengths on the host (None inside a graph: capturable backends ignore it).
     causal:     causal (decoder-style) rather than bidirectional attention.
+    window:     sliding-window layers: a query sees only keys at distance < window (before it, and
+                after it unless causal); 0: no limit. Set per layer by the model (`with_window`).
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     seq_lens: tuple[int, ...] | None
     causal: bool = False
+    window: int = 0
+
+    def with_window(self, window: int) -> "AttentionMetadata":
+        return self if window == self.window else dataclasses.replace(self, window=window)
+
+    def windowed(self) -> bool:
+        """Whether the window can bind here (a sequence may be longer than it)."""
+        return 0 < self.window < self.max_seqlen
+
+    def window_size(self, unlimited: int | None = -1) -> tuple:
+        """FlashAttention's (left, right) for this call: keys [i - left, i + right] (`unlimited`: none)."""
+        left = self.window - 1 if self.window else unlimited
+        return left, 0 if self.causal else left
+
+
+def band_mask(n: int, window: int, causal: bool, device) -> torch.Tensor:
+    """[n, n] bool, True where query i may attend key j: |i - j| < window (and j <= i if causal)."""
+    d = torch.arange(n, device=device)
+    d = d.unsqueeze(1) - d.unsqueeze(0)
+    return (d < window) & (d >= 0 if causal else d > -window)
 
 
 class AttentionBackend(abc.ABC):
@@ -51,6 +79,7 @@ class AttentionBackend(abc.ABC):
 
     name: str
     capturable = False  # safe inside a CUDA graph (no host-side reads, static launch config)
+    windowed = False  # honours AttentionMetadata.window
 
     def prepare(self, key, cu_host: np.ndarray, num_tokens: int) -> None:
         """Host-side planning before a forward (outside any graph).
@@ -68,6 +97,7 @@ class SdpaBackend(AttentionBackend):
     """One SDPA call per sequence; handles GQA by letting SDPA broadcast kv heads."""
 
     name = "sdpa"
+    windowed = True  # a band mask for sequences longer than the window
 
     def __call__(self, q, k, v, meta):
         gqa = q.shape[1] != k.shape[1]
@@ -75,9 +105,10 @@ class SdpaBackend(AttentionBackend):
         start = 0
         for n in meta.seq_lens:
             s = slice(start, start + n)
+            band = band_mask(n, meta.window, meta.causal, q.device) if 0 < meta.window < n else None
             o = F.scaled_dot_product_attention(
                 q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
-                is_causal=meta.causal, enable_gqa=gqa,
+                attn_mask=band, is_causal=meta.causal and band is None, enable_gqa=gqa,
             )
             out[s] = o.transpose(0, 1)
             start += n
@@ -98,11 +129,14 @@ class VarlenBackend(AttentionBackend):
         # torch 2.10/2.11 take is_causal; later releases take window_size.
         self._causal_kw = "is_causal" if "is_causal" in params else "window_size"
         self._gqa = "enable_gqa" in params
+        self.windowed = "window_size" in params
 
     def __call__(self, q, k, v, meta):
         kw = {}
-        if meta.causal:
-            kw[self._causal_kw] = True if self._causal_kw == "is_causal" else (-1, 0)
+        if self.windowed:
+            kw["window_size"] = meta.window_size()
+        elif meta.causal:
+            kw[self._causal_kw] = True
         if q.shape[1] != k.shape[1]:
             if self._gqa:
                 kw["enable_gqa"] = True
@@ -124,11 +158,13 @@ class FlashAttn4Backend(AttentionBackend):
         from flash_attn.cute import flash_attn_varlen_func
 
         self._fn = flash_attn_varlen_func
+        self.windowed = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
 
     def __call__(self, q, k, v, meta):
         cu, n = meta.cu_seqlens, meta.max_seqlen
+        kw = {"window_size": meta.window_size(None)} if meta.window and self.windowed else {}
         out, _ = self._fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
-                          causal=meta.causal)
+                          causal=meta.causal, **kw)
         return out
 
 
@@ -220,6 +256,40 @@ class TritonBackend(AttentionBackend):
 
     def __call__(self, q, k, v, meta):
         return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+
+
+class WindowFallback(AttentionBackend):
+    """`inner` for every call but the windowed ones whose sequences may exceed the window
+    (`AttentionMetadata.windowed`, decided on the host: fixed per graph key), which `windowed` serves."""
+
+    def __init__(self, inner: AttentionBackend, windowed: AttentionBackend):
+        self.inner, self.window_backend = inner, windowed
+        self.name = f"{inner.name}+window:{windowed.name}"
+        self.capturable = inner.capturable and windowed.capturable
+        self.windowed = True
+
+    def prepare(self, key, cu_host, num_tokens):
+        self.inner.prepare(key, cu_host, num_tokens)
+        self.window_backend.prepare(key, cu_host, num_tokens)
+
+    def __call__(self, q, k, v, meta):
+        return (self.window_backend if meta.windowed() else self.inner)(q, k, v, meta)
+
+
+def with_window_support(backend: AttentionBackend, make_backend) -> AttentionBackend:
+    """`backend` where it honours windows, else a `WindowFallback` over it: varlen where torch's
+    takes a window, else sdpa (not capturable: such a model then runs without CUDA graphs)."""
+    if backend.windowed:
+        return backend
+    try:
+        windowed = make_backend("varlen")
+    except (ImportError, ValueError):
+        windowed = None
+    if windowed is None or not windowed.windowed:
+        windowed = SdpaBackend()
+    log.warning("attention: %s has no sliding window; windowed layers over sequences longer than the window "
+                "use %s", backend.name, windowed.name)
+    return WindowFallback(backend, windowed)
 
 
 BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
