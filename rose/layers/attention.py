@@ -54,7 +54,7 @@ class AttentionMetadata:
     causal: bool = False
     window: int = 0
 
-    def with_window(self, window: int) -> "AttentionMetadata":
+    def with_window(self, window: int) -> AttentionMetadata:
         return self if window == self.window else dataclasses.replace(self, window=window)
 
     def windowed(self) -> bool:

@@ -58,7 +58,7 @@ class Rotary(nn.Module):
         self.register_buffer("cos_sin", self._table(torch.device("cpu")), persistent=False)
 
     @classmethod
-    def from_params(cls, head_dim: int, max_positions: int, params: dict) -> "Rotary":
+    def from_params(cls, head_dim: int, max_positions: int, params: dict) -> Rotary:
         return cls(head_dim, max_positions, params["rope_theta"], params)
 
     def _table(self, device) -> torch.Tensor:
