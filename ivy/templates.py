@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ivy.errors import APIError
 
-ALIASES = {"document": ("document", "passage", "doc"), "query": ("query",)}
+# e5-mistral-7b-instruct names its query prompt after the task (web_search_query, sts_query, ...).
+ALIASES = {"document": ("document", "passage", "doc"), "query": ("query", "web_search_query")}
 
 
 class Templates:
@@ -37,8 +38,12 @@ class Templates:
                 self._mtime = m
         return {**self.model_prompts, **self._override_prompts}
 
+    def query_prompt(self) -> str:
+        prompts = self.prompts()
+        return next((prompts[k] for k in ALIASES["query"] if k in prompts), "")
+
     def instruction_tuned(self) -> bool:
-        return self.prompts().get("query", "").startswith("Instruct:")
+        return self.query_prompt().startswith("Instruct:")
 
     def apply(self, texts: list[str], input_type: str | None, instruction: str | None) -> list[str]:
         """Prefix `texts` with the prompt for `input_type`, or with `instruction` (queries only)."""
@@ -52,7 +57,8 @@ class Templates:
                 raise APIError(400, "'instruction' is only accepted by instruction-tuned models", "instruction")
             if input_type == "document":
                 raise APIError(400, "'instruction' applies to queries; documents take none", "instruction")
-            return f"Instruct: {instruction}\nQuery:"
+            # As the model's own query prompt ends: "Query:" (Qwen3-Embedding) or "Query: " (e5, gte-Qwen2).
+            return f"Instruct: {instruction}\nQuery:" + (" " if self.query_prompt().endswith(" ") else "")
         if input_type is None:
             return ""
         prompts = self.prompts()

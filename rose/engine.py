@@ -23,7 +23,7 @@ import torch
 
 from rose.batch import Batch
 from rose.graphs import GraphConfig, GraphRunner
-from rose.layers.attention import AttentionBackend, AttentionMetadata, LayerRouted, select_backend
+from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
@@ -171,8 +171,9 @@ class Engine:
 
     def _select_attention(self, family) -> AttentionBackend:
         """The backend `cfg.attention` names, or the best one here for "auto" (a swept table or the
-        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` takes; local
-        layers (ModernBERT) run on a windowed backend where the chosen one has no window."""
+        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` takes;
+        sliding-window layers (Mistral, Gemma3, ModernBERT's local ones) over sequences that can exceed
+        the window run on a backend that honours it (`with_window_support`)."""
         cfg, config = self.cfg, self.spec.config
         heads = family.head_shape(config)
         make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
@@ -187,26 +188,10 @@ class Engine:
         if cfg.attention == "auto":
             attn = load_table(cfg.attention_table, heads, self.causal, make, attn) if cfg.attention_table \
                 else builtin_table(make, attn)
-        if family.sliding_window(config) and not attn.windowed:
-            local = self._windowed_backend(make)
-            log.info("engine: attention %s has no local window: %s's local layers run on %s",
-                     attn.name, self.spec.model_type, local.name)
-            attn = LayerRouted(attn, local)
+        window = family.sliding_window(config)
+        if window and self.spec.max_seq_len > window:  # sequences can exceed it: the backend must honour it
+            attn = with_window_support(attn, make)
         return attn
-
-    def _windowed_backend(self, make) -> AttentionBackend:
-        """A backend with a local window: FlashAttention varlen or 4 where installed and their
-        signature has `window_size` (CUDA, half precision), else sdpa."""
-        if self.device.type == "cuda" and self.dtype != torch.float32:
-            for name in ("varlen", "fa4"):
-                try:
-                    b = make(name)
-                except (ImportError, ValueError) as e:
-                    log.info("engine: attention %s unavailable for local layers (%s)", name, e)
-                    continue
-                if b.windowed:
-                    return b
-        return make("sdpa")
 
     def _use_kernels(self) -> int:
         """The largest step (tokens) that takes the family's Triton path: `kernel_tokens`, or less

@@ -6,10 +6,11 @@ RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
 architecture, shapes and cost; its embeddings mean nothing. `bge-m3`'s stand-in
 tokenizer is XLM-R-like (trellis/standin.py: a 250k-piece Unigram vocabulary, so
-that tokenizing costs what it costs with the real one); the Qwen3 presets' is
-byte-level (one token per UTF-8 byte), as are the encoder presets' (`msmarco-distilbert`,
-`all-mpnet-base-v2`, `gte-modernbert-base`, `nomic-embed-text-v1.5`, `splade-cocondenser`: each
-model's published config.json hyper-parameters, BERT-style [CLS] ... [SEP] wrapping).
+that tokenizing costs what it costs with the real one); the decoder presets' (Qwen3, e5-mistral,
+gte-Qwen2, EmbeddingGemma) is byte-level (one token per UTF-8 byte) with the model's special tokens,
+as are the encoder presets' (`msmarco-distilbert`, `all-mpnet-base-v2`, `gte-modernbert-base`,
+`nomic-embed-text-v1.5`, `splade-cocondenser`: each model's published config.json hyper-parameters,
+BERT-style [CLS] ... [SEP] wrapping).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 4  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+FORMAT = 5  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -63,6 +64,56 @@ PRESETS.update({
                              "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages "
                                                   "that answer the query\nQuery:", "document": ""},
                              **_QWEN3_SPECIALS},
+})
+
+_E5_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+PRESETS.update({
+    # intfloat/e5-mistral-7b-instruct: Mistral-7B-v0.1 (sliding window 4096), causal, last-token pooling,
+    # normalised; task-named query prompts (config_sentence_transformers.json), none for documents.
+    "e5-mistral-7b-instruct": {
+        "config": {"model_type": "mistral", "architectures": ["MistralModel"], "vocab_size": 32000,
+                   "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "intermediate_size": 14336, "hidden_act": "silu", "max_position_embeddings": 32768,
+                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+                   "bos_token_id": 1, "eos_token_id": 2},
+        "pooling": "last", "normalize": True, "max_seq_length": 32768,
+        "prompts": {"web_search_query": _E5_QUERY,
+                    "sts_query": "Instruct: Retrieve semantically similar text.\nQuery: ",
+                    "summarization_query": "Instruct: Given a news summary, retrieve other semantically similar "
+                                           "summaries\nQuery: "},
+        "specials": {"<unk>": 0, "<s>": 1, "</s>": 2}, "wrap": ("<s>", "</s>"),
+    },
+    # Alibaba-NLP/gte-Qwen2-1.5B-instruct: Qwen2-1.5B, bidirectional (is_causal: false), last-token pooling,
+    # normalised, instruction prompt for queries.
+    "gte-qwen2-1.5b-instruct": {
+        "config": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151646,
+                   "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+                   "intermediate_size": 8960, "hidden_act": "silu", "max_position_embeddings": 131072,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "use_sliding_window": False,
+                   "sliding_window": 131072, "max_window_layers": 21, "tie_word_embeddings": False,
+                   "is_causal": False},
+        "pooling": "last", "normalize": True, "max_seq_length": 32768,
+        "prompts": {"query": _E5_QUERY, "document": ""},
+        **_QWEN3_SPECIALS,
+    },
+    # google/embeddinggemma-300m: Gemma3 text, bidirectional, mean pooling, normalised (the published
+    # pipeline's two Dense layers, 768 -> 3072 -> 768, are not part of this preset), task prompts.
+    "embeddinggemma-300m": {
+        "config": {"model_type": "gemma3_text", "architectures": ["Gemma3TextModel"], "vocab_size": 262144,
+                   "hidden_size": 768, "num_hidden_layers": 24, "num_attention_heads": 3, "num_key_value_heads": 1,
+                   "head_dim": 256, "intermediate_size": 1152, "hidden_activation": "gelu_pytorch_tanh",
+                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "rope_local_base_freq": 10000.0, "rope_scaling": None, "query_pre_attn_scalar": 256,
+                   "sliding_window": 512, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(24)],
+                   "use_bidirectional_attention": True, "attention_bias": False,
+                   "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
+        "pooling": "mean", "normalize": True, "max_seq_length": 2048,
+        "prompts": {"query": "task: search result | query: ", "document": "title: none | text: ",
+                    "Clustering": "task: clustering | query: ", "Classification": "task: classification | query: ",
+                    "STS": "task: sentence similarity | query: "},
+        "specials": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}, "wrap": ("<bos>", "<eos>"),
+    },
 })
 
 

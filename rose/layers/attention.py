@@ -15,15 +15,17 @@ padding, no cross-sequence attention). Backends:
             query block, sequence and head; GQA without repeating kv heads.
 
 Two per-layer extras some families need: an additive score bias (`AttentionMetadata.bias`, MPNet's
-relative position bias: only `sdpa` takes one, `takes_bias`) and a local window
-(`AttentionMetadata.window`, ModernBERT's local layers: `sdpa` with a band mask, `varlen` / `fa4`
-where their signature has `window_size`; `windowed`). `LayerRouted` runs the windowed layers on a
-second backend where the first has no window.
+relative position bias: only `sdpa` takes one, `takes_bias`) and sliding windows (Mistral, Gemma3,
+ModernBERT's local layers set `AttentionMetadata.window`). A backend with `windowed` honours it (sdpa
+with a band mask, varlen / fa4 with their `window_size`); `WindowFallback` sends the windowed calls
+whose sequences may exceed the window past one that does not (flashinfer, triton) to one that does,
+so a windowed model never silently gets full attention.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
@@ -44,8 +46,8 @@ class AttentionMetadata:
                 inside a CUDA graph, the token bucket).
     seq_lens:   the N lengths on the host (None inside a graph: capturable backends ignore it).
     causal:     causal (decoder-style) rather than bidirectional attention.
-    window:     local attention: a token sees keys at most `window` positions away (0: all); set per
-                layer by the family (`dataclasses.replace`).
+    window:     sliding-window layers: a query sees only keys at distance < window (before it, and
+                after it unless causal); 0: no limit. Set per layer by the model (`with_window`).
     bias:       an additive score bias [heads, L, L] by position within a sequence (L >= the longest
                 sequence; each sequence takes its top-left [n, n]), or None; set by the family.
     """
@@ -56,6 +58,25 @@ class AttentionMetadata:
     causal: bool = False
     window: int = 0
     bias: torch.Tensor | None = None
+
+    def with_window(self, window: int) -> AttentionMetadata:
+        return self if window == self.window else dataclasses.replace(self, window=window)
+
+    def windowed(self) -> bool:
+        """Whether the window can bind here (a sequence may be longer than it)."""
+        return 0 < self.window < self.max_seqlen
+
+    def window_size(self, unlimited: int | None = -1) -> tuple:
+        """FlashAttention's (left, right) for this call: keys [i - left, i + right] (`unlimited`: none)."""
+        left = self.window - 1 if self.window else unlimited
+        return left, 0 if self.causal else left
+
+
+def band_mask(n: int, window: int, causal: bool, device) -> torch.Tensor:
+    """[n, n] bool, True where query i may attend key j: |i - j| < window (and j <= i if causal)."""
+    d = torch.arange(n, device=device)
+    d = d.unsqueeze(1) - d.unsqueeze(0)
+    return (d < window) & (d >= 0 if causal else d > -window)
 
 
 class AttentionBackend(abc.ABC):
@@ -83,7 +104,7 @@ class SdpaBackend(AttentionBackend):
     with a band mask and a score bias as SDPA's additive mask."""
 
     name = "sdpa"
-    windowed = True
+    windowed = True  # a band mask for sequences longer than the window
     takes_bias = True
 
     def __call__(self, q, k, v, meta):
@@ -93,14 +114,11 @@ class SdpaBackend(AttentionBackend):
         for n in meta.seq_lens:
             s = slice(start, start + n)
             mask = None if meta.bias is None else meta.bias[:, :n, :n]
-            band = meta.window and n > meta.window + 1
-            if band or (meta.causal and mask is not None):  # the rule as a boolean mask
-                i = torch.arange(n, device=q.device)
-                keep = (i[:, None] - i[None, :]).abs() <= meta.window if band else \
-                    torch.ones(n, n, dtype=torch.bool, device=q.device)
-                if meta.causal:
-                    keep &= i[:, None] >= i[None, :]
-                mask = keep if mask is None else mask.masked_fill(~keep, float("-inf"))
+            band = band_mask(n, meta.window, meta.causal, q.device) if 0 < meta.window < n else None
+            if band is None and meta.causal and mask is not None:  # causal with a bias: the rule as a mask
+                band = band_mask(n, n + 1, True, q.device)
+            if band is not None:
+                mask = band if mask is None else mask.masked_fill(~band, float("-inf"))
             o = F.scaled_dot_product_attention(
                 q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), attn_mask=mask,
                 is_causal=meta.causal and mask is None, enable_gqa=gqa,
@@ -128,10 +146,10 @@ class VarlenBackend(AttentionBackend):
 
     def __call__(self, q, k, v, meta):
         kw = {}
-        if meta.window:
-            kw["window_size"] = (meta.window, 0 if meta.causal else meta.window)
+        if self.windowed:
+            kw["window_size"] = meta.window_size()
         elif meta.causal:
-            kw[self._causal_kw] = True if self._causal_kw == "is_causal" else (-1, 0)
+            kw[self._causal_kw] = True
         if q.shape[1] != k.shape[1]:
             if self._gqa:
                 kw["enable_gqa"] = True
@@ -157,7 +175,7 @@ class FlashAttn4Backend(AttentionBackend):
 
     def __call__(self, q, k, v, meta):
         cu, n = meta.cu_seqlens, meta.max_seqlen
-        kw = {"window_size": (meta.window, 0 if meta.causal else meta.window)} if meta.window else {}
+        kw = {"window_size": meta.window_size(None)} if meta.window and self.windowed else {}
         out, _ = self._fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
                           causal=meta.causal, **kw)
         return out
@@ -253,23 +271,38 @@ class TritonBackend(AttentionBackend):
         return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
 
 
-class LayerRouted(AttentionBackend):
-    """`full` for every layer but the windowed ones (`meta.window`), which run on `local`: a
-    family with local layers (ModernBERT) on a backend without a window."""
+class WindowFallback(AttentionBackend):
+    """`inner` for every call but the windowed ones whose sequences may exceed the window
+    (`AttentionMetadata.windowed`, decided on the host: fixed per graph key), which `windowed` serves."""
 
-    windowed = True
-
-    def __init__(self, full: AttentionBackend, local: AttentionBackend):
-        self.full, self.local = full, local
-        self.name = f"{full.name}, local layers {local.name}"
-        self.capturable = full.capturable and local.capturable
+    def __init__(self, inner: AttentionBackend, windowed: AttentionBackend):
+        self.inner, self.window_backend = inner, windowed
+        self.name = f"{inner.name}+window:{windowed.name}"
+        self.capturable = inner.capturable and windowed.capturable
+        self.windowed = True
 
     def prepare(self, key, cu_host, num_tokens):
-        self.full.prepare(key, cu_host, num_tokens)
-        self.local.prepare(key, cu_host, num_tokens)
+        self.inner.prepare(key, cu_host, num_tokens)
+        self.window_backend.prepare(key, cu_host, num_tokens)
 
     def __call__(self, q, k, v, meta):
-        return (self.local if meta.window else self.full)(q, k, v, meta)
+        return (self.window_backend if meta.windowed() else self.inner)(q, k, v, meta)
+
+
+def with_window_support(backend: AttentionBackend, make_backend) -> AttentionBackend:
+    """`backend` where it honours windows, else a `WindowFallback` over it: varlen where torch's
+    takes a window, else sdpa (not capturable: such a model then runs without CUDA graphs)."""
+    if backend.windowed:
+        return backend
+    try:
+        windowed = make_backend("varlen")
+    except (ImportError, ValueError):
+        windowed = None
+    if windowed is None or not windowed.windowed:
+        windowed = SdpaBackend()
+    log.warning("attention: %s has no sliding window; windowed layers over sequences longer than the window "
+                "use %s", backend.name, windowed.name)
+    return WindowFallback(backend, windowed)
 
 
 BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")

@@ -3,10 +3,14 @@
 from rose.models.base import Family
 from rose.models.bert import BertModel
 from rose.models.distilbert import DistilBertModel
+from rose.models.gemma3 import Gemma3TextModel
+from rose.models.llama import LlamaModel
+from rose.models.mistral import MistralModel
 from rose.models.modernbert import ModernBertModel
 from rose.models.mpnet import MPNetModel
 from rose.models.nomic_bert import NomicBertModel
 from rose.models.pplx_qwen3 import PPLXQwen3Model
+from rose.models.qwen2 import Qwen2Model
 from rose.models.qwen3 import Qwen3Model
 from rose.models.splade import SpladeModel
 from rose.models.xlm_roberta import XLMRobertaModel
@@ -15,7 +19,8 @@ from trellis.modeldir import ModelSpec
 MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model,
                                    "bidirectional_pplx_qwen3": PPLXQwen3Model,
                                    "distilbert": DistilBertModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
-                                   "nomic_bert": NomicBertModel}
+                                   "nomic_bert": NomicBertModel, "llama": LlamaModel, "mistral": MistralModel,
+                                   "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
 SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}

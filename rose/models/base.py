@@ -30,8 +30,9 @@ Class-level rules (read before the model is built, from config.json alone):
     score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
                      `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa) can
                      run it; "auto" picks one and any other backend is a ValueError.
-    sliding_window(config)    half-width w of the local layers' window (|i - j| <= w; 0: no local layers):
-                     backends without a window (`windowed`) run those layers on one that has one.
+    sliding_window(config)    the widest window of its sliding-window layers (a query sees keys at
+                     distance < w, `AttentionMetadata.window`; 0: none): where sequences can exceed it,
+                     backends without a window (`windowed`) hand those layers to one that has one.
 
 Instance side:
     blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).

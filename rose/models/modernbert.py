@@ -8,12 +8,11 @@ with their own rotary base (`local_rope_theta` 10,000 against `global_rope_theta
 newer config.json files `layer_types` and `rope_parameters` per layer type say the same). The
 first layer has no attention norm (Hugging Face's Identity). The window reaches the attention
 backend as `AttentionMetadata.window`; a backend without one runs the local layers elsewhere
-(`rose.layers.attention.LayerRouted`, chosen by the engine). Hugging Face parameter names.
+(`rose.layers.attention.WindowFallback`, chosen by the engine). Hugging Face parameter names.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -116,7 +115,8 @@ class ModernBertModel(Family):
 
     @classmethod
     def sliding_window(cls, config: dict) -> int:
-        return int(config.get("local_attention", 128)) // 2
+        """Keys at distance < local_attention // 2 + 1 (|i - j| <= 64 for 128), as transformers' mask."""
+        return int(config.get("local_attention", 128)) // 2 + 1
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -139,7 +139,7 @@ class ModernBertModel(Family):
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embeddings(input_ids)
         full = (self.rotary_global.lookup(positions, x.dtype), meta)
-        local = (self.rotary_local.lookup(positions, x.dtype), dataclasses.replace(meta, window=self.window))
+        local = (self.rotary_local.lookup(positions, x.dtype), meta.with_window(self.window))
         for layer in self.layers:
             cos_sin, m = local if layer.local else full
             x = layer(x, cos_sin, m, attn)
