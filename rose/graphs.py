@@ -154,20 +154,28 @@ class GraphRunner:
         self.ops = ops or CudaOps(device)
         self.stats = GraphStats()
         T, N, R = cfg.max_tokens, cfg.max_seqs, cfg.ring
-        # Static device inputs: [ids | positions | seq_ids] packed at the front for each bucket.
-        self._tokens = torch.zeros(3 * T, dtype=torch.int64, device=device)
-        self._cu = torch.zeros(N + 1, dtype=torch.int32, device=device)
-        # Page-locked rings: staging for inputs, landing for outputs.
-        self._in_tok = self.ops.pinned((R, 3 * T), torch.int64)
-        self._in_cu = self.ops.pinned((R, N + 1), torch.int32)
-        self._out = self.ops.pinned((R, N, dim), torch.float32)
-        self._in_tok_np, self._in_cu_np = self._in_tok.numpy(), self._in_cu.numpy()
-        # cross-encoders: per-sequence second-segment starts (token types are derived on the device)
+        # Static device inputs, one byte buffer so that a step stages them with one copy: int32
+        # cu_seqlens [N + 1], a cross-encoder's int64 second-segment starts [N + 1] (token types are
+        # derived on the device), then int64 [ids | positions | seq_ids] packed at the front of
+        # each bucket; a step copies the head and its bucket's 3 x tokens.
         self.segments = segments
+        cu_bytes = -(-4 * (N + 1) // 8) * 8
+        self._head = cu_bytes + (8 * (N + 1) if segments else 0)
+        dev = torch.zeros(self._head + 24 * T, dtype=torch.uint8, device=device)
+        self._inputs = dev
+        self._cu = dev[: 4 * (N + 1)].view(torch.int32)
+        self._tokens = dev[self._head:].view(torch.int64)
+        # Page-locked rings: staging for inputs (the same layout, a row per slot), landing for outputs.
+        self._staging = self.ops.pinned((R, self._head + 24 * T), torch.uint8)
+        self._out = self.ops.pinned((R, N, dim), torch.float32)
+        st = self._staging.numpy()
+        self._in_cu_np = st[:, : 4 * (N + 1)].view(np.int32)
+        self._in_tok_np = st[:, self._head:].view(np.int64)
         if segments:
-            self._seg = torch.zeros(N + 1, dtype=torch.int64, device=device)
-            self._in_seg = self.ops.pinned((R, N + 1), torch.int64)
-            self._in_seg_np = self._in_seg.numpy()
+            self._seg = dev[cu_bytes: self._head].view(torch.int64)
+            self._in_seg_np = st[:, cu_bytes: self._head].view(np.int64)
+        # One event per slot, recorded again each time the slot is used (no event made per step).
+        self._events = [self.ops.event() for _ in range(R)]
         self._slot_events = [None] * R
         self._slot = 0
         self._out_tokens: list[torch.Tensor | None] = [None, None]  # rings for weights / vectors, made on first use
@@ -278,17 +286,15 @@ class GraphRunner:
         with self.ops.stream_ctx():
             # The backend's plan copies (FlashInfer) must be ordered with the replay: same stream.
             self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
-            self._tokens[: 3 * tb].copy_(self._in_tok[slot, : 3 * tb], non_blocking=True)
-            self._cu[: nb + 1].copy_(self._in_cu[slot, : nb + 1], non_blocking=True)
-            if self.segments:
-                self._seg[: nb + 1].copy_(self._in_seg[slot, : nb + 1], non_blocking=True)
+            n = self._head + 24 * tb
+            self._inputs[:n].copy_(self._staging[slot, :n], non_blocking=True)
             out = self._run_key(key)
             dense = out[0] if extras else out
             host = self._out[slot, : batch.num_seqs]
             host.copy_(dense[: batch.num_seqs], non_blocking=True)
             if extras:
                 host = (host, *(self._token_host(i, t, slot, batch.num_tokens) for i, t in enumerate(out[1:])))
-            ev = self.ops.event()
+            ev = self._events[slot]
             ev.record()
         self._slot_events[slot] = ev
         return LazyTensor(host, ev)

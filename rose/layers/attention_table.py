@@ -29,6 +29,7 @@ class TableBackend(AttentionBackend):
         self.name = "table(" + "+".join(sorted({c["winner"] for c in self.cells})) + ")"
         self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
         self._current = fallback
+        self._picks: dict[tuple[int, int], AttentionBackend] = {}  # (seqs, max_len) -> winner: steps pay a lookup
 
     def pick(self, seqs: int, max_len: int) -> AttentionBackend:
         """The winner of the nearest cell (max length first, then sequence count, in log scale)."""
@@ -46,8 +47,11 @@ class TableBackend(AttentionBackend):
             seqs, max_len = key.seqs, key.max_len
         else:
             seqs, max_len = len(cu_host) - 1, int(np.diff(cu_host).max())
-        self._current = self.pick(seqs, max_len)
-        self._current.prepare(key, cu_host, num_tokens)
+        b = self._picks.get((seqs, max_len))
+        if b is None:
+            b = self._picks[seqs, max_len] = self.pick(seqs, max_len)
+        self._current = b
+        b.prepare(key, cu_host, num_tokens)
 
     def __call__(self, q, k, v, meta):
         return self._current(q, k, v, meta)
