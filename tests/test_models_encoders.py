@@ -217,13 +217,12 @@ def test_mpnet_bias_needs_sdpa(built):
             engine(path, attention=name)
 
 
-@pytest.mark.parametrize("family", ["mpnet", "nomic_bert", "splade"])
+@pytest.mark.parametrize("family", list(BUILDERS))
 def test_served_end_to_end(built, family, tmp_path):
-    """deploy.local (a real Tulip and Ivy) serving a family's directory, through the official openai
-    client: vectors against sentence-transformers. The families whose serving differs: MPNet (sdpa only,
-    no graphs), NomicBERT with its query prompt (`input_type`) and Matryoshka `dimensions`, SPLADE's
-    vocabulary-sized rows and sparse output (`return_sparse`); the others differ from BERT only
-    inside the engine (tested above). About 15 s a family on 2 cores."""
+    """deploy.local (a real Tulip and Ivy) serving each family's directory, through the official openai
+    client: vectors against sentence-transformers. MPNet runs sdpa only (no graphs), ModernBERT its
+    local layers' window, NomicBERT with its query prompt (`input_type`) and Matryoshka `dimensions`,
+    SPLADE's vocabulary-sized rows and sparse output (`return_sparse`). About 15 s a family on 2 cores."""
     import signal
 
     import openai
