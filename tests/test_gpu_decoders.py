@@ -49,21 +49,61 @@ def test_graph_replay_equals_eager(preset, lens):
         pytest.skip(f"no CUDA graphs for {name} with attention {graphs.attention.name}")
     batch = Batch.from_sequences(seqs_of(lens))
     want = eager.step(batch).synchronize().clone()
+    truth = None
     for _ in range(3):  # eager hit, capture, replay
         got = graphs.step(batch).synchronize().clone()
-        assert F.cosine_similarity(got, want).min().item() >= 0.999
+        cos = F.cosine_similarity(got, want).min().item()
+        if cos >= 0.999:
+            continue
+        # Below it (e5-mistral's 32 layers of hidden 4096 at 4 x 600 tokens: 0.9985 on an H200, random
+        # weights amplifying bf16 rounding of differently shaped GEMMs): the replay must then be as close
+        # to a float32 eager run as the bf16 eager run is.
+        if truth is None:
+            ref = Engine(EngineConfig(model=name, device="cuda", dtype="float32", graphs="off", attention="sdpa"))
+            truth = ref.step(batch).synchronize().clone()
+            del ref
+            torch.cuda.empty_cache()
+        ours = F.cosine_similarity(got, truth).min().item()
+        theirs = F.cosine_similarity(want, truth).min().item()
+        assert ours >= theirs - 0.002, (cos, ours, theirs)
+
+
+@pytest.mark.parametrize("window, causal", [(257, False), (4096, True), (64, True), (64, False)])
+def test_windowed_attention_matches_sdpa_band_mask(window, causal):
+    """The windowed backend an engine falls back to (varlen with torch's `window_size`, else sdpa) on
+    one attention call against SDPA's band mask: the rule itself, free of a model's bf16 drift."""
+    from rose.layers.attention import AttentionMetadata, SdpaBackend, select_backend, with_window_support
+
+    dev, lens = torch.device("cuda"), (window + 343, 37, 1)
+    make = lambda n: select_backend(n, dev, torch.bfloat16, (8, 2, 64), causal)  # noqa: E731
+    backend = with_window_support(select_backend("triton", dev, torch.bfloat16, (8, 2, 64), causal), make)
+    T = sum(lens)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(T, h, 64, device=dev, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    cu = torch.tensor(np.cumsum((0, *lens)), dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(cu, max(lens), lens, causal).with_window(window)
+    backend.prepare(None, cu.cpu().numpy(), T)
+    got, want = backend(q, k, v, meta), SdpaBackend()(q, k, v, meta)
+    assert F.cosine_similarity(got.float().flatten(1), want.float().flatten(1)).min().item() >= 0.999
 
 
 def test_windowed_layers_match_sdpa_band_mask(preset):
+    """The whole model with the windows binding: the engine's backend and SDPA's band mask, both in
+    bf16, are each as close to a float32 SDPA run as the other (random weights amplify bf16 rounding
+    over the layers: measured on an H200, the two bf16 runs agreed only to cosine 0.988-0.9986)."""
     name, eager, _ = preset
     window, long = PRESETS[name]
     if not window:
         pytest.skip(f"{name} has no sliding-window layers")
     assert eager.attention.windowed  # its own window argument, or the fallback (named in Info)
     batch = Batch.from_sequences(seqs_of((long, 37)))
-    ref = engine(name, graphs="off", attention="sdpa")
-    want = ref.step(batch).synchronize().clone()
-    del ref
-    torch.cuda.empty_cache()
+    runs = {}
+    for label, kw in (("truth", {"attention": "sdpa", "dtype": "float32"}), ("sdpa", {"attention": "sdpa"})):
+        ref = Engine(EngineConfig(model=name, device="cuda", graphs="off", **{"dtype": "bfloat16", **kw}))
+        runs[label] = ref.step(batch).synchronize().clone()
+        del ref
+        torch.cuda.empty_cache()
     got = eager.step(batch).synchronize()
-    assert F.cosine_similarity(got, want).min().item() >= 0.999
+    ours = F.cosine_similarity(got, runs["truth"]).min().item()
+    sdpa = F.cosine_similarity(runs["sdpa"], runs["truth"]).min().item()
+    assert ours >= sdpa - 0.002, (ours, sdpa)
