@@ -179,11 +179,14 @@ class Engine:
         make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
                                  causal=self.causal)
         if family.score_bias:
-            if cfg.attention not in ("auto", "sdpa"):
+            if cfg.attention not in ("auto", "sdpa", "padded"):
                 raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: it adds a relative "
-                                 "position bias to the attention scores, which only 'sdpa' takes (choose auto or sdpa)")
-            log.info("engine: %s adds a position bias to attention scores: attention sdpa", self.spec.model_type)
-            return make("sdpa")
+                                 "position bias to the attention scores, which only 'sdpa' and 'padded' take (choose "
+                                 "auto, sdpa or padded)")
+            # auto: on CUDA the padded batch (one call, capturable: CUDA graphs), else SDPA per sequence
+            name = cfg.attention if cfg.attention != "auto" else "padded" if self.device.type == "cuda" else "sdpa"
+            log.info("engine: %s adds a position bias to attention scores: attention %s", self.spec.model_type, name)
+            return make(name)
         attn = make(cfg.attention)
         if cfg.attention == "auto":
             attn = load_table(cfg.attention_table, heads, self.causal, make, attn) if cfg.attention_table \

@@ -217,6 +217,38 @@ def test_mpnet_bias_needs_sdpa(built):
             engine(path, attention=name)
 
 
+def test_mpnet_on_the_padded_backend(built):
+    """The padded batch (auto's choice for MPNet on CUDA: one capturable call) gives the reference too,
+    through the engine, with the batch padded as a CUDA graph pads it (dummy sequences, padding tokens)."""
+    path, ref = built("mpnet")
+    e = engine(path, attention="padded")
+    assert e.attention.name == "padded" and e.attention.capturable
+    seqs, want = ids(ref, TEXTS), reference(ref, TEXTS)
+    assert F.cosine_similarity(run(e, seqs), want).min().item() >= 0.9999
+
+
+@pytest.mark.parametrize("causal, window, gqa", [(False, 0, False), (True, 0, True), (False, 5, False), (True, 4, True)])
+def test_padded_backend_equals_sdpa_per_sequence(causal, window, gqa):
+    """`PaddedBackend` against `SdpaBackend` on one ragged batch with a score bias: a longer
+    `max_seqlen` than any sequence (a graph's length bucket), an empty dummy sequence and padding
+    tokens past the last one (zero rows out), GQA, causal attention and windows."""
+    from rose.layers.attention import AttentionMetadata, PaddedBackend
+
+    torch.manual_seed(0)
+    lens, pad = (7, 1, 12, 0), 3
+    T, h = sum(lens) + pad, 4
+    q = torch.randn(T, h, 8)
+    k, v = (torch.randn(T, 2 if gqa else h, 8) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    bias = torch.randn(h, 16, 16)
+    meta = AttentionMetadata(cu, 16, lens, causal, window, bias)
+    got = PaddedBackend()(q, k, v, meta)
+    want = SdpaBackend()(q, k, v, AttentionMetadata(cu, max(lens), lens, causal, window, bias))
+    n = sum(lens)
+    assert torch.allclose(got[:n], want[:n], atol=1e-5)
+    assert not got[n:].any()  # padding tokens belong to no sequence
+
+
 @pytest.mark.parametrize("family", list(BUILDERS))
 def test_served_end_to_end(built, family, tmp_path):
     """deploy.local (a real Tulip and Ivy) serving each family's directory, through the official openai

@@ -128,6 +128,44 @@ class SdpaBackend(AttentionBackend):
         return out
 
 
+class PaddedBackend(AttentionBackend):
+    """Every sequence padded to `max_seqlen` for one batched SDPA call, with the score bias
+    (`AttentionMetadata.bias`) and a key-padding mask built on the device from `cu_seqlens`: no host
+    reads, so it is capturable (MPNet's relative position bias inside CUDA graphs). Memory grows as
+    sequences x heads x max_seqlen^2 (the mask); padding rows come out zero."""
+
+    name = "padded"
+    capturable = True
+    windowed = True
+    takes_bias = True
+
+    def __call__(self, q, k, v, meta):
+        T, h, d = q.shape
+        L, cu = meta.max_seqlen, meta.cu_seqlens
+        n = cu.shape[0] - 1
+        start, lens = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+        j = torch.arange(L, device=q.device)
+        valid = j[None, :] < lens[:, None]  # [n, L]
+        idx = torch.where(valid, start[:, None] + j[None, :], T)  # a padded slot reads / writes row T
+
+        def padded(x):  # [T, heads, d] -> [n, heads, L, d], zeros in the padding
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx].transpose(1, 2)
+
+        keep = valid[:, None, None, :]  # keys in the sequence
+        rule = band_mask(L, meta.window if meta.window else L + 1, meta.causal, q.device) \
+            if meta.window or meta.causal else None
+        if rule is not None:
+            keep = keep & rule
+        mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+        if meta.bias is not None:
+            mask = mask + meta.bias[None, :, :L, :L]
+        o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        out = q.new_zeros(T + 1, h, d)
+        out[idx.flatten()] = o.transpose(1, 2).reshape(n * L, h, d)  # padded slots land in row T
+        return out[:T]
+
+
 class VarlenBackend(AttentionBackend):
     """FlashAttention varlen from torch.nn.attention.varlen (CUDA only)."""
 
@@ -305,7 +343,7 @@ def with_window_support(backend: AttentionBackend, make_backend) -> AttentionBac
     return WindowFallback(backend, windowed)
 
 
-BACKENDS = ("sdpa", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
+BACKENDS = ("sdpa", "padded", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),
@@ -317,6 +355,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: t
     """
     if name == "sdpa":
         return SdpaBackend()
+    if name == "padded":
+        return PaddedBackend()
     if name == "triton":
         return TritonBackend(device)
     if name in BACKENDS and device.type != "cuda":
