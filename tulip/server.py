@@ -42,13 +42,6 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
     lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
     ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
-    if len(lens) == 1:  # the online case: one sequence, every check in one test
-        n = lens[0]
-        if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
-                and ids.view("<u4").max() < info.vocab_size  # negative ids are huge as unsigned
-                and req.dimensions <= info.embedding_dim and not req.encoding and not req.outputs
-                and not req.pool_from and not req.segment_starts and not req.raw_scores):
-            return ids, lens, None, None
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
@@ -107,6 +100,7 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}
 NO_EXTRAS = frozenset()
 F32 = np.dtype("<f4")  # the reply's float encoding
+_MAX = np.maximum.reduce  # an array's max without ndarray.max's Python wrapper
 
 
 
@@ -169,6 +163,13 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
         )
 
+        # The online case (one sequence of plain ids, nothing else asked) is checked in one test
+        # against these plain ints: a reply of one float32 row always fits, and so does any length
+        # up to `_plain_max` (0 where a row would not fit the message limit: the general path says so).
+        cfg = loop.cfg
+        row = 4 * (e.num_labels if self.scores else e.embedding_dim) + 64
+        self._plain_max = min(e.spec.max_seq_len, cfg.max_queued_tokens) if row <= (cfg.max_message_mb << 20) - 4096 else 0
+        self._vocab = e.spec.vocab_size
         self._ok = loop.metrics.requests.labels("OK")
         self.draining = False  # set at SIGTERM: new requests are UNAVAILABLE (a balancer retries them elsewhere)
 
@@ -315,6 +316,15 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                              "request to another replica")
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
+        lens = request.lengths
+        if len(lens) == 1:  # the online case: one plain sequence passes every check below in one test
+            n, raw = lens[0], request.token_ids
+            if (0 < n <= self._plain_max and len(raw) == n << 2 and not (
+                    request.dimensions or request.encoding or request.outputs or request.pool_from
+                    or request.segment_starts or request.raw_scores)):
+                ids = np.frombuffer(raw, dtype="<u4")  # unsigned: a negative id is huge
+                if _MAX(ids) < self._vocab:
+                    return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done)
         try:
             ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
