@@ -17,22 +17,22 @@ import torch
 
 
 # One sequence's positions and seq_ids are a prefix of these (views: no allocation per batch),
-# its cu_seqlens one small tensor per length: the online request's batch is built from its ids alone.
+# its cu_seqlens one small tensor per length, all three kept per length in `_ONE` (one dict look-up:
+# a torch call per tensor costs more than the rest of an online request's batch).
 # Shared, so nothing may write into a Batch's tensors (the engine only copies them to the device).
 _ARANGE = torch.arange(0, dtype=torch.int64)
 _ZEROS = torch.zeros(0, dtype=torch.int64)
-_CU: dict[int, torch.Tensor] = {}
+_ONE: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _one_sequence(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, cu_seqlens, seq_ids) of a one-sequence batch of `n` tokens."""
     global _ARANGE, _ZEROS
     if n > _ARANGE.shape[0]:
         size = 1 << (n - 1).bit_length()
         _ARANGE, _ZEROS = torch.arange(size, dtype=torch.int64), torch.zeros(size, dtype=torch.int64)
-    cu = _CU.get(n)
-    if cu is None:
-        cu = _CU[n] = torch.tensor([0, n], dtype=torch.int32)
-    return _ARANGE[:n], cu, _ZEROS[:n]
+    one = _ONE[n] = (_ARANGE[:n], torch.tensor([0, n], dtype=torch.int32), _ZEROS[:n])
+    return one
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Batch:
             n = ids.shape[0]
             if n == 0:
                 raise ValueError("empty sequence at index 0")
-            positions, cu, seq_ids = _one_sequence(n)
+            positions, cu, seq_ids = _ONE.get(n) or _one_sequence(n)
             return cls(torch.from_numpy(ids), positions, cu, n, (n,), seq_ids)
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         if (lens <= 0).any():

@@ -62,6 +62,13 @@ def requests():
     return [req([128], 0), req([3, 40, 7], 1), req([64], 2, dimensions=32), req([17, 17], 3, timeout_ms=60_000)]
 
 
+def as_message(reply):
+    """A servicer's reply as the client reads it (the usual one comes already serialized)."""
+    from trellis.tulip.v1 import tulip_pb2
+
+    return tulip_pb2.EmbedReply.FromString(reply) if type(reply) is bytes else reply
+
+
 def serve(engine, rounds_unchecked: int, stages: int = 0, check: bool = True):
     """Serve requests() `rounds_unchecked` times, then once more under sync debug mode "error"
     (LazyTensor.synchronize allowed); return the checked round's replies."""
@@ -82,7 +89,7 @@ def serve(engine, rounds_unchecked: int, stages: int = 0, check: bool = True):
 
     async def one_round(servicer):
         msgs = requests()
-        unary = [await servicer.Embed(m, Context()) for m in msgs]
+        unary = [as_message(await servicer.Embed(m, Context())) for m in msgs]
         answered = asyncio.Event()
 
         async def incoming():  # lock-step, so every round forms the same batches (no new graph key)
@@ -93,7 +100,7 @@ def serve(engine, rounds_unchecked: int, stages: int = 0, check: bool = True):
 
         streamed = []
         async for r in servicer.EmbedStream(incoming(), Context()):
-            streamed.append(r)
+            streamed.append(as_message(r))
             answered.set()
         return unary, streamed
 

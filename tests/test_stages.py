@@ -9,7 +9,7 @@ from benchmarks.hop import NullEngine
 from trellis.tulip.v1 import tulip_pb2
 from tulip.config import TulipConfig
 from tulip.loop import EngineLoop
-from tulip.server import TulipServicer
+from tulip.server import TulipServicer, serialize_reply
 from tulip.stages import POINTS
 
 
@@ -31,7 +31,7 @@ def serve(engine, stages: int, n: int = 5):
         servicer = TulipServicer(loop, "t")
         rec = loop.stages
         decode = rec.deserializer(tulip_pb2.EmbedRequest.FromString) if rec else tulip_pb2.EmbedRequest.FromString
-        encode = rec.serializer(tulip_pb2.EmbedReply.SerializeToString) if rec else tulip_pb2.EmbedReply.SerializeToString
+        encode = rec.serializer(serialize_reply) if rec else serialize_reply
         wire = [tulip_pb2.EmbedRequest(token_ids=np.full(k + 1, 7 + k, dtype="<i4").tobytes(), lengths=[k + 1],
                                        request_id=str(k)).SerializeToString() for k in range(n)]
         for data in wire:  # unary, as grpc.aio calls it: decode, handler, encode, done callbacks

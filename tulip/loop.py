@@ -60,8 +60,11 @@ class Request(Entry):
         else:
             self.offsets = (0, *itertools.accumulate(self.lengths[:-1]))
             self.rows = [None] * n
-        self.sparse = [None] * n if Extra.SPARSE in extras else None
-        self.colbert = [None] * n if Extra.COLBERT in extras else None
+        if extras:  # (an Extra's hash is a Python call: none for the usual request)
+            self.sparse = [None] * n if Extra.SPARSE in extras else None
+            self.colbert = [None] * n if Extra.COLBERT in extras else None
+        else:
+            self.sparse = self.colbert = None
         self.queued_at = self.deadline = 0.0  # monotonic: when it was queued; after which it is dropped (0: never)
         # the deadline's handle; submit()'s future; tulip.stages stamps; the owner's own (the gRPC message)
         self.timer = self.future = self.stamps = self.tag = None

@@ -42,13 +42,6 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
     lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
     ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
-    if len(lens) == 1:  # the online case: one sequence, every check in one test
-        n = lens[0]
-        if (ids is not None and n == ids.shape[0] and 0 < n <= info.max_seq_len
-                and ids.view("<u4").max() < info.vocab_size  # negative ids are huge as unsigned
-                and req.dimensions <= info.embedding_dim and not req.encoding and not req.outputs
-                and not req.pool_from and not req.segment_starts and not req.raw_scores):
-            return ids, lens, None, None
     vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
@@ -107,7 +100,44 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}
 NO_EXTRAS = frozenset()
 F32 = np.dtype("<f4")  # the reply's float encoding
+_MAX = np.maximum.reduce  # an array's max without ndarray.max's Python wrapper
 
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v > 0x7F:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+_PLAIN: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}  # (rows, dim, tokens) -> the bytes around the rows
+
+
+def plain_reply(vectors: np.ndarray, tokens: int, request_id: str = "") -> bytes:
+    """The usual reply, float32 rows and nothing else, serialized straight from the rows (C-contiguous
+    little-endian float32 [n, dim]): byte for byte `EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape,
+    prompt_tokens=tokens, request_id=request_id).SerializeToString()`, with one copy of the rows and no message."""
+    n, dim = vectors.shape
+    around = _PLAIN.get((n, dim, tokens))
+    if around is None:
+        if len(_PLAIN) > 4096:
+            _PLAIN.clear()
+        shape = _varint(n) + _varint(dim)  # fields 1 (bytes), 2 (packed uint32), 3 (uint32; 0: left out)
+        around = _PLAIN[n, dim, tokens] = (
+            b"\x0a" + _varint(4 * n * dim) if n * dim else b"",
+            b"\x12" + _varint(len(shape)) + shape + (b"\x18" + _varint(tokens) if tokens else b""))
+    if not request_id:
+        return b"".join((around[0], vectors, around[1]))
+    rid = request_id.encode()  # field 9 (string)
+    size = bytes((len(rid),)) if len(rid) < 128 else _varint(len(rid))
+    return b"".join((around[0], vectors, around[1], b"J", size, rid))
+
+
+def serialize_reply(reply: tulip_pb2.EmbedReply | bytes) -> bytes:
+    """The servicer's replies on the wire: an EmbedReply, or one already serialized (`plain_reply`)."""
+    return reply if type(reply) is bytes else reply.SerializeToString()
 
 
 def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
@@ -169,6 +199,14 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
         )
 
+        # The online case (one sequence of plain ids, nothing else asked) is checked in one test
+        # against these plain ints: up to `_plain_max` tokens it passes every check of `_request`
+        # (0 where even its one row's reply is over the message limit: the general path says so).
+        cfg = loop.cfg
+        row = 4 * (e.num_labels if self.scores else e.embedding_dim) + 64  # `_reply_bytes` of one row
+        fits = row <= (cfg.max_message_mb << 20) - 4096
+        self._plain_max = min(e.spec.max_seq_len, cfg.max_queued_tokens) if fits else 0
+        self._vocab = e.spec.vocab_size
         self._ok = loop.metrics.requests.labels("OK")
         self.draining = False  # set at SIGTERM: new requests are UNAVAILABLE (a balancer retries them elsewhere)
 
@@ -242,8 +280,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             try:
                 if req.stamps is not None:
                     req.stamps[10] = perf_counter_ns()
-                reply = self._reply(request, req, rows)
-                reply.request_id = request.request_id
+                reply = self._reply(request, req, rows, request.request_id)
                 if req.stamps is not None:
                     stages.replying(reply, req.stamps)
             except Exception as e:  # never leave a stream request unanswered
@@ -315,6 +352,15 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                              "request to another replica")
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
+        lens = request.lengths
+        if len(lens) == 1:  # the online case: one plain sequence passes every check below in one test
+            n, raw = lens[0], request.token_ids
+            if (0 < n <= self._plain_max and len(raw) == n << 2 and not (
+                    request.dimensions or request.encoding or request.outputs or request.pool_from
+                    or request.segment_starts or request.raw_scores)):
+                ids = np.frombuffer(raw, dtype="<u4")  # unsigned: a negative id is huge
+                if _MAX(ids) < self._vocab:
+                    return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done)
         try:
             ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
@@ -350,14 +396,15 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             size += (seqs * self.info.vocab_size if self.loop.engine.sparse_rows else tokens) * 10 + 8 * seqs
         return size
 
-    def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray) -> tulip_pb2.EmbedReply:
-        """The reply for a completed request."""
+    def _reply(self, request: tulip_pb2.EmbedRequest, req: Request, vectors: np.ndarray,
+               request_id: str = "") -> tulip_pb2.EmbedReply | bytes:
+        """The reply for a completed request (the usual one already serialized, see `serialize_reply`)."""
         if self.scores:  # a cross-encoder's rows are its logits
             scores = vectors if request.raw_scores else self.loop.engine.activate(vectors)
             return tulip_pb2.EmbedReply(scores=np.ascontiguousarray(scores, dtype="<f4").tobytes(), shape=scores.shape,
-                                        prompt_tokens=req.num_tokens)
+                                        prompt_tokens=req.num_tokens, request_id=request_id)
         if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
-            return tulip_pb2.EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape, prompt_tokens=req.num_tokens)
+            return plain_reply(np.ascontiguousarray(vectors), req.num_tokens, request_id)
         if request.encoding:  # the first `dimensions` codes of the quantizer's (sentence-transformers' truncate_dim)
             vectors = vectors[:, :request.dimensions or None]
         else:
@@ -367,6 +414,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             shape=vectors.shape,
             prompt_tokens=req.num_tokens,
             encoding=request.encoding,
+            request_id=request_id,
         )
         if Extra.SPARSE in req.extras:
             reply.sparse.extend(tulip_pb2.SparseVector(token_ids=t, weights=w) for t, w in req.sparse)
@@ -398,9 +446,10 @@ def decode_request(data: bytes):
 def add_tulip(server, servicer: TulipServicer) -> None:
     """Register the Tulip service on `server` (as the generated `add_TulipServicer_to_server`, whose
     (de)serializers are wrapped to stamp the decode / encode points when stage recording is on;
-    a message that does not decode reaches the servicer as `Undecodable`)."""
+    a message that does not decode reaches the servicer as `Undecodable`; a reply may come already
+    serialized, `serialize_reply`)."""
     stages = servicer.loop.stages
-    req_in, rep_out = decode_request, tulip_pb2.EmbedReply.SerializeToString
+    req_in, rep_out = decode_request, serialize_reply
     if stages is not None:
         req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
     handlers = {
