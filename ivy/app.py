@@ -2,8 +2,9 @@
 
 Routes: POST /v1/embeddings, POST /v1/rerank and Cohere's POST /v2/rerank (documents by a
 cross-encoder's score of each (query, document) pair, or by cosine similarity to the query's
-embedding), vLLM's POST /v1/score (the same scores for 1:N or N:N text pairs), POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready
-(a Tulip answers its health check), GET /metrics.
+embedding), vLLM's POST /v1/score (the same scores for 1:N or N:N text pairs), POST /v1/tokenize,
+GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready (a Tulip answers its
+health check), GET /metrics.
 """
 
 from __future__ import annotations
@@ -244,12 +245,12 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         req = errors.parse_body(ScoreRequest, body)
         check_model(req.model)
         t1, t2 = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
-        for name, texts, field in (("text_1", t1, req.text_1), ("text_2", t2, req.text_2)):
+        for name, texts, sent in (("text_1", t1, req.text_1), ("text_2", t2, req.text_2)):
             if not texts:
                 raise APIError(400, f"'{name}' must not be empty", name)
             for i, t in enumerate(texts):
                 if not t:
-                    raise APIError(400, f"'{name}' is an empty string" if isinstance(field, str)
+                    raise APIError(400, f"'{name}' is an empty string" if isinstance(sent, str)
                                    else f"{name} item {i} is an empty string", name)
         if len(t1) not in (1, len(t2)):
             raise APIError(400, f"'text_1' has {len(t1)} texts and 'text_2' has {len(t2)}: send one text_1 to "

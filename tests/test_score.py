@@ -38,7 +38,7 @@ def servers(tmp_path_factory):
     urls = [f"http://127.0.0.1:{p}" for p in ports[2:]]
     try:
         for proc, url in zip(procs[2:], urls):
-            proc.wait_for(lambda: http_status(url + "/ready") == 200)  # /ready: open without a key
+            proc.wait_for(lambda u=url: http_status(u + "/ready") == 200)  # /ready: open without a key
         yield urls[0], path, urls[1]
     finally:
         for p in reversed(procs):
@@ -177,7 +177,8 @@ def test_errors(servers, which, path, body, fragment, param):
 
 def test_keys_metrics_and_openapi(servers):
     url = servers[0]
-    for path, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCS}), ("/v2/rerank", {"query": QUERY, "documents": DOCS})):
+    for path, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCS}),
+                       ("/v2/rerank", {"query": QUERY, "documents": DOCS})):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = httpx.post(url + path, json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
