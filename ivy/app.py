@@ -1,19 +1,22 @@
 """Ivy's FastAPI application: the OpenAI-compatible HTTP API in front of Tulip.
 
-Routes: POST /v1/embeddings, POST /v1/rerank (documents by a cross-encoder's score of each
-(query, document) pair, or by cosine similarity to the query's embedding),
-POST /v1/tokenize, GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready
-(a Tulip answers its health check), GET /metrics.
+Routes: POST /v1/embeddings, POST /v1/rerank and Cohere's POST /v2/rerank (documents by a
+cross-encoder's score of each (query, document) pair, or by cosine similarity to the query's
+embedding), vLLM's POST /v1/score (the same scores for 1:N or N:N text pairs), POST /v1/tokenize,
+GET /v1/models, GET /v1/models/{id}, GET /health (process alive), GET /ready (a Tulip answers its
+health check), GET /metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import gc
 import logging
 import os
 import time
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.errors import APIError, input_kind_error
 from ivy.front import Front, Stamp, _no_stamp
-from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest, schema
+from ivy.schemas import EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest, schema
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
 from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
@@ -50,7 +53,7 @@ class Metrics:
 
 
 INFO_WAIT_S = 5.0  # a request reaching a worker that has not heard from a replica yet waits this long, then 503
-ROUTES = {"/v1/embeddings", "/v1/rerank", "/v1/tokenize", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
+ROUTES = {"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score", "/v1/tokenize", "/v1/models", "/health", "/ready", "/metrics", "/docs", "/openapi.json"}
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
              "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
 
@@ -215,31 +218,86 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         check_count(len(req.documents) + 1, "documents")
         if req.top_n is not None and req.top_n < 1:
             raise APIError(400, f"top_n must be at least 1, got {req.top_n}", "top_n")
+        if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < 1:
+            raise APIError(400, f"max_tokens_per_doc must be at least 1, got {req.max_tokens_per_doc}",
+                           "max_tokens_per_doc")
         for i, d in enumerate([req.query, *req.documents]):
             if not d:
                 raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
                                "query" if i == 0 else "documents")
-        info = await model_info()
-        if info.num_labels:
-            seqs, scores = await _pair_scores(req, info)
-        else:
-            if req.raw_scores:
-                raise APIError(400, "'raw_scores' applies to cross-encoders; this model ranks by cosine similarity",
-                               "raw_scores")
-            seqs, scores = await _cosine_scores(req)
+        docs = req.documents
+        if req.max_tokens_per_doc is not None:
+            docs = await _offload(sum(map(len, docs)), tokenizer.cut, docs, req.max_tokens_per_doc)
+        seqs, scores = await _scores(req.query, docs, req.truncate, req.raw_scores, req.instruction,
+                                     ("query", None), ("documents", "document"), "document {} with the query")
         order = np.argsort(-scores, kind="stable")[: req.top_n]
         tokens = int(sum(len(s) for s in seqs))
         prompt_tokens.inc(tokens)
         results = [{"index": int(i), "relevance_score": float(scores[i]),
                     **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
-        return orjson.dumps({"model": served, "results": results,
+        # Jina's reply (model, results, usage) and Cohere's (id, results, meta) in one
+        return orjson.dumps({"id": f"rerank-{uuid.uuid4().hex}", "model": served, "results": results,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                             "meta": {"tokens": {"input_tokens": tokens, "output_tokens": 0}}})
+
+    async def score(body: bytes, stamp: Stamp) -> bytes:
+        """vLLM's score API: 1:N (text_1 one text) or N:N (pairwise) relevance scores."""
+        req = errors.parse_body(ScoreRequest, body)
+        check_model(req.model)
+        t1, t2 = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
+        for name, texts, sent in (("text_1", t1, req.text_1), ("text_2", t2, req.text_2)):
+            if not texts:
+                raise APIError(400, f"'{name}' must not be empty", name)
+            for i, t in enumerate(texts):
+                if not t:
+                    raise APIError(400, f"'{name}' is an empty string" if isinstance(sent, str)
+                                   else f"{name} item {i} is an empty string", name)
+        if len(t1) not in (1, len(t2)):
+            raise APIError(400, f"'text_1' has {len(t1)} texts and 'text_2' has {len(t2)}: send one text_1 to "
+                           "score against every text_2 (1:N), or as many as text_2 to score pairwise (N:N)",
+                           "text_1")
+        check_count(len(t1) + len(t2), "text_2")
+        one = t1[0] if len(t1) == 1 else t1
+        seqs, scores = await _scores(
+            one, t2, req.truncate, req.raw_scores, None,
+            ("text_1", None if isinstance(req.text_1, str) else "text_1 item"),
+            ("text_2", None if isinstance(req.text_2, str) else "text_2 item"),
+            "pair {} (text_1, text_2)" if len(t1) > 1 else "text_2 item {} with text_1")
+        tokens = int(sum(len(s) for s in seqs))
+        prompt_tokens.inc(tokens)
+        return orjson.dumps({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": served,
+                             "data": [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    async def _cosine_scores(req: RerankRequest) -> tuple[list[np.ndarray], np.ndarray]:
-        """A bi-encoder's ranking: the documents' cosine similarity to the query (each with its prompt)."""
-        q, q_pool = await _text_sequences([req.query], "query", req.instruction, req.truncate, "query", None)
-        d, d_pool = await _text_sequences(req.documents, "document", None, req.truncate, "documents", "document")
-        pool_from = (q_pool or [0]) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
+    async def _offload(chars: int, fn, *args):
+        return fn(*args) if chars <= cfg.tokenize_offload_chars else await asyncio.to_thread(fn, *args)
+
+    async def _scores(queries: str | list[str], documents: list[str], truncate: bool, raw_scores: bool,
+                      instruction: str | None, query_names: tuple[str, str | None],
+                      document_names: tuple[str, str | None], pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+        """Per document its score against the query (one for all, or one per document): a
+        cross-encoder's score of the pair, or the cosine of a bi-encoder's embeddings. `*_names`:
+        the request field and item label (None: one text) that length errors name."""
+        info = await model_info()
+        if info.num_labels:
+            return await _pair_scores(queries, documents, truncate, raw_scores, instruction, info,
+                                      document_names[0], pair_item)
+        if raw_scores:
+            raise APIError(400, "'raw_scores' applies to cross-encoders; this model scores by cosine similarity",
+                           "raw_scores")
+        return await _cosine_scores([queries] if isinstance(queries, str) else queries, documents, instruction,
+                                    truncate, query_names, document_names)
+
+    async def _cosine_scores(queries: list[str], documents: list[str], instruction: str | None, truncate: bool,
+                             query_names: tuple[str, str | None], document_names: tuple[str, str | None]
+                             ) -> tuple[list[np.ndarray], np.ndarray]:
+        """A bi-encoder's scores: each document's cosine similarity to its query (or the one query),
+        the queries with the model's query prompt, the documents with its document prompt, all in one
+        request to Tulip."""
+        q, q_pool = await _text_sequences(queries, "query", instruction, truncate, *query_names)
+        d, d_pool = await _text_sequences(documents, "document", None, truncate, *document_names)
+        pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
         try:
             result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
@@ -247,21 +305,23 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             raise errors.from_grpc(e) from None
         v = result.vectors.astype(np.float64)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        return seqs, v[1:] @ v[0]
+        return seqs, (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
 
-    async def _pair_scores(req: RerankRequest, info: tulip_pb2.InfoReply) -> tuple[list[np.ndarray], np.ndarray]:
-        """A cross-encoder's ranking: each (query, document) pair scored together, as
+    async def _pair_scores(queries: str | list[str], documents: list[str], truncate: bool, raw_scores: bool,
+                           instruction: str | None, info: tulip_pb2.InfoReply, param: str, pair_item: str
+                           ) -> tuple[list[np.ndarray], np.ndarray]:
+        """A cross-encoder's scores: each (query, document) pair scored together, as
         sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores)."""
         if info.num_labels != 1:
-            raise APIError(400, f"'{served}' gives {info.num_labels} scores per pair (a classifier); reranking needs "
-                           "one relevance score per pair", "model")
-        if req.instruction is not None:
+            raise APIError(400, f"'{served}' gives {info.num_labels} scores per pair (a classifier); scoring "
+                           "pairs needs one relevance score per pair", "model")
+        if instruction is not None:
             raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
                            "the query and each document together, without one", "instruction")
-        seqs, starts = await tokenizer.encode_pairs(req.query, req.documents, req.truncate)
+        seqs, starts = await tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
         try:
             result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32,
-                                          segment_starts=starts if any(starts) else (), raw_scores=req.raw_scores)
+                                          segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         return seqs, result.scores[:, 0].astype(np.float64)
@@ -329,9 +389,12 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         stamp("tokenize")
         return seqs, []
 
-    fast = {"/v1/embeddings": embeddings, "/v1/rerank": rerank, "/v1/tokenize": tokenize}
-    for (path, handler), model in zip(fast.items(), (EmbeddingRequest, RerankRequest, TokenizeRequest)):
-        app.post(path, openapi_extra=body(model), name=handler.__name__)(_raw(handler))
+    fast = {"/v1/embeddings": embeddings, "/v1/rerank": rerank, "/v2/rerank": rerank, "/v1/score": score,
+            "/v1/tokenize": tokenize}
+    models = (EmbeddingRequest, RerankRequest, RerankRequest, ScoreRequest, TokenizeRequest)
+    for (path, handler), model in zip(fast.items(), models):
+        name = "rerank_v2" if path == "/v2/rerank" else handler.__name__  # Cohere's path, the same handler
+        app.post(path, openapi_extra=body(model), name=name)(_raw(handler))
     app.front = Front(functools.partial(FastAPI.__call__, app), fast, ROUTES, cfg.max_request_mb << 20,
                       metrics.requests, cfg.api_keys)
     return app

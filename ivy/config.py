@@ -33,8 +33,9 @@ class IvyConfig:
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
-    api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* then needs 'Authorization: Bearer KEY'; prefer "
-                                      "IVY_API_KEYS=k1,k2 (flags show in process lists); none: no authentication")
+    api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* and /v2/* then need 'Authorization: "
+                                      "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
+                                      "no authentication")
     access_log: bool = field(False, "log one line per HTTP request (the server's access log; under uvicorn it "
                              "cost ~0.1 ms of CPU per request, 10-15 %% of a worker's throughput, benchmarks.gateway)")
     log_level: str = field("info", "the server's log level", choices=("critical", "error", "warning", "info", "debug"))

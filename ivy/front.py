@@ -1,7 +1,8 @@
 """Ivy's outermost ASGI layer: API keys, body limits and request counts for every route, and the
-hot POST routes (/v1/embeddings, /v1/rerank, /v1/tokenize) answered from the raw body before
-FastAPI's middleware stack, router and Request objects (their FastAPI routes stay registered, so
-OpenAPI and /docs describe them, and they run the same handler). Everything else goes to FastAPI.
+hot POST routes (/v1/embeddings, /v1/rerank, /v2/rerank, /v1/score, /v1/tokenize) answered from the
+raw body before FastAPI's middleware stack, router and Request objects (their FastAPI routes stay
+registered, so OpenAPI and /docs describe them, and they run the same handler). Everything else
+goes to FastAPI.
 
 A fast handler takes (body bytes, stamp) and returns the JSON bytes of a 200, or raises APIError;
 the response goes out as one start and one body message. With IVY_STAGES=PATH set, every fast
@@ -108,7 +109,7 @@ class Front:
         c.inc()
 
     def authorized(self, scope) -> bool:
-        if not self.bearers or not scope["path"].startswith("/v1/"):
+        if not self.bearers or not scope["path"].startswith(("/v1/", "/v2/")):
             return True
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, key = got.partition(b" ")

@@ -91,6 +91,8 @@ class RerankRequest(Body):
     instruction:      a task for instruction-tuned models, applied to the query (embedding models).
     raw_scores:       a cross-encoder's raw logits instead of its activated scores (sigmoid for one
                       label, unless the model saved another activation), as TEI's and Infinity's flag.
+    max_tokens_per_doc: Cohere's: cut each document after its first this many tokens (tokenized
+                      alone) before it is scored.
     """
 
     bools: ClassVar = ("return_documents", "truncate", "raw_scores")
@@ -102,6 +104,27 @@ class RerankRequest(Body):
     return_documents: LaxBool = False
     truncate: LaxBool = False
     instruction: Union[str, None] = None
+    raw_scores: LaxBool = False
+    max_tokens_per_doc: Union[int, None] = None
+
+
+class ScoreRequest(Body):
+    """POST /v1/score, as vLLM's score API: a relevance score per (text_1, text_2) pair, by a
+    cross-encoder reading each pair together, or for an embedding model the cosine similarity of
+    their embeddings (text_1 with the model's query prompt, text_2 with its document prompt).
+
+    text_1 a string (or a one-item array) is scored against every text_2 (1:N); arrays of equal
+    length are scored pairwise (N:N).
+    truncate:   cut texts (a pair: longest side first) longer than the model's maximum instead of 400.
+    raw_scores: a cross-encoder's raw logits instead of its activated scores (as /v1/rerank).
+    """
+
+    bools: ClassVar = ("truncate", "raw_scores")
+
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    model: Union[str, None] = None
+    truncate: LaxBool = False
     raw_scores: LaxBool = False
 
 

@@ -147,28 +147,42 @@ class TextTokenizer:
             starts.append(t.index(1) if 1 in t else 0)
         return seqs, starts
 
-    async def encode_pairs(self, query: str, documents: list[str], truncate: bool
+    async def encode_pairs(self, query: str | list[str], documents: list[str], truncate: bool,
+                           param: str = "documents", item: str = "document {} with the query"
                            ) -> tuple[list[np.ndarray], list[int]]:
         """A cross-encoder's (query, document) pairs as the tokenizer's pair template builds them
         (`tokenizer(query, document)`: `[CLS] q [SEP] d [SEP]`, `<s> q </s></s> d </s>`), and per pair
-        where token type 1 starts (0: the template types every token 0). With `truncate` the pair is cut
-        to the maximum longest side first (`truncation="longest_first"`, as sentence-transformers'
-        CrossEncoder cuts it: in practice the document); without, a longer pair is a 400 naming it."""
+        where token type 1 starts (0: the template types every token 0). `query`: one for every
+        document, or one per document (pairwise). With `truncate` the pair is cut to the maximum
+        longest side first (`truncation="longest_first"`, as sentence-transformers' CrossEncoder cuts
+        it: in practice the document); without, a longer pair is a 400 for `param` naming it as
+        `item.format(i)`."""
         if not self.pair_boundary:
             raise APIError(400, "this model's tokenizer types a pair's tokens other than as two segments; "
-                           "it cannot rerank", "documents")
-        pairs = [(query, d) for d in documents]
-        if len(query) * len(documents) + sum(map(len, documents)) <= self.offload_chars:
+                           "it cannot score pairs", "model")
+        queries = [query] * len(documents) if isinstance(query, str) else query
+        pairs = list(zip(queries, documents))
+        if sum(map(len, queries)) + sum(map(len, documents)) <= self.offload_chars:
             seqs, starts = self._pairs(pairs, truncate)
         else:  # `tokenizers` releases the GIL: off the event loop
             seqs, starts = await asyncio.to_thread(self._pairs, pairs, truncate)
         if not truncate:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:
-                    raise APIError(400, f"document {i} with the query has {len(s)} tokens, more than this model's "
+                    raise APIError(400, f"{item.format(i)} has {len(s)} tokens, more than this model's "
                                    f"maximum of {self.max_len}; shorten it or send \"truncate\": true",
-                                   "documents", "context_length_exceeded")
+                                   param, "context_length_exceeded")
         return seqs, starts
+
+    def cut(self, texts: list[str], max_tokens: int) -> list[str]:
+        """Each text cut after its first `max_tokens` tokens (tokenized alone, special tokens not
+        counted): at the end of that token's characters. WordPiece re-tokenizes the cut text to
+        exactly those tokens (its greedy longest match is prefix-stable); other models may differ
+        at the boundary by a token."""
+        out = []
+        for t, e in zip(texts, self.exact.encode_batch(texts, add_special_tokens=False)):
+            out.append(t if len(e.offsets) <= max_tokens else t[: e.offsets[max_tokens - 1][1]])
+        return out
 
     def prompt_length(self, prompt: str) -> int:
         """Tokens a prompt takes at the start of an input, counted as sentence-transformers (6.x)
