@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,9 +130,8 @@ def compare(served: np.ndarray, ref: np.ndarray) -> tuple[float, float | None]:
     return diff, corr
 
 
-def gate(url: str, served_name: str, model: str, query: str, docs: list[str]) -> dict:
-    """Served scores against `reference(model, ...)`: the gate row's fields."""
-    ref = reference(model, query, docs)
+def gate(url: str, served_name: str, ref: dict, query: str, docs: list[str]) -> dict:
+    """Served scores against `ref` (`reference(model, query, docs)`): the gate row's fields."""
     kind, tol = ref["kind"], TOLERANCE[ref["kind"]]
     body = {"model": served_name, "query": query, "documents": docs}
     reply = _rerank(url, body)
@@ -194,25 +194,31 @@ def main(argv=None) -> int:
         ap.error("--target serves one model: give one --model (the gate's reference)")
     from trellis.modeldir import resolve_model_path
 
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for model in models:
         path = resolve_model_path(model)
         query, docs = texts(path / "tokenizer.json", args.query_tokens, args.doc_tokens, args.documents)
-        rec = Recorder(args.out, f"rerank_{Path(model).name}")
         proc = None
-        if args.target:
-            url = args.target.rstrip("/")
-        else:
-            port = free_port()
-            log = (args.out or Path("/tmp")) / f"stack_rerank_{Path(model).name}.log"
-            proc = spawn_until_ready(["deploy.local", "--model", model, "--port", str(port)], "Trellis is ready", log)
-            url = f"http://127.0.0.1:{port}"
+        with ThreadPoolExecutor(1) as pool:  # the reference is computed while the stack starts
+            ref = pool.submit(reference, model, query, docs)
+            if args.target:
+                url = args.target.rstrip("/")
+            else:
+                port = free_port()
+                log = (args.out or Path("/tmp")) / f"stack_rerank_{Path(model).name}.log"
+                proc = spawn_until_ready(["deploy.local", "--model", model, "--port", str(port)], "Trellis is ready",
+                                         log)
+                url = f"http://127.0.0.1:{port}"
         try:
+            ref = ref.result()
+            rec = Recorder(args.out, f"rerank_{Path(model).name}")
             with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
                 served_name = json.load(r)["data"][0]["id"]
             common = dict(model=Path(model).name, backend="trellis-ivy", transport="http", documents=args.documents,
                           doc_tokens=args.doc_tokens, query_tokens=args.query_tokens)
-            g = gate(url, served_name, model, query, docs)
+            g = gate(url, served_name, ref, query, docs)
             rows.append(rec.emit(bench="gate", **g, **common))
             if not g["passed"]:
                 print(f"correctness gate FAILED for {model}: {json.dumps(g)}; no timings taken", file=sys.stderr)
