@@ -39,6 +39,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "git": git_rev(),
     }

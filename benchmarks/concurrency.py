@@ -24,25 +24,32 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, bulk_clients, free_port, percentiles, spawn_until_ready
+from benchmarks.common import Recorder, bulk_clients, free_port, percentiles, progress, spawn_until_ready
 
 # ../shared/DESIGN.md, workload 4 (approximate, read off the published chart): p50 ms.
 PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22": 23.0, "tulip-rust": 16.5}}
 
 
-def text_of(tokenizer_path: Path, L: int) -> str:
+WORDS = ("search engines rank documents by relevance to a query using many signals and learned "
+         "representations of meaning").split()
+
+
+def text_of(tokenizer, L: int, seed: int | None = None, words: tuple[str, ...] | list[str] = WORDS) -> str:
     """A text that tokenizes to L tokens, special tokens included (or as close below as the
-    tokenizer allows), so a request is the published 1 x L and not a bucket above it."""
+    tokenizer allows), so a request is the published 1 x L and not a bucket above it. `tokenizer`:
+    a tokenizer.json path or a loaded `tokenizers.Tokenizer`; `seed` draws the words in a seeded
+    order (distinct texts of one length), None repeats `words` in order."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.from_file(str(tokenizer))
     tok.no_truncation()
     tok.no_padding()
-    words = ("search engines rank documents by relevance to a query using many signals and learned "
-             "representations of meaning ").split()
     floor = len(tok.encode("").ids)  # the special tokens alone
     if L <= floor:
         raise ValueError(f"--length {L}: this tokenizer adds {floor} special tokens; ask for more")
+    if seed is not None:
+        g = np.random.default_rng(seed)
+        words = [words[i] for i in g.integers(0, len(words), 4 * L)]
     text, i = "", 0
     while len(tok.encode(text).ids) < L:
         text += words[i % len(words)] + " "
@@ -96,7 +103,9 @@ def http_client() -> str:
         return f"httpx {httpx.__version__}"
 
 
-async def _clients(url: str, body: dict, clients: int, per: int) -> list[float]:
+async def _clients(url: str, route: str, body: dict, clients: int, per: int) -> tuple[list[float], float, float]:
+    """`clients` asyncio clients each sending `per` timed requests (after one that warms the connection
+    and graphs; all start timing together); returns the latencies and the span of the timed requests."""
     lat: list[float] = []
     payload = json.dumps(body).encode()
     headers = {"content-type": "application/json"}
@@ -108,7 +117,7 @@ async def _clients(url: str, body: dict, clients: int, per: int) -> list[float]:
             return aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=120))
 
         async def post(s):
-            async with s.post("/v1/embeddings", data=payload, headers=headers) as r:
+            async with s.post(route, data=payload, headers=headers) as r:
                 await r.read()
                 r.raise_for_status()
     else:
@@ -118,41 +127,61 @@ async def _clients(url: str, body: dict, clients: int, per: int) -> list[float]:
             return httpx.AsyncClient(base_url=url, timeout=120)
 
         async def post(c):
-            (await c.post("/v1/embeddings", content=payload, headers=headers)).raise_for_status()
+            (await c.post(route, content=payload, headers=headers)).raise_for_status()
+
+    warm = asyncio.Barrier(clients + 1)  # and the clock
+    bar = progress(clients * per, f"{clients} clients {route}")
+    ends: list[float] = []
 
     async def client():
         async with session() as s:
-            for i in range(per + 1):  # the first warms the connection and graphs
+            await post(s)  # warms the connection and graphs
+            await warm.wait()
+            for _ in range(per):
                 t0 = time.perf_counter()
                 await post(s)
-                if i:
-                    lat.append((time.perf_counter() - t0) * 1e3)
+                lat.append((time.perf_counter() - t0) * 1e3)
+                bar.update()
+            ends.append(time.perf_counter())
 
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return lat
+    async def timed():
+        await warm.wait()
+        return time.perf_counter()
+
+    start, *_ = await asyncio.gather(timed(), *(client() for _ in range(clients)))
+    bar.close()
+    return lat, start, max(ends)
 
 
-def _client_process(url, body, clients, per, q):
-    q.put(asyncio.run(_clients(url, body, clients, per)))
+def _client_process(url, route, body, clients, per, q):
+    q.put(asyncio.run(_clients(url, route, body, clients, per)))
 
 
-def level(url: str, model_name: str, text: str, clients: int, n: int) -> dict:
-    """`clients` concurrent HTTP clients (asyncio, at most CLIENTS_PER_PROCESS per process), `n`
-    requests in all, each sent as soon as the client's previous one is answered."""
+def http_level(url: str, route: str, body: dict, clients: int, n: int) -> dict:
+    """`clients` concurrent HTTP clients (asyncio, at most CLIENTS_PER_PROCESS per process) posting
+    `body` to `route`, `n` requests in all, each sent as soon as the client's previous one is answered:
+    latency percentiles and requests/s over the span from the first timed request to the last reply."""
     import multiprocessing as mp
 
-    body = {"model": model_name, "input": text, "truncate": True}
     per = max(1, n // clients)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     shares = [CLIENTS_PER_PROCESS] * (clients // CLIENTS_PER_PROCESS) + [clients % CLIENTS_PER_PROCESS]
-    procs = [ctx.Process(target=_client_process, args=(url, body, k, per, q)) for k in shares if k]
+    procs = [ctx.Process(target=_client_process, args=(url, route, body, k, per, q)) for k in shares if k]
     for p in procs:
         p.start()
-    lat = [x for _ in procs for x in q.get(timeout=1200)]
+    res = [q.get(timeout=1200) for _ in procs]
     for p in procs:
         p.join()
-    return {**percentiles(lat), "client_processes": len(procs), "client": http_client()}
+    lat = [x for r in res for x in r[0]]
+    span = max(r[2] for r in res) - min(r[1] for r in res)
+    return {**percentiles(lat), "req_per_s": round(len(lat) / span, 2), "client_processes": len(procs),
+            "client": http_client()}
+
+
+def level(url: str, model_name: str, text: str, clients: int, n: int) -> dict:
+    """Batch 1 text embeddings from `clients` concurrent clients (http_level)."""
+    return http_level(url, "/v1/embeddings", {"model": model_name, "input": text, "truncate": True}, clients, n)
 
 
 def _bulk_client(url, model_name, L, n_req, seed, barrier, q):

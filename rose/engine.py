@@ -128,7 +128,7 @@ class Engine:
         with torch.device("meta"):
             model = family(self.spec.config)
         if (self.spec.path / RANDOM_WEIGHTS).is_file():
-            log.warning("engine: %s is a preset: RANDOM WEIGHTS, embeddings are meaningless", self.spec.path.name)
+            log.warning("engine: %s is a preset: RANDOM WEIGHTS, its outputs are meaningless", self.spec.path.name)
             self.model = random_weights(model, self.device, self.dtype)
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)

@@ -72,6 +72,72 @@ def test_correctness_gate_aborts_on_perturbed_vectors(tiny, tmp_path):
 
 
 
+@pytest.fixture(scope="module")
+def tiny_cross_encoder(tmp_path_factory):
+    """A tiny BertForSequenceClassification with MiniLM's WordPiece tokenizer (pairs typed 0 ... 1 ...)."""
+    from tests.checkpoints import save_cross_encoder
+
+    return save_cross_encoder("bert", tmp_path_factory.mktemp("tiny-rerank") / "ce")[0]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rerank_benchmark_cross_encoder_beside_bi_encoder(tiny_cross_encoder, tmp_path):
+    """benchmarks.rerank end to end on CPU: a cross-encoder and a bi-encoder (MiniLM) each behind
+    deploy.local, the gate (float32 served = float32 reference), 1- and 4-client cells, the chart."""
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.rerank", "--model", str(tiny_cross_encoder), "--model",
+                        "default", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name, kind in (("ce", "cross-encoder"), ("default", "bi-encoder")):
+        rows = _rows(out / f"rerank_{name}.jsonl")
+        assert [row["bench"] for row in rows] == ["gate", "rerank", "rerank"]
+        gate, *cells = rows
+        assert gate["passed"] and gate["kind"] == kind and gate["served_tokens"] == gate["reference_tokens"]
+        assert gate["max_abs_diff_scores"] < 1e-4 and gate["correlation_scores"] > 0.9999
+        assert gate["reference_spread"] > 0.01  # the documents score apart: the gate can see a mix-up
+        if kind == "cross-encoder":
+            assert gate["max_abs_diff_logits"] < 1e-4
+        assert [c["clients"] for c in cells] == [1, 4]
+        for c in cells:
+            assert c["kind"] == kind and c["documents"] == 4 and c["doc_tokens"] == 24 and c["n"] >= 4
+            assert 0 < c["p50_ms"] <= c["p99_ms"] and c["docs_per_s"] > 0
+            assert {"when", "torch", "gpu", "git"} <= set(c)
+    assert (out / "rerank_p50.png").stat().st_size > 5_000
+
+
+def test_rerank_gate_aborts_when_served_scores_differ(tiny_cross_encoder, tmp_path):
+    """An Ivy (`--target`) serving perturbed weights against the reference on the published ones: the
+    gate row says failed, nothing is timed, exit 1."""
+    bad = tmp_path / "perturbed"
+    shutil.copytree(tiny_cross_encoder, bad)
+    f = next(bad.glob("*.safetensors"))
+    t = load_file(str(f))
+    g = torch.Generator().manual_seed(0)
+    for k in t:  # noise on every matrix: the pair scores move, the shapes stay
+        if t[k].ndim == 2:
+            t[k] = t[k] + 0.3 * t[k].std() * torch.randn(t[k].shape, generator=g)
+    save_file(t, str(f))
+    port = free_port()
+    stack = Proc(["-m", "deploy.local", "--model", str(bad), "--port", str(port), "--device", "cpu",
+                  "--served-model-name", "ce"], tmp_path)
+    try:
+        stack.wait_for(lambda: "Trellis is ready" in stack.output())
+        out = tmp_path / "results"
+        r = subprocess.run([sys.executable, "-m", "benchmarks.rerank", "--model", str(tiny_cross_encoder), "--target",
+                            f"http://127.0.0.1:{port}", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    finally:
+        stack.stop()
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "correctness gate FAILED" in r.stderr
+    rows = _rows(out / "rerank_ce.jsonl")
+    assert [row["bench"] for row in rows] == ["gate"] and rows[0]["passed"] is False
+    assert rows[0]["max_abs_diff_logits"] > rows[0]["tolerance"]
+
+
 def test_run_resumes_where_it_stopped(tiny, tmp_path):
     """`--max-minutes` starts no new part once spent; `--resume` with the same command skips what is done
     (nothing is appended twice) and finishes the rest; other arguments start over."""

@@ -157,6 +157,38 @@ def test_several_labels_and_a_saved_activation(tmp_path):
     np.testing.assert_allclose(engine.activate(scores(engine, seqs, starts))[:, 0], ref, atol=1e-4)
 
 
+def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
+    """bge-reranker-v2-m3's config builds XLM-R large with XLMRobertaForSequenceClassification's head
+    (dense 1024 x 1024, out_proj 1 x 1024); as a preset (RANDOM_WEIGHTS) the engine fills every one of
+    its parameters with the seeded values: the same scores from two engines, apart across pairs. (A
+    copy with the preset's config at small widths: the full one is 560M parameters.)"""
+    from rose.models import model_class
+    from trellis.modeldir import ModelSpec
+    from trellis.presets import PRESETS, RANDOM_WEIGHTS
+
+    config = PRESETS["bge-reranker-v2-m3"]["config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    family = model_class(ModelSpec.read(tmp_path))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in family(config).named_parameters() if k.startswith("classifier.")}
+    assert shapes == {"classifier.dense.weight": (1024, 1024), "classifier.dense.bias": (1024,),
+                      "classifier.out_proj.weight": (1, 1024), "classifier.out_proj.bias": (1,)}
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "intermediate_size": 128,
+                                                   "vocab_size": 1000, "max_position_embeddings": 130}))
+    (small / RANDOM_WEIGHTS).write_text("preset test\n")
+    seqs = [[0, 5 + i, 17, 2, 2, 40 + 3 * i, 41, 2] for i in range(6)]
+    got = []
+    for _ in range(2):
+        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
+        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 128)
+        got.append(scores(engine, seqs, None)[:, 0])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+
+
 def test_segment_starts_only_for_cross_encoders():
     """An embedding model's Tulip refuses segment_starts and raw_scores (checked before queueing)."""
     info = tulip_pb2.InfoReply(embedding_dim=8, max_seq_len=16, vocab_size=100, outputs=[tulip_pb2.OUTPUT_DENSE],

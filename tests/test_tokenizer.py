@@ -111,6 +111,42 @@ def test_fast_path_is_token_exact_on_the_standin(standin_dir):
         assert ids.tolist() == ref24.encode(text).ids, repr(text[:80])
 
 
+def test_reranker_preset_pairs_as_xlm_r(standin_dir):
+    """bge-reranker-v2-m3's directory (the stand-in beside bge-m3's): a transformers classifier with the
+    tokenizer's 8192 limit and no sentence-transformers files; a pair is XLM-R's `<s> q </s></s> d </s>`,
+    every token type 0, as SentencePiece's pieces in fairseq's numbering and transformers' AutoTokenizer
+    (what sentence-transformers' CrossEncoder uses) give it, and as Ivy sends it."""
+    from transformers import AutoTokenizer
+
+    from rose.models import model_class
+    from trellis.modeldir import ModelSpec
+    from trellis.presets import RANDOM_WEIGHTS, materialize
+
+    spm = pytest.importorskip("sentencepiece")
+    path = materialize("bge-reranker-v2-m3")
+    assert (path / RANDOM_WEIGHTS).is_file()
+    assert not any((path / f).exists() for f in ("modules.json", "1_Pooling", "sentence_bert_config.json"))
+    spec = ModelSpec.read(path)
+    assert (spec.model_type, spec.max_seq_len, spec.hidden_size) == ("xlm-roberta", 8192, 1024)
+    assert model_class(spec).num_labels(spec.config) == 1
+    sp = spm.SentencePieceProcessor(model_file=str(path / "sentencepiece.bpe.model"))
+    hf = AutoTokenizer.from_pretrained(str(path))
+    assert hf.model_max_length == 8192
+    tt = TextTokenizer(path, 8192, 1 << 30)
+    query = "Wie hoch ist der Eiffelturm?"
+    docs = ["The Eiffel tower is 330 metres tall.", "東京は日本の首都です。", standin.sample_text(5, 3, ("fr", "ru"))]
+    seqs, starts = asyncio.run(tt.encode_pairs(query, docs, False))
+    assert starts == [0, 0, 0] and tt.pair_boundary
+
+    def pieces(text):
+        return [i + 1 if i else 3 for i in sp.encode(text)]
+
+    for d, ids in zip(docs, seqs):
+        assert ids.tolist() == [0, *pieces(query), 2, 2, *pieces(d), 2]
+        enc = hf(query, d, return_token_type_ids=True)
+        assert enc["input_ids"] == ids.tolist() and set(enc["token_type_ids"]) == {0}
+
+
 def test_minilm_is_served_by_the_fallback(minilm_dir):
     """WordPiece: the fast path does not apply, and would not be exact (tokie leaves out the [UNK]s of
     private-use and unassigned characters that tokenizers gives), so tokenizers serves it."""

@@ -4,9 +4,10 @@
 cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
 RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
-architecture, shapes and cost; its embeddings mean nothing. `bge-m3`'s stand-in
-tokenizer is XLM-R-like (trellis/standin.py: a 250k-piece Unigram vocabulary, so
-that tokenizing costs what it costs with the real one); the decoder presets' (Qwen3, e5-mistral,
+architecture, shapes and cost; its embeddings (or the cross-encoder `bge-reranker-v2-m3`'s
+scores) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
+(trellis/standin.py: a 250k-piece Unigram vocabulary, so that tokenizing costs what it costs with
+the real one, and XLM-R's pair template); the decoder presets' (Qwen3, e5-mistral,
 gte-Qwen2, EmbeddingGemma) is byte-level (one token per UTF-8 byte) with the model's special tokens,
 as are the encoder presets' (`msmarco-distilbert`, `all-mpnet-base-v2`, `gte-modernbert-base`,
 `nomic-embed-text-v1.5`, `splade-cocondenser`: each model's published config.json hyper-parameters,
@@ -37,6 +38,15 @@ PRESETS: dict[str, dict] = {
         "specials": {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}, "wrap": ("<s>", "</s>"),
         "tokenizer": "xlm-r-unigram",
     },
+}
+# BAAI/bge-reranker-v2-m3: a cross-encoder, XLMRobertaForSequenceClassification over bge-m3's shapes with
+# one label (a relevance logit; CrossEncoder applies Sigmoid); no sentence-transformers files, the
+# tokenizer's model_max_length 8192 as published; the stand-in tokenizer pairs as XLM-R does
+# (`<s> q </s></s> d </s>`, every token type 0).
+PRESETS["bge-reranker-v2-m3"] = {
+    "config": {**PRESETS["bge-m3"]["config"], "architectures": ["XLMRobertaForSequenceClassification"],
+               "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "classifier_dropout": None},
+    "cross_encoder": True, "max_seq_length": 8192, "tokenizer": "xlm-r-unigram",
 }
 
 _QWEN3_0_6B = {
@@ -188,19 +198,11 @@ def fingerprint(name: str) -> str:
     return hashlib.sha256(json.dumps([FORMAT, PRESETS[name]], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def materialize(name: str) -> Path:
-    """Write (once per definition: a cache written by an older definition is rewritten) and return
-    the directory of preset `name`."""
-    p = PRESETS[name]
-    d = cache_dir() / name
-    marker = d / RANDOM_WEIGHTS
-    fp = fingerprint(name)
-    if marker.is_file() and fp in marker.read_text():
-        return d
+def _sentence_transformers_files(p: dict, d: Path) -> None:
+    """modules.json, the pooling (and Normalize / quantizer) modules, sentence_bert_config.json, prompts."""
     splade = p["pooling"] == "splade"  # sentence-transformers' SparseEncoder layout
     pool_dir = d / ("1_SpladePooling" if splade else "1_Pooling")
     pool_dir.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(p["config"], indent=2))
     kinds = ("sparse_encoder.models.MLMTransformer", "sparse_encoder.models.SpladePooling") if splade else \
         ("models.Transformer", "models.Pooling")
     modules = [{"idx": 0, "name": "0", "path": "", "type": f"sentence_transformers.{kinds[0]}"},
@@ -219,11 +221,31 @@ def materialize(name: str) -> Path:
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
+
+
+def materialize(name: str) -> Path:
+    """Write (once per definition: a cache written by an older definition is rewritten) and return
+    the directory of preset `name`."""
+    p = PRESETS[name]
+    d = cache_dir() / name
+    marker = d / RANDOM_WEIGHTS
+    fp = fingerprint(name)
+    if marker.is_file() and fp in marker.read_text():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(p["config"], indent=2))
+    if p.get("cross_encoder"):  # a transformers classifier as published: the tokenizer's limit, no pipeline
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": p["max_seq_length"], "bos_token": "<s>",
+             "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
+             "mask_token": "<mask>"}, indent=2))
+    else:
+        _sentence_transformers_files(p, d)
     if p.get("tokenizer") == "xlm-r-unigram":
         from trellis import standin
 
         standin.build(d)
     else:
         _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
-    marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; embeddings are meaningless\n")
+    marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
     return d
