@@ -50,7 +50,8 @@ def test_multiple_workers(tulip_server, tmp_path, server):
 
 def test_request_timeout_is_a_504_and_the_server_carries_on(tulip_server, tmp_path):
     """A request that cannot finish within Ivy's --request-timeout-s gets an OpenAI-shaped 504; its
-    queued chunks are dropped in Tulip (stream deadlines) and later requests are served."""
+    queued chunks are dropped in Tulip (by their stream deadlines, or by the cancel message Ivy sends
+    when it gives up: whichever reaches them first) and later requests are served."""
     target, tulip = tulip_server
 
     def expired():
