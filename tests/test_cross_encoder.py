@@ -1,7 +1,7 @@
 """Cross-encoders (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`): ROSE's
 scores against sentence-transformers' `CrossEncoder.predict` on the same tiny random checkpoints,
 the second segment's token types, several labels and a saved activation, the graph path, and a real
-Tulip + Ivy serving `/v1/rerank` (with its errors)."""
+Tulip + Ivy serving each family's `/v1/rerank` (with its errors)."""
 
 import asyncio
 import json
@@ -199,12 +199,12 @@ def test_segment_starts_only_for_cross_encoders():
             parse_request(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, **kw), info)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A real Tulip serving the BERT cross-encoder and an Ivy in front of it (a small chunk budget: a
-    rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
-    tmp = tmp_path_factory.mktemp("served")
-    path, _ = save_cross_encoder("bert", tmp / "ce", max_length=MAX_LEN)
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def served(request, tmp_path_factory):
+    """A real Tulip serving the BERT or XLM-R cross-encoder and an Ivy in front of it (a small chunk
+    budget: a rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
+    tmp = tmp_path_factory.mktemp("served-" + request.param)
+    path, _ = save_cross_encoder(request.param, tmp / "ce", max_length=MAX_LEN)
     tport, port = free_port(), free_port()
     tulip = Proc(["-m", "tulip", "--model", str(path), "--port", str(tport), "--device", "cpu",
                   "--served-model-name", "tiny-reranker"], tmp)
@@ -225,6 +225,7 @@ def test_rerank_matches_cross_encoder(served):
     url, _, path = served
     ce = CrossEncoder(str(path), device="cpu")
     ref = ce.predict([(QUERY, d) for d in DOCS])
+    assert np.ptp(ref) > 0.05  # the documents score apart: a wrong order or score would show
     body = {"model": "tiny-reranker", "query": QUERY, "documents": DOCS, "truncate": True}
     r = httpx.post(url + "/v1/rerank", json=body, timeout=60)
     assert r.status_code == 200, r.text
