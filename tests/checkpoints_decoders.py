@@ -1,6 +1,7 @@
 """Small random decoder checkpoints (Llama, Mistral, Qwen2, Gemma3 text) saved by transformers, in
 the sentence-transformers layouts their published embedding models use (pooling, Normalize,
-prompts, a byte-level tokenizer), so that the engine, sentence-transformers and Ivy read real files."""
+prompts, a byte-level tokenizer; EmbeddingGemma's whole pipeline, its two Dense modules, saved by
+sentence-transformers), so that the engine, sentence-transformers and Ivy read real files."""
 
 from __future__ import annotations
 
@@ -99,3 +100,27 @@ def reference_hidden(model, seq, bidirectional: bool = False) -> torch.Tensor:
             mask = torch.zeros(1, 1, len(seq), len(seq))
             return model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
         return model(input_ids=ids).last_hidden_state[0]
+
+
+def save_embeddinggemma(path, seed: int = 0, width: int = 256):
+    """google/embeddinggemma-300m's published pipeline at a tiny size: a random bidirectional Gemma3
+    text model (`save_decoder`) saved by sentence-transformers itself as Transformer, mean Pooling,
+    two Dense modules (hidden -> `width` -> hidden, no bias, Identity: 768 -> 3072 -> 768 published),
+    Normalize, and its query / document prompts. Returns the SentenceTransformer (eager attention)."""
+    import tempfile
+    from pathlib import Path
+
+    from sentence_transformers import SentenceTransformer, models
+
+    with tempfile.TemporaryDirectory() as src:
+        _, hf = save_decoder("gemma3_text", Path(src), seed=seed, bidirectional=True)
+        t = models.Transformer(src, model_kwargs={"attn_implementation": "eager"})
+        hidden = hf.config.hidden_size
+        torch.manual_seed(seed)
+        mods = [t, models.Pooling(hidden, pooling_mode="mean"),
+                models.Dense(hidden, width, bias=False, activation_function=torch.nn.Identity()),
+                models.Dense(width, hidden, bias=False, activation_function=torch.nn.Identity()),
+                models.Normalize()]
+        st = SentenceTransformer(modules=mods, device="cpu", prompts=LAYOUTS["gemma3_text"]["prompts"])
+        st.save(str(path))
+    return st.eval()

@@ -1,7 +1,7 @@
 """Cross-encoders (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`): ROSE's
 scores against sentence-transformers' `CrossEncoder.predict` on the same tiny random checkpoints,
 the second segment's token types, several labels and a saved activation, the graph path, and a real
-Tulip + Ivy serving `/v1/rerank` (with its errors)."""
+Tulip + Ivy serving each family's `/v1/rerank` (with its errors)."""
 
 import asyncio
 import json
@@ -199,12 +199,12 @@ def test_segment_starts_only_for_cross_encoders():
             parse_request(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, **kw), info)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A real Tulip serving the BERT cross-encoder and an Ivy in front of it (a small chunk budget: a
-    rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
-    tmp = tmp_path_factory.mktemp("served")
-    path, _ = save_cross_encoder("bert", tmp / "ce", max_length=MAX_LEN)
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def served(request, tmp_path_factory):
+    """A real Tulip serving the BERT or XLM-R cross-encoder and an Ivy in front of it (a small chunk
+    budget: a rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
+    tmp = tmp_path_factory.mktemp("served-" + request.param)
+    path, _ = save_cross_encoder(request.param, tmp / "ce", max_length=MAX_LEN)
     tport, port = free_port(), free_port()
     tulip = Proc(["-m", "tulip", "--model", str(path), "--port", str(tport), "--device", "cpu",
                   "--served-model-name", "tiny-reranker"], tmp)
@@ -235,9 +235,13 @@ def test_rerank_matches_cross_encoder(served):
     assert out["usage"]["prompt_tokens"] == sum(map(len, seqs))
     assert out["model"] == "tiny-reranker" and "document" not in out["results"][0]
 
+    # the logits, every one: the sigmoid can squeeze the scores together (XLM-R's sit near 1 here)
+    raw = ce.predict([(QUERY, d) for d in DOCS], activation_fn=nn.Identity())
+    assert np.ptp(raw) > 0.5  # the documents score apart: a wrong token or score would show
+    got = httpx.post(url + "/v1/rerank", json={**body, "raw_scores": True}, timeout=60).json()["results"]
+    np.testing.assert_allclose([x["relevance_score"] for x in sorted(got, key=lambda x: x["index"])], raw, atol=1e-4)
     top = httpx.post(url + "/v1/rerank", json={**body, "top_n": 2, "return_documents": True, "raw_scores": True},
                      timeout=60).json()["results"]
-    raw = ce.predict([(QUERY, d) for d in DOCS], activation_fn=nn.Identity())
     assert [x["index"] for x in top] == np.argsort(-raw, kind="stable")[:2].tolist()
     np.testing.assert_allclose([x["relevance_score"] for x in top], np.sort(raw)[::-1][:2], atol=1e-4)
     assert top[0]["document"] == {"text": DOCS[top[0]["index"]]}

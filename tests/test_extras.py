@@ -1,5 +1,5 @@
 """Model extras through the whole stack: quantised outputs (a small random model in pplx-embed-v1's
-published layout, with its quantizer module) and prompt / instruction templating, on a small random
+published layout, with its quantizer module; its float vectors against transformers) and prompt / instruction templating, on a small random
 Qwen3 with all-MiniLM's tokenizer."""
 
 import base64
@@ -22,14 +22,15 @@ PROMPTS = {"query": "Instruct: Given a question, find passages\nQuery:", "docume
 @pytest.fixture(scope="module")
 def qwen_stack(tmp_path_factory, model_path):
     d = tmp_path_factory.mktemp("tiny-qwen3")
-    save_pplx(d, vocab_size=30522)
+    _, hf = save_pplx(d, vocab_size=30522)
+    hf.config._attn_implementation = "eager"
     shutil.copy(model_path / "tokenizer.json", d / "tokenizer.json")
     (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
     port = free_port()
     proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
                 tmp_path_factory.mktemp("qwen-stack"))
     proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d.name
+    yield f"http://127.0.0.1:{port}", d.name, d, hf
     proc.stop(signal.SIGINT)
 
 
@@ -38,7 +39,7 @@ def post(url, **body):
 
 
 def test_int8_and_binary_match_the_float_vectors(qwen_stack):
-    url, name = qwen_stack
+    url, name, _, _ = qwen_stack
     texts = ["what is a tulip", "Tulips are spring-blooming perennial herbaceous bulbiferous geophytes."]
     f = np.array([d["embedding"] for d in post(url, model=name, input=texts).json()["data"]], dtype=np.float32)
     i8 = [np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.int8)
@@ -52,13 +53,50 @@ def test_int8_and_binary_match_the_float_vectors(qwen_stack):
     assert np.frombuffer(base64.b64decode(short[0]["embedding"]), dtype=np.uint8).shape == (2,)
 
 
+def test_pplx_layout_served_against_transformers(qwen_stack):
+    """pplx-embed-v1's published layout through Ivy and the official openai client: the float vectors
+    (text, and token ids) are transformers' bidirectional hidden states mean-pooled (no Normalize);
+    base64_int8 / base64_binary are the quantizer's formula on them, for the reference's codes too
+    within one step (float32 rounding may cross a .5 boundary)."""
+    import openai
+    import torch
+    from tokenizers import Tokenizer
+
+    from tests.checkpoints import qwen3_reference
+    from tests.test_st_pipeline import assert_parity, quantize_int8, quantize_ubinary
+
+    url, name, d, hf = qwen_stack
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    texts = ["what is a tulip", "Tulips are spring-blooming perennial herbaceous bulbiferous geophytes.", "x"]
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.no_padding()  # all-MiniLM's tokenizer.json pads to 128; Ivy sends the tokens alone
+    ids = [e.ids for e in tok.encode_batch(texts)]
+    ref = torch.stack([qwen3_reference(hf, s, bidirectional=True).mean(0) for s in ids])
+
+    def create(inputs, fmt):
+        r = client.embeddings.create(model=name, input=inputs, encoding_format=fmt)
+        if fmt == "float":
+            return torch.tensor([x.embedding for x in r.data], dtype=torch.float32)
+        return np.stack([np.frombuffer(base64.b64decode(x.embedding), dtype=np.int8 if fmt == "base64_int8" else
+                                       np.uint8) for x in r.data])
+
+    f = create(texts, "float")
+    assert f.shape == (3, 64)
+    assert_parity(f, ref, normalized=False)
+    assert_parity(create(ids, "float"), ref, normalized=False)  # token ids in: the same vectors
+    i8, bits = create(texts, "base64_int8"), create(texts, "base64_binary")
+    assert np.array_equal(i8, quantize_int8(f)) and np.array_equal(bits, quantize_ubinary(f))
+    assert np.abs(i8.astype(int) - quantize_int8(ref).astype(int)).max() <= 1
+    assert bits.shape == (3, 8) and 0.2 < np.unpackbits(bits).mean() < 0.8  # signs both ways
+
+
 def test_models_without_quantised_outputs_refuse_them(stack_default):
     r = post(stack_default, input="hi", encoding_format="base64_int8")
     assert r.status_code == 400 and "base64_int8" in r.json()["error"]["message"]
 
 
 def test_input_type_and_instruction_templates(qwen_stack):
-    url, name = qwen_stack
+    url, name, _, _ = qwen_stack
     q = "what is a tulip"
 
     def vec(**kw):

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.layers.attention import AttentionMetadata, SdpaBackend, with_window_support
-from tests.checkpoints_decoders import LAYOUTS, reference_hidden, save_decoder
+from tests.checkpoints_decoders import LAYOUTS, reference_hidden, save_decoder, save_embeddinggemma
 from tests.conftest import Proc, free_port
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -198,7 +198,10 @@ def served(request, tmp_path_factory):
     model_type, bidirectional = request.param
     d = tmp_path_factory.mktemp(model_type) / f"tiny-{model_type}"
     d.mkdir()
-    save_decoder(model_type, d, bidirectional=bidirectional)
+    if model_type == "gemma3_text":  # EmbeddingGemma's published pipeline, its two Dense modules too
+        save_embeddinggemma(d)
+    else:
+        save_decoder(model_type, d, bidirectional=bidirectional)
     port = free_port()
     proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
                 tmp_path_factory.mktemp("stack"))
@@ -208,18 +211,24 @@ def served(request, tmp_path_factory):
 
 
 def test_served_embeddings_match_sentence_transformers(served):
+    """Each family's published layout through Ivy and a Tulip with the official openai client against
+    sentence-transformers' encode(): plain, the query (and document) prompt by `input_type`, an
+    instruction, Matryoshka `dimensions` against `truncate_dim`."""
     import openai
     from sentence_transformers import SentenceTransformer
 
     url, d = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     st = SentenceTransformer(str(d), device="cpu", model_kwargs={"attn_implementation": "eager"})
+    if d.name == "tiny-gemma3_text":  # the whole published pipeline is what is served
+        assert [type(m).__name__ for m in st] == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
     texts = ["what is a tulip", "Tulips are spring-blooming perennial herbaceous bulbiferous geophytes."]
     prompts = json.loads((d / "config_sentence_transformers.json").read_text())["prompts"]  # st adds empty ones
     query_name = next((k for k in ("query", "web_search_query") if k in prompts), None)
 
-    def vectors(**extra):
-        r = client.embeddings.create(model=d.name, input=texts, encoding_format="float", extra_body=extra or None)
+    def vectors(dimensions=openai.NOT_GIVEN, **extra):
+        r = client.embeddings.create(model=d.name, input=texts, encoding_format="float", dimensions=dimensions,
+                                     extra_body=extra or None)
         return np.array([x.embedding for x in r.data])
 
     def cos(a, b):
@@ -229,6 +238,14 @@ def test_served_embeddings_match_sentence_transformers(served):
     assert plain.shape == (2, 64) and np.allclose(np.linalg.norm(plain, axis=1), 1, atol=1e-5)
     assert cos(plain, st.encode(texts)) >= 0.9999
     assert cos(vectors(input_type="query"), st.encode(texts, prompt_name=query_name)) >= 0.9999
+    if "document" in prompts:
+        doc = vectors(input_type="document")
+        assert cos(doc, st.encode(texts, prompt_name="document")) >= 0.9999
+        if prompts["document"]:  # the prompt is really applied
+            assert cos(doc, plain) < 0.9999
+    short = vectors(dimensions=16)  # Matryoshka: the first 16, normalised again
+    assert short.shape == (2, 16) and np.allclose(np.linalg.norm(short, axis=1), 1, atol=1e-5)
+    assert cos(short, st.encode(texts, truncate_dim=16)) >= 0.9999
     if prompts[query_name].startswith("Instruct: "):  # an instruction in the model's own query template
         task = prompts[query_name].split("\n")[0].removeprefix("Instruct: ")
         assert cos(vectors(instruction=task), st.encode(texts, prompt_name=query_name)) >= 0.99999
