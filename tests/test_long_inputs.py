@@ -4,6 +4,7 @@ the expected token ids, "end" against true, false's 400; `x-request-id` accepted
 replaced and echoed, and carried to Tulip on the stream."""
 
 import asyncio
+import json
 import re
 import signal
 
@@ -16,13 +17,15 @@ from tests.conftest import Proc, free_port
 from tests.sentences import SENTENCES
 
 MAX = 256
+PROMPT = "query: "  # MiniLM has no prompts: a prompts file gives it a query prompt
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", "default", "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("long"))
+    port, tmp = free_port(), tmp_path_factory.mktemp("long")
+    (tmp / "prompts.json").write_text(json.dumps({"query": PROMPT}))
+    proc = Proc(["-m", "deploy.local", "--model", "default", "--port", str(port), "--device", "cpu"], tmp,
+                env={"IVY_PROMPTS_FILE": str(tmp / "prompts.json")})
     proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
     tulip = re.search(r"TULIP_READY (127\.0\.0\.1:\d+)", proc.output()).group(1)
     yield f"http://127.0.0.1:{port}", tulip
@@ -42,7 +45,7 @@ def doc(model_path):
         text += SENTENCES[k % len(SENTENCES)] + " "
         ids = tok.encode(text).ids
     assert 2000 <= len(ids) < 2300 and ids[0] == 101 and ids[-1] == 102
-    return text, ids
+    return text, ids, tok
 
 
 def embed(url: str, **body) -> httpx.Response:
@@ -60,7 +63,7 @@ def cos(a, b) -> float:
 
 def test_chunk_is_the_token_weighted_mean_of_its_windows(stack, doc):
     url, _ = stack
-    text, ids = doc
+    text, ids, _ = doc
     content = ids[1:-1]
     windows = [[101, *content[i: i + MAX - 2], 102] for i in range(0, len(content), MAX - 2)]
     assert len(windows) >= 8 and len(windows[-1]) < MAX and all(len(w) == MAX for w in windows[:-1])
@@ -73,6 +76,7 @@ def test_chunk_is_the_token_weighted_mean_of_its_windows(stack, doc):
     want = (one_by_one * weights[:, None]).sum(0) / weights.sum()
     want /= np.linalg.norm(want)  # MiniLM normalises
     assert cos(got[1], want) >= 0.9999
+    assert cos(got[1], one_by_one.mean(0)) < 0.9999  # the weights matter here: the last window is short
     assert abs(np.linalg.norm(got[1]) - 1) < 1e-5
     assert cos(got[0], vectors(embed(url, input=SENTENCES[4]))[0]) >= 0.9999  # a short input: one window
     assert cos(got[1], one_by_one[0]) < 0.99  # the mean, not the first window
@@ -90,7 +94,7 @@ def test_chunk_is_the_token_weighted_mean_of_its_windows(stack, doc):
 
 def test_start_end_true_and_false(stack, doc):
     url, _ = stack
-    text, ids = doc
+    text, ids, _ = doc
     start = embed(url, input=text, truncate="start")
     assert start.json()["usage"]["prompt_tokens"] == MAX
     want = vectors(embed(url, input=[[101, *ids[-(MAX - 1):-1], 102]]))[0]
@@ -107,6 +111,24 @@ def test_start_end_true_and_false(stack, doc):
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and err["param"] == "input"
         assert f"{len(ids)} tokens, more than this model's maximum of {MAX}" in err["message"]
+
+
+def test_a_prompt_goes_once_at_the_start(stack, doc):
+    """"chunk": the prompt leads the first window only; "start": the prompt is kept, then the last tokens."""
+    url, _ = stack
+    text, _, tok = doc
+    whole = tok.encode(PROMPT + text).ids
+    content, keep = whole[1:-1], len(tok.encode(PROMPT).ids) - 2
+    assert keep > 0 and whole[1: 1 + keep] == tok.encode(PROMPT).ids[1:-1]
+    windows = [[101, *content[i: i + MAX - 2], 102] for i in range(0, len(content), MAX - 2)]
+    r = embed(url, input=text, truncate="chunk", input_type="query")
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, windows))
+    parts = vectors(embed(url, input=windows))
+    w = np.array([len(x) for x in windows], dtype=np.float64)
+    assert cos(vectors(r)[0], (parts * w[:, None]).sum(0)) >= 0.9999
+    r = embed(url, input=text, truncate="start", input_type="query")
+    want = [101, *content[:keep], *content[len(content) - (MAX - 2 - keep):], 102]
+    assert len(want) == MAX and cos(vectors(r)[0], vectors(embed(url, input=[want]))[0]) >= 0.9999
 
 
 @pytest.mark.parametrize("body, param, fragment", [
