@@ -31,7 +31,7 @@ from ivy import errors
 from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.errors import APIError, input_kind_error
-from ivy.front import Front, Stamp, _no_stamp
+from ivy.front import REQUEST_ID, Front, Stamp, _no_stamp
 from ivy.schemas import EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest, schema
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
@@ -80,6 +80,24 @@ def _raw(handler):
         return Response(await handler(await request.body(), _no_stamp), media_type="application/json")
 
     return route
+
+
+def pool_windows(vectors: np.ndarray, seqs: list[np.ndarray], windows: list[int], normalized: bool,
+                 dims: int) -> np.ndarray:
+    """truncate "chunk": per input the mean of its windows' vectors weighted by their token counts
+    (special tokens included), L2-normalised again where the model normalises; then `dims`
+    (Matryoshka, 0: all) as Tulip applies it: the first `dims` values, L2-normalised."""
+    v = vectors.astype(np.float64)
+    if len(windows) < len(seqs):
+        w = np.array([len(s) for s in seqs], dtype=np.float64)
+        starts = np.cumsum([0, *windows[:-1]])
+        v = np.add.reduceat(v * w[:, None], starts, axis=0) / np.add.reduceat(w, starts)[:, None]
+        if normalized:
+            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    if dims and dims < v.shape[1]:
+        v = v[:, :dims]
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return v.astype("<f4")
 
 
 def create_app(cfg: IvyConfig) -> FastAPI:
@@ -150,7 +168,6 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             raise APIError(400, f"'{served}' is a cross-encoder: it scores query-document pairs and returns no "
                            "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
         stamp("checks")
-        seqs, pool_from = await _sequences(req, info, stamp)
         dims = 0
         if req.dimensions is not None:
             if not 1 <= req.dimensions <= info.embedding_dim:
@@ -166,12 +183,20 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             if o not in info.outputs:
                 name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
                 raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
+        chunked = req.mode == "chunk"
+        if chunked and (outputs or encoding != tulip_pb2.ENCODING_FLOAT32):
+            raise APIError(400, "truncate \"chunk\" pools float vectors: it takes encoding_format float or base64 "
+                           "and no return_sparse / return_colbert", "truncate")
         stamp("checks")  # accumulates with the one above
-        try:
-            result = await balancer.embed(seqs, dims, cfg.request_timeout_s, encoding, outputs, pool_from, stamp)
+        seqs, pool_from, windows = await _sequences(req, info, stamp)
+        try:  # chunked windows come back whole: pooled, then Matryoshka-cut here
+            result = await balancer.embed(seqs, 0 if chunked else dims, cfg.request_timeout_s, encoding, outputs,
+                                          pool_from, stamp, request_id=REQUEST_ID.get())
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         stamp("grpc")
+        if chunked:
+            result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)
         tokens = int(sum(map(len, seqs)))
         b64 = req.encoding_format != "float"  # rows are already float32 LE, int8 or packed bits
         # float rows go to orjson as numpy views of the reply's bytes (no list, no copy); base64 ones
@@ -300,7 +325,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
         try:
-            result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from)
+            result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32, (), pool_from,
+                                          request_id=REQUEST_ID.get())
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         v = result.vectors.astype(np.float64)
@@ -321,7 +347,8 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         seqs, starts = await tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
         try:
             result = await balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32,
-                                          segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
+                                          segment_starts=starts if any(starts) else (), raw_scores=raw_scores,
+                                          request_id=REQUEST_ID.get())
         except grpc.aio.AioRpcError as e:
             raise errors.from_grpc(e) from None
         return seqs, result.scores[:, 0].astype(np.float64)
@@ -351,24 +378,48 @@ def create_app(cfg: IvyConfig) -> FastAPI:
             return seqs, [min(n, len(s) - 1) for s in seqs]
         return seqs, []
 
+    async def _long_text_sequences(texts: list[str], mode: str, input_type: str | None, instruction: str | None,
+                                   stamp: Stamp) -> tuple[list[np.ndarray], list[int], list[int]]:
+        """truncate "start" / "chunk": each text encoded whole with its prompt, and one over the
+        maximum cut to its last tokens (the prompt kept) or split into windows (the prompt in the
+        first). Returns the sequences, their pool_from (as `_text_sequences`), windows per text."""
+        prefix = templates.prefix(input_type, instruction)
+        stamp("template")
+        whole = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, False, check_length=False)
+        n_prompt = tokenizer.prompt_length(prefix) if prefix else 0
+        keep = max(n_prompt - len(tokenizer.wrap[0]), 0) if prefix and tokenizer.wrap else 0
+        seqs, pool_from, windows = [], [], []
+        for s in whole:
+            parts = [s] if len(s) <= tokenizer.max_len else tokenizer.windows(s, mode, keep)
+            seqs += parts
+            windows.append(len(parts))
+            pool_from += [min(n_prompt, len(parts[0]) - 1)] + [0] * (len(parts) - 1)
+        stamp("tokenize")
+        return seqs, pool_from if prefix and pool_without_prompt else [], windows
+
     async def _sequences(req: EmbeddingRequest, info: tulip_pb2.InfoReply,
-                         stamp: Stamp) -> tuple[list[np.ndarray], list[int]]:
-        """Token-id arrays for the request's inputs, and per input the leading prompt tokens mean
-        pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
+                         stamp: Stamp) -> tuple[list[np.ndarray], list[int], list[int]]:
+        """Token-id arrays for the request's inputs, per sequence the leading prompt tokens mean
+        pooling leaves out (empty unless the model's pooling has include_prompt: false), and per
+        input how many sequences (windows) it became (all 1 unless truncate is "chunk")."""
         inp = input_list(req.input)
         kinds = set(map(type, inp))  # one kind per array (the decoder takes str, int or int arrays per item)
         if len(kinds) != 1:
             raise input_kind_error()
+        mode = req.mode
         if str in kinds:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
-            return await _text_sequences(inp, req.input_type, req.instruction, req.truncate, stamp=stamp)
+            if mode in ("start", "chunk"):
+                return await _long_text_sequences(inp, mode, req.input_type, req.instruction, stamp)
+            seqs, pool_from = await _text_sequences(inp, req.input_type, req.instruction, mode == "end", stamp=stamp)
+            return seqs, pool_from, [1] * len(seqs)
         if req.input_type is not None or req.instruction is not None:
             raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
         if int in kinds:
             inp = [inp]
-        seqs = []
+        seqs, windows, cap = [], [], info.max_seq_len
         for i, ids in enumerate(inp):
             if not ids:
                 raise APIError(400, f"input {i} is an empty token array", "input")
@@ -379,15 +430,20 @@ def create_app(cfg: IvyConfig) -> FastAPI:
                 lo = hi = max(ids, key=abs)
             if lo < 0 or hi >= info.vocab_size:
                 raise APIError(400, f"input {i} has token id {lo if lo < 0 else hi}, outside the vocabulary [0, {info.vocab_size})", "input")
-            if len(a) > info.max_seq_len:
-                if not req.truncate:
+            a = a.astype(np.int32)
+            if len(a) > cap:  # token ids are the caller's: cut as they are, no special tokens added
+                if mode is None:
                     raise APIError(
-                        400, f"input {i} has {len(a)} tokens, more than this model's maximum of {info.max_seq_len}; "
+                        400, f"input {i} has {len(a)} tokens, more than this model's maximum of {cap}; "
                         "shorten it or send \"truncate\": true", "input", "context_length_exceeded")
-                a = a[: info.max_seq_len]
-            seqs.append(a.astype(np.int32))
+                parts = ([a[:cap]] if mode == "end" else [a[len(a) - cap:]] if mode == "start"
+                         else [a[k: k + cap] for k in range(0, len(a), cap)])
+            else:
+                parts = [a]
+            seqs += parts
+            windows.append(len(parts))
         stamp("tokenize")
-        return seqs, []
+        return seqs, [], windows
 
     fast = {"/v1/embeddings": embeddings, "/v1/rerank": rerank, "/v2/rerank": rerank, "/v1/score": score,
             "/v1/tokenize": tokenize}

@@ -117,7 +117,7 @@ class Balancer:
 
     async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
                     deadline: float, pool_from: list[int], stamp=None, segment_starts=(),
-                    raw_scores: bool = False) -> EmbedResult:
+                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -128,14 +128,16 @@ class Balancer:
                 stamp("balancer")
             try:
                 out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
-                                                  encoding, outputs, pool_from, segment_starts, raw_scores)
+                                                  encoding, outputs, pool_from, segment_starts, raw_scores,
+                                                  request_id)
                 r.down_until = 0.0
                 return out
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     r.busy_until = time.monotonic() + BUSY_SECONDS  # full: the next replica, if any has room
                 elif e.code() in RETRYABLE:
-                    log.warning("replica %s unavailable (%s); retrying elsewhere", r.target, e.details())
+                    log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", request_id or "-",
+                                r.target, e.details())
                     r.down_until = time.monotonic() + DOWN_SECONDS
                 else:
                     raise
@@ -147,8 +149,9 @@ class Balancer:
 
     async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
                     outputs: tuple = (), pool_from: list[int] = (), stamp=None, segment_starts: list[int] = (),
-                    raw_scores: bool = False) -> EmbedResult:
+                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
         """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
+        `request_id`: the caller's, sent to Tulip as the EmbedRequest's (a chunk's: with "-k" added).
         `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out. `stamp`
         (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked.
         A cross-encoder's pairs: `segment_starts` (empty or one per sequence), `raw_scores`; the result's `scores`."""
@@ -156,11 +159,12 @@ class Balancer:
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
             return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp, segment_starts,
-                                    raw_scores)
+                                    raw_scores, request_id)
         tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
                                                   pool_from[a:b] if pool_from else (), None,
-                                                  segment_starts[a:b] if segment_starts else (), raw_scores))
-                 for a, b in runs]
+                                                  segment_starts[a:b] if segment_starts else (), raw_scores,
+                                                  f"{request_id}-{k}" if request_id else ""))
+                 for k, (a, b) in enumerate(runs)]
         try:
             parts = await asyncio.gather(*tasks)
         except BaseException:

@@ -8,15 +8,21 @@ A fast handler takes (body bytes, stamp) and returns the JSON bytes of a 200, or
 the response goes out as one start and one body message. With IVY_STAGES=PATH set, every fast
 request's stage durations (stamp(name) marks the end of a stage) are kept and written to PATH as
 JSON lines (microseconds) when the worker shuts down: `benchmarks.gateway --stages` reads them.
+
+Every request has an id: the caller's `x-request-id` header where it is 1 to 128 printable ASCII
+characters, else a fresh one (32 hex digits). It is echoed in every reply's `x-request-id` header
+(errors included), held in `REQUEST_ID` while the request is handled (the handlers send it to
+Tulip as the EmbedRequest's request_id) and named in Ivy's log lines about the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-
+import contextvars
 import hmac
 import logging
 import os
+import re
 import time
 from typing import Awaitable, Callable
 
@@ -30,6 +36,18 @@ Stamp = Callable[[str], None]
 Handler = Callable[[bytes, Stamp], Awaitable[bytes]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
 MAX_STAGE_RECORDS = 200_000
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+_GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
+
+
+def request_id(headers) -> str:
+    """The caller's x-request-id if it is 1..128 printable ASCII characters, else a fresh one."""
+    for k, v in headers:
+        if k == b"x-request-id":
+            if _GOOD_ID.fullmatch(v):
+                return v.decode()
+            break
+    return os.urandom(16).hex()
 
 
 def _no_stamp(name: str) -> None:
@@ -123,17 +141,20 @@ class Front:
             return await self.inner(scope, receive, send)
         path = scope["path"]
         route = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        rid = request_id(scope["headers"])
+        REQUEST_ID.set(rid)  # this request's task's own context
         if not self.authorized(scope):
             return await self.reply(send, route, 401, error_body(
-                401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
+                401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"), rid)
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
-                return await self.reply(send, route, 413, self.too_large(int(v)))
+                return await self.reply(send, route, 413, self.too_large(int(v)), rid)
         handler = self.fast.get(path) if scope["method"] == "POST" else None
         if handler is None:
             async def counting_send(message):
                 if message["type"] == "http.response.start":
                     self.count(route, message["status"])
+                    message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
                 await send(message)
 
             return await self.inner(scope, receive, counting_send)
@@ -146,7 +167,7 @@ class Front:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:  # a body without Content-Length, or one longer than it said
-                return await self.reply(send, route, 413, self.too_large(size))
+                return await self.reply(send, route, 413, self.too_large(size), rid)
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -156,16 +177,19 @@ class Front:
                 result = await _unless_disconnected(handler(body, stamp), receive)
                 if result is _GONE:
                     self.count(route, 499)  # the client closed the connection: its work is dropped
+                    log.info("request %s: the client disconnected; its work was dropped", rid)
                     return
                 status, payload = 200, result
             else:
                 status, payload = 200, await handler(body, stamp)
         except APIError as e:
             status, payload = e.status, error_body(e.status, e.message, e.param, e.code)
+            if status >= 500:  # the server's side failed (no replica, a deadline): worth a line
+                log.warning("request %s: %s answered %d: %s", rid, path, status, e.message)
         except Exception:
-            log.exception("%s failed", path)
+            log.exception("%s failed (request %s)", path, rid)
             status, payload = 500, error_body(500, "internal server error", None, "internal_error")
-        await self.reply(send, route, status, payload)
+        await self.reply(send, route, status, payload, rid)
         if rec is not None:
             stamp("send")
             self.stages.keep(rec)
@@ -173,8 +197,10 @@ class Front:
     def too_large(self, n: int) -> bytes:
         return error_body(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes")
 
-    async def reply(self, send, route: str, status: int, payload: bytes) -> None:
+    async def reply(self, send, route: str, status: int, payload: bytes, rid: str = "") -> None:
         headers = [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]
+        if rid:
+            headers.append((b"x-request-id", rid.encode()))
         if status in RETRY_AFTER:
             headers.append((b"retry-after", RETRY_AFTER[status].encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -32,6 +32,19 @@ def lax_bool(v) -> bool:
     raise ValueError("Input should be a valid boolean")
 
 
+TRUNCATE_MODES = ("end", "start", "chunk")
+
+
+def truncate_mode(v) -> str | None:
+    """EmbeddingRequest.truncate as a mode: None (a longer input is a 400), "end" (true), "start", "chunk"."""
+    if isinstance(v, str) and v in TRUNCATE_MODES:
+        return v
+    try:
+        return "end" if lax_bool(v) else None
+    except ValueError:
+        raise ValueError('Input should be a valid boolean or one of "end", "start", "chunk"') from None
+
+
 class Body(msgspec.Struct, kw_only=True):
     """A request body; unknown fields are ignored (as OpenAI's clients may send more)."""
 
@@ -51,7 +64,10 @@ class EmbeddingRequest(Body):
     """POST /v1/embeddings, as OpenAI's API plus documented extensions.
 
     Extensions (ignored by OpenAI clients, sent via `extra_body`):
-    truncate:        cut inputs longer than the model's maximum instead of answering 400.
+    truncate:        what to do with an input longer than the model's maximum: false (a 400), true or
+                     "end" (keep its first tokens), "start" (keep its last tokens: the special tokens
+                     at both ends and a prompt are kept), "chunk" (split into maximum-length windows,
+                     all embedded, mean-pooled weighted by token count into one vector: ivy/app.py).
     input_type:      "query" or "document": prefix text inputs with the model's prompt for it.
     instruction:     a task for instruction-tuned models ("Instruct: {instruction}\nQuery:{text}").
     encoding_format: also "base64_int8" (round(tanh(x) * 127) as int8) and "base64_binary"
@@ -62,7 +78,7 @@ class EmbeddingRequest(Body):
                      after the first (a list of lists, or base64 float32 with encoding_format base64).
     """
 
-    bools: ClassVar = ("truncate", "return_sparse", "return_colbert")
+    bools: ClassVar = ("return_sparse", "return_colbert")
     input_kinds: ClassVar[str] = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
 
     input: Union[str, list[Union[str, int, list[int]]]]
@@ -75,6 +91,20 @@ class EmbeddingRequest(Body):
     instruction: Union[str, None] = None
     return_sparse: LaxBool = False
     return_colbert: LaxBool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        try:
+            mode = truncate_mode(self.truncate)
+        except ValueError as e:
+            raise msgspec.ValidationError(f"{e} - at `$.truncate`") from None
+        if self.truncate not in TRUNCATE_MODES:
+            self.truncate = mode is not None  # the lax booleans as booleans; a mode stays its name
+
+    @property
+    def mode(self) -> str | None:
+        """`truncate` as a mode (`truncate_mode`)."""
+        return "end" if self.truncate is True else self.truncate or None
 
 
 class RerankRequest(Body):
@@ -156,4 +186,5 @@ def schema(model: type[Body]) -> dict:
         s["properties"][name] = {"type": "boolean", "default": False}
     if model is EmbeddingRequest:
         s["properties"]["input"] = _EMBEDDING_INPUT
+        s["properties"]["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
     return s

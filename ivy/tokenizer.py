@@ -194,6 +194,38 @@ class TextTokenizer:
         ids = self.exact.encode(prompt).ids
         return len(ids) - (1 if ids and ids[-1] in self._special else 0)
 
+    @functools.cached_property
+    def wrap(self) -> tuple[list[int], list[int]] | None:
+        """The special tokens the tokenizer puts around a single text ([CLS] ... [SEP], <s> ... </s>),
+        as (prefix, suffix); None where its post-processor is not a fixed prefix and suffix."""
+        enc = self.exact.encode("a")
+        mask, ids = enc.special_tokens_mask, enc.ids
+        if 0 not in mask:
+            return None
+        first, last = mask.index(0), len(mask) - mask[::-1].index(0)
+        prefix, suffix = ids[:first], ids[last:]
+        return (prefix, suffix) if self.exact.encode("").ids == prefix + suffix else None
+
+    def windows(self, seq: np.ndarray, mode: str, keep: int = 0) -> list[np.ndarray]:
+        """A whole encoded text (`seq`, special tokens included) longer than the maximum, cut to it:
+        "start" keeps its last content tokens after the first `keep` (a prompt), "chunk" splits its
+        content into consecutive windows of `max_len - specials` tokens (the last one shorter);
+        each result wrapped in the tokenizer's special tokens as a single text is."""
+        if self.wrap is None:
+            raise APIError(400, f"truncate \"{mode}\" needs a tokenizer that wraps a text in fixed special "
+                           "tokens; this model's does not", "truncate")
+        prefix, suffix = self.wrap
+        room = self.max_len - len(prefix) - len(suffix)
+        if room < 1:
+            raise APIError(400, f"this model's maximum of {self.max_len} tokens leaves no room for content",
+                           "truncate")
+        content = seq[len(prefix): len(seq) - len(suffix)]
+        head, tail = np.asarray(prefix, np.int32), np.asarray(suffix, np.int32)
+        if mode == "start":
+            keep = keep if keep < room else 0  # a prompt longer than the room is not kept whole
+            return [np.concatenate([head, content[:keep], content[len(content) - (room - keep):], tail])]
+        return [np.concatenate([head, content[i: i + room], tail]) for i in range(0, len(content), room)]
+
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""
 

@@ -161,6 +161,7 @@ def test_workers_started_before_tulip_serve_as_soon_as_ready(tmp_path):
     (b'{"input": "x", "encoding_format": "int"}', "invalid value for 'encoding_format'", "encoding_format"),
     (b'{"input": "x", "dimensions": "8"}', "invalid value for 'dimensions'", "dimensions"),
     (b'{"input": "x", "truncate": 2}', "invalid value for 'truncate': Input should be a valid boolean", "truncate"),
+    (b'{"input": "x", "truncate": "middle"}', 'or one of "end", "start", "chunk"', "truncate"),
     (b'{"input": "x", "truncate": [true]}', "invalid value for 'truncate'", "truncate"),
     (b"[1, 2]", "request body must be a JSON object", None),
     (b"{not json", "request body is not valid JSON", None),
@@ -182,7 +183,9 @@ def test_body_decoding_takes_lax_booleans_and_ignores_unknown_fields():
 
     for raw, want in (("true", True), ('"yes"', True), ("1", True), ('"off"', False), ("0", False), ("false", False)):
         r = parse_body(EmbeddingRequest, f'{{"input": ["a"], "truncate": {raw}, "extra": {{"x": 1}}}}'.encode())
-        assert r.truncate is want and r.input == ["a"]
+        assert r.truncate is want and r.input == ["a"] and r.mode == ("end" if want else None)
+    for mode in ("end", "start", "chunk"):
+        assert parse_body(EmbeddingRequest, f'{{"input": "a", "truncate": "{mode}"}}'.encode()).mode == mode
     r = parse_body(RerankRequest, b'{"query": "q", "documents": ["d"], "return_documents": "t"}')
     assert r.return_documents is True and r.truncate is False and r.top_n is None
 
@@ -198,7 +201,9 @@ def test_openapi_documents_the_raw_body_routes(model_path):
                            ("/v1/tokenize", ["input"])):
         s = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert s["type"] == "object" and s["required"] == required, s
-        assert s["properties"]["truncate"] == {"type": "boolean", "default": False}
+        assert s["properties"]["truncate"] == ({"type": "boolean", "default": False} if path != "/v1/embeddings" else
+                                               {"anyOf": [{"type": "boolean"}, {"enum": ["end", "start", "chunk"]}],
+                                                "default": False})
     s = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert len(s["properties"]["input"]["anyOf"]) == 4
     assert "base64" in s["properties"]["encoding_format"]["enum"]

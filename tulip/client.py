@@ -79,6 +79,9 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class TulipStream:
     """One long-lived EmbedStream call multiplexing concurrent requests by request_id.
 
+    Tulip matches replies (and cancels) by request_id, so every message on the stream carries one
+    of its own: the caller's request_id with "#n" added (n counts this stream's requests), or n.
+
     Opened on first use; if it breaks, the requests waiting on it fail with UNAVAILABLE (so a
     balancer retries them elsewhere) and the next request opens a new one."""
 
@@ -114,8 +117,8 @@ class TulipStream:
             self._call = self._stub.EmbedStream()
             asyncio.get_running_loop().create_task(self._read(self._call))
         call = self._call
-        rid = str(next(self._ids))
-        req.request_id = rid
+        n = next(self._ids)
+        rid = req.request_id = f"{req.request_id}#{n}" if req.request_id else str(n)  # unique on the stream
         if timeout is not None:
             req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
         fut = asyncio.get_running_loop().create_future()
@@ -218,15 +221,17 @@ class TulipClient:
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
                            encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
                            pool_from: Sequence[int] = (), segment_starts: Sequence[int] = (),
-                           raw_scores: bool = False) -> EmbedResult:
+                           raw_scores: bool = False, request_id: str = "") -> EmbedResult:
         """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them;
         `pool_from`: per sequence, leading (prompt) tokens mean pooling leaves out. A cross-encoder's
         result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
-        `raw_scores`: the head's logits, not activated."""
+        `raw_scores`: the head's logits, not activated. `request_id`: the caller's id for the request
+        (the stream adds "#n" to keep its messages apart, see TulipStream)."""
         ids, lengths = pack(seqs)
         req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
                                      outputs=list(outputs), pool_from=list(pool_from),
-                                     segment_starts=list(segment_starts), raw_scores=raw_scores)
+                                     segment_starts=list(segment_starts), raw_scores=raw_scores,
+                                     request_id=request_id)
         self.outstanding += 1
         try:
             self._spinner.kick()

@@ -284,7 +284,7 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 if req.stamps is not None:
                     stages.replying(reply, req.stamps)
             except Exception as e:  # never leave a stream request unanswered
-                log.exception("building a reply failed")
+                log.exception("building a reply failed (request %s)", request.request_id)
                 fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
                 return
             self._ok.inc()
