@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import socket
@@ -95,12 +96,21 @@ def tulip_server(tmp_path_factory):
     proc.stop()
 
 
+@contextlib.contextmanager
+def local_stack(model, tmp: Path, *args: str, env: dict | None = None):
+    """deploy.local (one Ivy and its Tulips as child processes) serving `model` on the CPU, `args` added
+    to its command line; yields (base URL, the Proc) once it is ready, then stops it (SIGINT)."""
+    port = free_port()
+    proc = Proc(["-m", "deploy.local", "--model", str(model), "--port", str(port), "--device", "cpu", *args], tmp, env)
+    try:
+        proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop(signal.SIGINT)
+
+
 @pytest.fixture(scope="session")
 def stack_default(tmp_path_factory):
     """deploy.local serving the default model with one replica; yields the base URL."""
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", "default", "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("stack-default"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}"
-    proc.stop(signal.SIGINT)
+    with local_stack("default", tmp_path_factory.mktemp("stack-default")) as (url, _):
+        yield url

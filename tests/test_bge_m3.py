@@ -3,7 +3,6 @@ the whole stack, against an independent reference written here from the formulas
 random XLM-RoBERTa saved by transformers with random sparse/colbert heads."""
 
 import base64
-import signal
 
 import httpx
 import numpy as np
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 from trellis.presets import _stand_in_tokenizer
 from tests.checkpoints import save_checkpoint
-from tests.conftest import Proc, free_port
+from tests.conftest import local_stack
 
 SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
 
@@ -28,12 +27,8 @@ def m3(tmp_path_factory):
     colbert = {"weight": torch.randn(48, 64, generator=g) * 0.2, "bias": torch.randn(48, generator=g) * 0.1}
     torch.save(sparse, d / "sparse_linear.pt")
     torch.save(colbert, d / "colbert_linear.pt")
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("m3-stack"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d.name, hf, sparse, colbert
-    proc.stop(signal.SIGINT)
+    with local_stack(d, tmp_path_factory.mktemp("m3-stack")) as (url, _):
+        yield url, d.name, hf, sparse, colbert
 
 
 def reference(hf, sparse, colbert, seq):

@@ -5,7 +5,6 @@ Qwen3 with all-MiniLM's tokenizer."""
 import base64
 import json
 import shutil
-import signal
 
 import httpx
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from ivy.errors import APIError
 from ivy.templates import Templates
 from tests.checkpoints import save_pplx
-from tests.conftest import Proc, free_port
+from tests.conftest import local_stack
 
 PROMPTS = {"query": "Instruct: Given a question, find passages\nQuery:", "document": ""}
 
@@ -26,12 +25,8 @@ def qwen_stack(tmp_path_factory, model_path):
     hf.config._attn_implementation = "eager"
     shutil.copy(model_path / "tokenizer.json", d / "tokenizer.json")
     (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": PROMPTS}))
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("qwen-stack"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d.name, d, hf
-    proc.stop(signal.SIGINT)
+    with local_stack(d, tmp_path_factory.mktemp("qwen-stack")) as (url, _):
+        yield url, d.name, d, hf
 
 
 def post(url, **body):
@@ -137,12 +132,8 @@ def prompt_excluded(tmp_path_factory, model_path):
     st_cfg = json.loads((d / "config_sentence_transformers.json").read_text())
     st_cfg["prompts"] = {"query": "Represent this question for retrieving passages: "}
     (d / "config_sentence_transformers.json").write_text(json.dumps(st_cfg))
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("prompt-stack"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d
-    proc.stop(signal.SIGINT)
+    with local_stack(d, tmp_path_factory.mktemp("prompt-stack")) as (url, _):
+        yield url, d
 
 
 def test_prompt_left_out_of_mean_pooling_matches_sentence_transformers(prompt_excluded):

@@ -5,7 +5,6 @@ prompts through sentence-transformers, presets; and one served end-to-end test p
 import json
 import logging
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.layers.attention import AttentionMetadata, SdpaBackend, with_window_support
 from tests.checkpoints_decoders import LAYOUTS, reference_hidden, save_decoder, save_embeddinggemma
-from tests.conftest import Proc, free_port
+from tests.conftest import local_stack
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -202,12 +201,8 @@ def served(request, tmp_path_factory):
         save_embeddinggemma(d)
     else:
         save_decoder(model_type, d, bidirectional=bidirectional)
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("stack"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d
-    proc.stop(signal.SIGINT)
+    with local_stack(d, tmp_path_factory.mktemp("stack")) as (url, _):
+        yield url, d
 
 
 def test_served_embeddings_match_sentence_transformers(served):

@@ -7,7 +7,6 @@ model_type and quantizer module) with int8 / binary outputs against the quantize
 import asyncio
 import json
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from tests.checkpoints import qwen3_reference, save_checkpoint, save_pplx
-from tests.conftest import Proc, free_port
+from tests.conftest import Proc, free_port, local_stack
 from tests.sentences import SENTENCES
 from trellis.modeldir import ModelSpec
 
@@ -176,12 +175,8 @@ def dense_stack(tmp_path_factory, bert_dir):
     """deploy.local serving a Transformer -> mean Pooling -> Dense -> Dense -> Normalize pipeline."""
     d = tmp_path_factory.mktemp("dense-pipeline") / "dense-pipeline"
     st = save_pipeline(bert_dir, d, "mean", DENSES["two"])
-    port = free_port()
-    proc = Proc(["-m", "deploy.local", "--model", str(d), "--port", str(port), "--device", "cpu"],
-                tmp_path_factory.mktemp("dense-stack"))
-    proc.wait_for(lambda: "Trellis is ready" in proc.output(), timeout=180)
-    yield f"http://127.0.0.1:{port}", d.name, st
-    proc.stop(signal.SIGINT)
+    with local_stack(d, tmp_path_factory.mktemp("dense-stack")) as (url, _):
+        yield url, d.name, st
 
 
 def test_dense_pipeline_served_with_matryoshka_dimensions(dense_stack):
