@@ -28,8 +28,13 @@ def main(argv: list[str] | None = None) -> int:
 def _uvicorn(cfg: IvyConfig) -> int:
     import uvicorn
 
+    import copy
+
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # its workers log by this config too
+    log_config["filters"] = {"redact_query": {"()": "ivy.front.RedactQuery"}}
+    log_config["handlers"]["access"]["filters"] = ["redact_query"]
     kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http="httptools",
-              timeout_graceful_shutdown=10, access_log=cfg.access_log)
+              timeout_graceful_shutdown=10, access_log=cfg.access_log, log_config=log_config)
     if cfg.workers == 1:
         from ivy.app import create_app
 

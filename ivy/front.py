@@ -214,3 +214,17 @@ class Front:
             await send(message)
 
         return wrapped
+
+
+class RedactQuery(logging.Filter):
+    """uvicorn's access log writes a request's whole target; an API key passed as a query parameter
+    (e.g. `?api_key=...`, which Ivy does not accept but callers send) would land in the log. This
+    keeps the parameter names and replaces every value."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "?" in args[2]:
+            path, _, query = args[2].partition("?")
+            names = (part.partition("=")[0] for part in query.split("&") if part)
+            record.args = (*args[:2], path + "?" + "&".join(f"{n}=<redacted>" for n in names), *args[3:])
+        return True

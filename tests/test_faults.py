@@ -290,3 +290,24 @@ def test_a_draining_tulip_sends_new_work_elsewhere(tmp_path):
         assert proc.p.wait(30) == 0
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_key_in_the_query_string_stays_out_of_the_access_log(tmp_path, workers):
+    """Fault 8 (part): with `--access-log`, a request whose target carries a key (`?api_key=...`,
+    which Ivy does not accept, but callers send) is logged with the parameter's name and no value,
+    in every worker."""
+    import httpx
+
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}", "--access-log",
+                "--workers", str(workers)], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ivy.wait_for(lambda: _status(url + "/health") == 200, timeout=60)
+        for _ in range(4 * workers):
+            assert httpx.get(url + "/health?api_key=sk-secret-123&x=1", timeout=10).status_code == 200
+        ivy.wait_for(lambda: "/health?api_key=<redacted>&x=<redacted>" in ivy.output(), timeout=10)
+        assert "sk-secret-123" not in ivy.output()
+    finally:
+        ivy.stop()
