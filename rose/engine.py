@@ -171,7 +171,7 @@ class Engine:
 
     def _select_attention(self, family) -> AttentionBackend:
         """The backend `cfg.attention` names, or the best one here for "auto" (a swept table or the
-        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` takes;
+        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` and `padded` take;
         sliding-window layers (Mistral, Gemma3, ModernBERT's local ones) over sequences that can exceed
         the window run on a backend that honours it (`with_window_support`)."""
         cfg, config = self.cfg, self.spec.config

@@ -131,8 +131,7 @@ def plain_reply(vectors: np.ndarray, tokens: int, request_id: str = "") -> bytes
     if not request_id:
         return b"".join((around[0], vectors, around[1]))
     rid = request_id.encode()  # field 9 (string)
-    size = bytes((len(rid),)) if len(rid) < 128 else _varint(len(rid))
-    return b"".join((around[0], vectors, around[1], b"J", size, rid))
+    return b"".join((around[0], vectors, around[1], b"J", _varint(len(rid)), rid))
 
 
 def serialize_reply(reply: tulip_pb2.EmbedReply | bytes) -> bytes:

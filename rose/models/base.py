@@ -40,7 +40,7 @@ Instance side:
                      are 0-based; the family adds its offset. `token_type_ids` (int64 [T], on the device)
                      come only for cross-encoders whose batch has a second segment (`rose.batch.Batch`'s
                      `segment_starts`; `rose.layers.scores.token_types`); None means every token is type 0.
-    classify(first) -> logits [N, num_labels]: cross-encoders only (built when num_labels(config) > 0):
+    classify(first) -> logits [N, num_labels]: families with `classifier_architectures` define it (built when num_labels > 0):
                      the classification head on each sequence's first-token state [N, hidden] (BERT:
                      pooler dense + tanh, then `classifier`); checkpoint names as Hugging Face's. A head
                      that uses tensors the embedding model skips (BERT's pooler) sets `ignored` on the
@@ -54,6 +54,7 @@ Instance side:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 from typing import ClassVar
@@ -64,7 +65,7 @@ from torch import nn
 from trellis.modeldir import ModelSpec
 
 
-class Family(nn.Module):
+class Family(nn.Module, metaclass=abc.ABCMeta):
     strip_prefixes: ClassVar[tuple[str, ...]] = ()
     ignored: ClassVar[re.Pattern | None] = None
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
@@ -130,8 +131,8 @@ class Family(nn.Module):
             max_seq_len=min(spec.max_seq_len, cls.max_positions(config)))
 
     @property
-    def blocks(self) -> nn.ModuleList:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def blocks(self) -> nn.ModuleList: ...
 
     def stacked_rows(self, name: str) -> tuple[int, ...]:
         """Row counts of the checkpoint tensors stacked into parameter `name`; equal by default."""
@@ -148,6 +149,3 @@ class Family(nn.Module):
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
-
-    def classify(self, first: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} has no classification head")
