@@ -262,7 +262,8 @@ class ReplicaSet:
     def failed(self, r: Replica, why: str) -> None:
         """A request or health call to `r` failed as if the replica were unreachable."""
         r.failures += 1
-        self.nudge()
+        if r.failures == 1:
+            self.nudge()  # the name may have moved (once per run of failures: a dead address is probed, not re-resolved)
         if r.failures >= EJECT_AFTER and not r.ejected:
             r.ejected = True
             r.kick.set()  # stop trusting an open watch: probe until SERVING

@@ -23,17 +23,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-import grpc
 from conftest import ROOT, free_port, http_status
+from grpc_health.v1 import health, health_pb2_grpc
+
 from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.discovery import NOT_SERVING, SERVING, ReplicaSet, parse_target
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-
 
 # --- targets and settings -------------------------------------------------------------------------
 
@@ -267,8 +266,8 @@ def _unshare_works(tmp: Path) -> str:
     hosts = tmp / "probe-hosts"
     hosts.write_text("127.0.0.7 probe.trellis.test\n")
     try:
-        r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && getent hosts "
-                            "probe.trellis.test"], capture_output=True, text=True, timeout=20)
+        r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && getent hosts probe.trellis.test"],
+                           capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare not usable: {e}"
     return "" if "127.0.0.7" in r.stdout else f"unshare -m with a bind mount not permitted: {r.stderr.strip()}"
@@ -311,7 +310,7 @@ def served(ip: str, metrics_port: int) -> float:
             text = r.read().decode()
     except OSError:
         return -1
-    return sum(float(v) for v in re.findall(r'^tulip_requests_total\{[^}]*\} (\S+)$', text, re.M))
+    return sum(float(v) for v in re.findall(r'^tulip_requests_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
 
 
 def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
@@ -321,9 +320,10 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
     import openai
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
-    ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    ips = ["127.0.0.2", "127.0.0.3"]
     base = Path("/etc/hosts").read_text()
     hosts = tmp_path / "hosts"
+    hosts.touch()
 
     def name_is(*addrs: str) -> float:
         with hosts.open("r+") as f:  # in place: the bind mount follows the inode
@@ -331,7 +331,7 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
             f.write(base + "".join(f"{a} tulips.trellis.test\n" for a in addrs))
         return time.monotonic()
 
-    name_is(*ips[:2])
+    name_is(ips[0])
     tulips = [Child([sys.executable, "-m", "tulip", "--device", "cpu", "--host", ip, "--port", str(port),
                      "--metrics-port", str(metrics_port), "--drain-seconds", "30"], tmp_path / f"tulip-{ip}.log")
               for ip in ips]
@@ -341,9 +341,9 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
     try:
         for t in tulips:
             t.wait_for(lambda t=t: "TULIP_READY" in t.output(), timeout=150)
-        ivy = Child(["unshare", "-m", "sh", "-c", f"mount --bind {hosts} /etc/hosts && exec {sys.executable} -m ivy "
-                     f"--tulip tulips.trellis.test:{port} --resolve-interval {INTERVAL} --port {http_port}"],
-                    tmp_path / "ivy.log")
+        ivy_cmd = (f"mount --bind {hosts} /etc/hosts && exec {sys.executable} -m ivy "
+                   f"--tulip tulips.trellis.test:{port} --resolve-interval {INTERVAL} --port {http_port}")
+        ivy = Child(["unshare", "-m", "sh", "-c", ivy_cmd], tmp_path / "ivy.log")
         url = f"http://127.0.0.1:{http_port}"
         ivy.wait_for(lambda: http_status(url + "/ready") == 200, timeout=60)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -353,12 +353,12 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
                 try:
                     r = client.embeddings.create(model="all-MiniLM-L6-v2", input=["a tulip in the name"])
                     assert len(r.data[0].embedding) == 384
-                except Exception as e:  # every request must be answered, whatever the name does
+                except Exception as e:  # noqa: BLE001 (every request must be answered, whatever the name does)
                     errors.append(repr(e))
 
         th = threading.Thread(target=load, daemon=True)
         th.start()
-        a, b, c = ((ip, metrics_port) for ip in ips)
+        a, b = ((ip, metrics_port) for ip in ips)
 
         def wait(cond, timeout):
             deadline = time.monotonic() + timeout
@@ -367,33 +367,38 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
                 time.sleep(0.02)
             return time.monotonic()
 
-        wait(lambda: served(*a) > 0 and served(*b) > 0, 10)
-        assert served(*c) == 0  # not in the name yet
+        wait(lambda: served(*a) > 0, 10)
+        assert served(*b) == 0  # not in the name yet
 
         # added: takes load within two re-resolution periods
         t0 = name_is(*ips)
-        took = wait(lambda: served(*c) > 0, 4 * INTERVAL) - t0
+        took = wait(lambda: served(*b) > 0, 4 * INTERVAL) - t0
         assert took <= 2 * INTERVAL, took
 
-        # removed: no new request once Ivy has seen it go (what was in flight may finish)
-        t0 = name_is(ips[1], ips[2])
-        wait(lambda: f"tulip {a[0]}:{port} (tulips.trellis.test:{port}) left the name" in ivy.output(), 4 * INTERVAL)
+        # removed (a still runs): no new request once Ivy has seen it go (what was in flight may finish)
+        name_is(ips[1])
+        gone = f"tulip {a[0]}:{port} (tulips.trellis.test:{port}) left the name"
+        wait(lambda: gone in ivy.output(), 4 * INTERVAL)
         at_removal = served(*a)
-        in_flight = int(re.search(rf"tulip {a[0]}:{port} .* once its (\d+) in flight", ivy.output()).group(1))
-        b_then, c_then = served(*b), served(*c)
+        in_flight = int(re.search(rf"{re.escape(gone)}.* once its (\d+) in flight", ivy.output()).group(1))
+        b_then = served(*b)
         time.sleep(1.5)
         assert served(*a) - at_removal <= in_flight
-        assert served(*b) > b_then and served(*c) > c_then  # the load went on, to the others
+        assert served(*b) > b_then + 10  # the load went on, to the other
 
-        # draining (SIGTERM): NOT_SERVING is seen, nothing more is sent there, and Ivy lets go of it at once
-        c_then = served(*c)
+        # back in the name, then b drains (SIGTERM): NOT_SERVING is seen, nothing more is sent there,
+        # and Ivy lets go of it at once (its stream and watch closed once idle)
+        a_then = served(*a)
+        name_is(*ips)
+        wait(lambda: served(*a) > a_then, 4 * INTERVAL)
         t0 = time.monotonic()
         tulips[1].p.send_signal(signal.SIGTERM)
         wait(lambda: f"tulip {b[0]}:{port} is NOT_SERVING" in ivy.output(), 5)
-        tulips[1].p.wait(15)  # far inside its 30 s grace: Ivy closed its stream and watch once idle
+        tulips[1].p.wait(15)  # far inside its 30 s grace
         drained_in = time.monotonic() - t0
+        a_then = served(*a)
         time.sleep(0.5)
-        assert served(*c) > c_then
+        assert served(*a) > a_then
         after = ivy.output().split(f"tulip {b[0]}:{port} is NOT_SERVING", 1)[1]
         assert f"replica {b[0]}:{port} unavailable" not in after  # nothing sent there after it was seen
         stop.set()
