@@ -400,7 +400,9 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
         time.sleep(0.5)
         assert served(*a) > a_then
         after = ivy.output().split(f"tulip {b[0]}:{port} is NOT_SERVING", 1)[1]
-        assert f"replica {b[0]}:{port} unavailable" not in after  # nothing sent there after it was seen
+        # Nothing was sent there once it was seen; the load is one request at a time, so at most one was on
+        # its way (sent before the change was seen, refused by the draining Tulip, answered by a)
+        assert after.count(f"replica {b[0]}:{port} unavailable") <= 1, after
         stop.set()
         th.join(30)
         print(f"added replica took load after {took:.2f} s (interval {INTERVAL} s); drained Tulip exited "
