@@ -54,12 +54,17 @@ class Target:
     port: int = 0
 
 
+# gRPC target schemes used as given (one replica each, gRPC resolves them)
+GRPC_LITERAL_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
 def parse_target(t: str) -> Target:
     """A `--tulip` value -> Target; ValueError quoting it when it is none of the accepted forms."""
-    if t.startswith("unix:"):
-        if len(t) > 5:
-            return Target(t, address=t)
-        raise ValueError(f"--tulip {t!r}: unix: needs a socket path")
+    for scheme in GRPC_LITERAL_SCHEMES:
+        if t.startswith(scheme):
+            if len(t) > len(scheme):
+                return Target(t, address=t)
+            raise ValueError(f"--tulip {t!r}: {scheme} needs an address after it")
     rest = t
     if t.startswith("dns:"):
         if not t.startswith("dns:///"):
@@ -124,10 +129,12 @@ class ReplicaSet:
         self._resolved: dict[str, list[str]] = {}  # name target -> its addresses at the last good lookup
         self._tasks: dict[Replica, asyncio.Task] = {}  # health watch per replica
         self._closing: set[asyncio.Task] = set()
+        self._leaving: set[Replica] = set()  # removed, closed once idle
         self._resolver: asyncio.Task | None = None
         self._nudge: asyncio.Event | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._started = False
+        self.lookups = 0  # rounds of name lookups done
         self._apply()
 
     @property
@@ -166,6 +173,7 @@ class ReplicaSet:
         task = self._tasks.pop(r, None)
         if task is not None:
             task.cancel()
+        self._leaving.add(r)
         if self._started or r.client.outstanding:
             self._later(self._close_when_idle(r))
 
@@ -182,6 +190,7 @@ class ReplicaSet:
             if r.health != SERVING:  # still out of routing: let a draining Tulip finish early
                 await r.client.stream.close()
         else:
+            self._leaving.discard(r)
             await r.client.close()
 
     def start(self) -> None:
@@ -202,7 +211,7 @@ class ReplicaSet:
         for t in list(self._closing):
             t.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
-        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+        await asyncio.gather(*(r.client.close() for r in (*self.replicas, *self._leaving)), return_exceptions=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -221,7 +230,7 @@ class ReplicaSet:
             try:
                 infos = await loop.run_in_executor(self._pool, socket.getaddrinfo, t.name, t.port, 0,
                                                    socket.SOCK_STREAM)
-            except OSError as e:
+            except (OSError, UnicodeError) as e:  # socket.gaierror: no such name (yet), no DNS, ...
                 log.warning("tulip %s: lookup failed (%s); keeping its %d known addresses", t.given, e,
                             len(self._resolved.get(t.given, [])))
                 return
@@ -232,6 +241,7 @@ class ReplicaSet:
             self._resolved[t.given] = addrs
 
         await asyncio.gather(*(lookup(t) for t in self.names))
+        self.lookups += 1
         self._apply()
 
     async def _resolve_loop(self) -> None:

@@ -45,9 +45,10 @@ def test_targets_literal_or_name():
     t = parse_target("dns:///tulip:7000")
     assert (t.address, t.name, t.port) == ("", "tulip", 7000)
     assert parse_target("dns:///10.0.0.7:7000").address == "10.0.0.7:7000"
+    assert parse_target("ipv4:10.0.0.7:7000").address == "ipv4:10.0.0.7:7000"  # gRPC's own schemes: as given
     for bad, says in (("dns://8.8.8.8/tulip:1", "no DNS authority"), ("tulip", "is not HOST:PORT"),
                       ("tulip:0", "is not HOST:PORT"), ("tu lip:5", "neither an IP address nor a DNS name"),
-                      ("unix:", "needs a socket path")):
+                      ("unix:", "needs an address")):
         with pytest.raises(ValueError, match=says):
             parse_target(bad)
 
@@ -255,6 +256,26 @@ def test_no_replica_yet_is_503_material():
 
     err = asyncio.run(main())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "no-such-host.invalid:50051" in err.details()
+
+
+def test_a_connection_failure_looks_the_name_up_again_soon():
+    async def main():
+        tulip = await serve()
+        s = ReplicaSet((f"localhost:{tulip.target.rsplit(':', 1)[1]}",), resolve_interval=60)
+        s.start()
+        try:
+            await until(lambda: s.lookups == 1 and s.replicas and s.replicas[0].health == SERVING)
+            await asyncio.sleep(0.6)
+            assert s.lookups == 1  # the next one is a minute away
+            t0 = time.monotonic()
+            s.failed(s.replicas[0], "connection refused")
+            await until(lambda: s.lookups == 2, timeout=5)
+            return time.monotonic() - t0
+        finally:
+            await s.close()
+            await tulip.server.stop(0)
+
+    assert asyncio.run(main()) < 1.0
 
 
 # --- real processes: one name, several loopback addresses -----------------------------------------
