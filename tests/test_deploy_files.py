@@ -336,10 +336,12 @@ def test_ivy_deployment_probes_service_hpa_pdb_secret_prompts():
     assert svc["spec"]["selector"] == labels and svc["spec"]["ports"][0]["targetPort"] == http["name"]
     hpa = docs[("HorizontalPodAutoscaler", "ivy")]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "ivy"}
-    assert hpa["spec"]["minReplicas"] >= 2 and c["resources"]["requests"]["cpu"]  # utilisation needs a request
+    assert hpa["spec"]["minReplicas"] == dep["spec"]["replicas"] >= 2 and c["resources"]["requests"]["cpu"]
+    # two Ivy workers per Tulip at the HPA's floor (docs/deploy.md's capacity planning)
+    assert hpa["spec"]["minReplicas"] * cfg.workers == 2 * docs[("StatefulSet", "tulip")]["spec"]["replicas"]
     pdb = docs[("PodDisruptionBudget", "ivy")]
     assert pdb["spec"]["selector"]["matchLabels"] == labels
-    assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]  # a node drain can proceed
+    assert pdb["spec"]["maxUnavailable"] == 1  # a node drain can proceed, one pod at a time
     grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > c["lifecycle"]["preStop"]["sleep"]["seconds"] + 10  # + uvicorn's graceful shutdown
     # API keys from a Secret, required (a missing Secret stops the pod rather than serving without keys)
