@@ -165,6 +165,9 @@ def test_env_example_names_every_variable():
     assert used <= set(example) | {"TULIP_IMAGE", "GATEWAY_IMAGE", "TULIP_CPU_IMAGE", "GATEWAY_CPU_IMAGE"}
     assert set(example) - {"COMPOSE_PROFILES"} <= used  # nothing in the example is dead
     assert set(example["COMPOSE_PROFILES"].split(",")) <= {"gpu", "cpu"}
+    # the filled-in copy (API keys) stays out of git and out of the images' build context
+    assert "/deploy/.env" in (ROOT / ".gitignore").read_text().split()
+    assert "deploy/.env" in (ROOT / ".dockerignore").read_text().split()
 
 
 def service_config(svc: dict):
