@@ -94,15 +94,15 @@ def _tile_override() -> Tile | None:
 
 
 def tile(max_seqlen: int, head_dim: int, programs: int) -> Tile:
-    """The launch tile for `programs` (query blocks of 64 x sequences x heads). Head dim <= 64, measured
-    (`benchmarks.small_step --tiles`, H200, BGE-M3's 16 x 64 heads; results/small_step/README.md):
-    64 query rows, and 128 keys per iteration while the grid is under two waves (1 x 512: 9.3 us against
-    11.4 with 64 keys), 64 beyond (5 x 512: 23.2 against 25.9). Larger heads keep the tile they had."""
+    """The launch tile for `programs` (query blocks of 64 x sequences x heads), measured by
+    `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
+    while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
+    sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
+    (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4)."""
     if override := _tile_override():
         return override
-    if head_dim <= 64:
-        return 64, 128 if programs <= 2 * 132 else 64, 4
-    return 32 if max_seqlen <= 256 else 64, 32, 4
+    block_n = 128 if programs <= 2 * 132 else 64
+    return 32 if head_dim > 64 and max_seqlen <= 256 else 64, block_n, 4
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
