@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 5  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -106,8 +106,9 @@ PRESETS.update({
         "prompts": {"query": _E5_QUERY, "document": ""},
         **_QWEN3_SPECIALS,
     },
-    # google/embeddinggemma-300m: Gemma3 text, bidirectional, mean pooling, normalised (the published
-    # pipeline's two Dense layers, 768 -> 3072 -> 768, are not part of this preset), task prompts.
+    # google/embeddinggemma-300m: Gemma3 text, bidirectional, mean pooling, then the published pipeline's
+    # two Dense modules (2_Dense 768 -> 3072, 3_Dense 3072 -> 768: no bias, Identity activation; random
+    # weights written in their layout), normalised, task prompts.
     "embeddinggemma-300m": {
         "config": {"model_type": "gemma3_text", "architectures": ["Gemma3TextModel"], "vocab_size": 262144,
                    "hidden_size": 768, "num_hidden_layers": 24, "num_attention_heads": 3, "num_key_value_heads": 1,
@@ -118,7 +119,7 @@ PRESETS.update({
                    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(24)],
                    "use_bidirectional_attention": True, "attention_bias": False,
                    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
-        "pooling": "mean", "normalize": True, "max_seq_length": 2048,
+        "pooling": "mean", "normalize": True, "max_seq_length": 2048, "dense": [[768, 3072], [3072, 768]],
         "prompts": {"query": "task: search result | query: ", "document": "title: none | text: ",
                     "Clustering": "task: clustering | query: ", "Classification": "task: classification | query: ",
                     "STS": "task: sentence similarity | query: "},
@@ -198,8 +199,26 @@ def fingerprint(name: str) -> str:
     return hashlib.sha256(json.dumps([FORMAT, PRESETS[name]], sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _dense_module(d: Path, index: int, in_features: int, out_features: int) -> dict:
+    """`{index}_Dense/` as sentence-transformers saves a Dense module without bias and with the Identity
+    activation (config.json, model.safetensors: `linear.weight` [out, in], float32), its weights
+    seeded random ~ N(0, 1 / in_features); its modules.json entry."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    mdir = d / f"{index}_Dense"
+    mdir.mkdir(parents=True, exist_ok=True)
+    (mdir / "config.json").write_text(json.dumps(
+        {"in_features": in_features, "out_features": out_features, "bias": False,
+         "activation_function": "torch.nn.modules.linear.Identity"}, indent=2))
+    rng = np.random.default_rng(index)
+    w = rng.standard_normal((out_features, in_features), dtype=np.float32) / np.float32(np.sqrt(in_features))
+    save_file({"linear.weight": w}, str(mdir / "model.safetensors"), metadata={"format": "pt"})
+    return {"idx": index, "name": str(index), "path": mdir.name, "type": "sentence_transformers.models.Dense"}
+
+
 def _sentence_transformers_files(p: dict, d: Path) -> None:
-    """modules.json, the pooling (and Normalize / quantizer) modules, sentence_bert_config.json, prompts."""
+    """modules.json, the pooling (and Dense / Normalize / quantizer) modules, sentence_bert_config.json, prompts."""
     splade = p["pooling"] == "splade"  # sentence-transformers' SparseEncoder layout
     pool_dir = d / ("1_SpladePooling" if splade else "1_Pooling")
     pool_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +226,12 @@ def _sentence_transformers_files(p: dict, d: Path) -> None:
         ("models.Transformer", "models.Pooling")
     modules = [{"idx": 0, "name": "0", "path": "", "type": f"sentence_transformers.{kinds[0]}"},
                {"idx": 1, "name": "1", "path": pool_dir.name, "type": f"sentence_transformers.{kinds[1]}"}]
+    for shape in p.get("dense", ()):
+        modules.append(_dense_module(d, len(modules), *shape))
     if p["normalize"]:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        i = len(modules)
+        modules.append({"idx": i, "name": str(i), "path": f"{i}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
     if p.get("quantizer"):  # as pplx-embed-v1's modules.json lists it (its code is the repo's st_quantize.py)
         modules.append({"idx": 2, "name": "2", "path": "", "type": "st_quantize.FlexibleQuantizer",
                         "kwargs": ["quantization"]})
