@@ -6,6 +6,7 @@ path, and a real Tulip + Ivy serving each family's `/v1/rerank` (with its errors
 
 import asyncio
 import json
+import shutil
 
 import grpc
 import httpx
@@ -154,8 +155,6 @@ def test_modernbert_head_as_transformers(tmp_path, pooling):
     attention mask: mean pooling over each pair's tokens, special ones included) equal ROSE's; the
     head reads config.json's `classifier_pooling` (the other mode scores otherwise, and as
     transformers does with it); the head's tensors are loaded strictly; an unknown mode is refused."""
-    import shutil
-
     import safetensors.torch
     import transformers
 
@@ -245,6 +244,44 @@ def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
         engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
         assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 128)
         got.append(scores(engine, seqs, None)[:, 0])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+
+
+def test_modernbert_reranker_preset(tmp_path, monkeypatch):
+    """gte-reranker-modernbert-base's preset: gte-modernbert-base's shapes with
+    ModernBertForSequenceClassification's head (head dense 768 x 768 without bias, its norm, classifier
+    1 x 768), mean classifier pooling, a byte-level stand-in tokenizer that pairs as BERT's template
+    (Ivy scores pairs with it); its random weights run (a copy at small widths: the full one is 150M
+    parameters), the same scores from two engines, apart across pairs."""
+    from rose.models import model_class
+    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.presets import PRESETS
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("gte-reranker-modernbert-base")
+    spec = ModelSpec.read(path)
+    family = model_class(spec)
+    assert (family.num_labels(spec.config), family.classifier_pooling(spec.config)) == (1, "mean")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in family(spec.config).named_parameters()
+                  if not k.startswith(("embeddings.", "layers.", "final_norm."))}
+    assert shapes == {"head.dense.weight": (768, 768), "head.norm.weight": (768,), "classifier.weight": (1, 768),
+                      "classifier.bias": (1,)}
+    seqs, starts = pair_ids(path, PAIRS[:6])
+    assert all(s[0] == 2 and s[starts[i] - 1] == 3 and s[-1] == 3 for i, s in enumerate(seqs))  # [CLS] q [SEP] d [SEP]
+
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    config = PRESETS["gte-reranker-modernbert-base"]["config"]
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "intermediate_size": 96,
+                                                   "vocab_size": 300, "local_attention": 16}))
+    got = []
+    for _ in range(2):
+        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
+        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 8192)
+        got.append(scores(engine, seqs, starts)[:, 0])
     np.testing.assert_array_equal(got[0], got[1])
     assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
 

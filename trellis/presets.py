@@ -4,14 +4,14 @@
 cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
 RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
-architecture, shapes and cost; its embeddings (or the cross-encoder `bge-reranker-v2-m3`'s
-scores) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
+architecture, shapes and cost; its embeddings (or the cross-encoders' scores: `bge-reranker-v2-m3`,
+`gte-reranker-modernbert-base`) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
 (trellis/standin.py: a 250k-piece Unigram vocabulary, so that tokenizing costs what it costs with
 the real one, and XLM-R's pair template); the decoder presets' (Qwen3, e5-mistral,
 gte-Qwen2, EmbeddingGemma) is byte-level (one token per UTF-8 byte) with the model's special tokens,
 as are the encoder presets' (`msmarco-distilbert`, `all-mpnet-base-v2`, `gte-modernbert-base`,
 `nomic-embed-text-v1.5`, `splade-cocondenser`: each model's published config.json hyper-parameters,
-BERT-style [CLS] ... [SEP] wrapping).
+BERT-style [CLS] ... [SEP] wrapping; `gte-reranker-modernbert-base`'s with BERT's pair template).
 """
 
 from __future__ import annotations
@@ -172,12 +172,25 @@ PRESETS.update({
 })
 
 
+# Alibaba-NLP/gte-reranker-modernbert-base: a cross-encoder, ModernBertForSequenceClassification over
+# gte-modernbert-base's shapes, one label (CrossEncoder applies Sigmoid); the head as transformers
+# defaults it (gelu, no bias) on the mean of the tokens (`classifier_pooling`, as ModernBERT-base's
+# config.json; not checked against the reranker's own); no sentence-transformers files; the
+# stand-in tokenizer pairs as BERT does (`[CLS] q [SEP] d [SEP]`, the document typed 1).
+PRESETS["gte-reranker-modernbert-base"] = {
+    "config": {**PRESETS["gte-modernbert-base"]["config"], "architectures": ["ModernBertForSequenceClassification"],
+               "classifier_pooling": "mean", "classifier_activation": "gelu", "classifier_bias": False,
+               "classifier_dropout": 0.0, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}},
+    "cross_encoder": True, "max_seq_length": 8192, **_BERT_SPECIALS}
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
 
 
-def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path) -> None:
-    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None)."""
+def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:
+    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None); with
+    `pair` (a cross-encoder's), pairs as BERT's template builds them: `first $A last $B:1 last:1`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = dict(specials)
@@ -189,8 +202,9 @@ def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], 
     tok.decoder = decoders.ByteLevel()
     first, last = wrap
     single = f"{first} $A {last}" if first else f"$A {last}"
+    pairs = {"pair": f"{single} $B:1 {last}:1"} if pair else {}
     tok.post_processor = processors.TemplateProcessing(
-        single=single, special_tokens=[(t, specials[t]) for t in (first, last) if t])
+        single=single, **pairs, special_tokens=[(t, specials[t]) for t in (first, last) if t])
     tok.save(str(path))
 
 
@@ -257,11 +271,17 @@ def materialize(name: str) -> Path:
         return d
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(p["config"], indent=2))
-    if p.get("cross_encoder"):  # a transformers classifier as published: the tokenizer's limit, no pipeline
+    if p.get("cross_encoder") and p.get("tokenizer") == "xlm-r-unigram":
+        # a transformers classifier as published: the tokenizer's limit, no pipeline
         (d / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": p["max_seq_length"], "bos_token": "<s>",
              "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
              "mask_token": "<mask>"}, indent=2))
+    elif p.get("cross_encoder"):  # the byte-level stand-in (BERT specials); no token type ids, as ModernBERT's
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"],
+             "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "<unk>",
+             "model_input_names": ["input_ids", "attention_mask"]}, indent=2))
     else:
         _sentence_transformers_files(p, d)
     if p.get("tokenizer") == "xlm-r-unigram":
@@ -269,6 +289,6 @@ def materialize(name: str) -> Path:
 
         standin.build(d)
     else:
-        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
+        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json", pair=bool(p.get("cross_encoder")))
     marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
     return d
