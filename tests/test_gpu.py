@@ -104,7 +104,8 @@ def test_replans_of_one_graph_key_in_flight_do_not_overwrite_each_other(tmp_path
     must each run with their own plan."""
     path, _ = save_checkpoint("bert", tmp_path, **MINILM)
     fast = engine(path, dtype="bfloat16", attention=backend, graphs="lazy")
-    shapes = [(100, 200, 150), (40, 300, 100, 50), (250, 250, 1), (10, 20, 400)]  # one key: 4 seqs, 512 tokens
+    # one key: 4 sequences, 512 tokens, longest in (256, 512]
+    shapes = [(100, 300, 100), (40, 400, 50, 10), (260, 200, 1), (10, 20, 450)]
     batches = [Batch.from_sequences(seqs_of(lens, seed=i)) for i, lens in enumerate(shapes)]
     assert len({fast.runner.key(b) for b in batches}) == 1
     want = []

@@ -267,7 +267,7 @@ class FlashInferBackend(AttentionBackend):
         workspace = self._workspace_for(tokens, batch)
         if entry is not None and (key is not None or entry[2] is workspace):
             return entry
-        if entry is not None:
+        if entry is not None and entry[1] is not None:
             entry[1].synchronize()  # the old eager wrapper's last plan copy has run: its buffer may go
         if key is None:
             w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=self.backend)
@@ -287,13 +287,15 @@ class FlashInferBackend(AttentionBackend):
         # plan() writes the wrapper's page-locked host buffer, then queues its copy to the device on
         # this stream. Planning the same wrapper again before that copy has run (steps still queued
         # ahead of it) would overwrite what the earlier step is about to read: wait for that copy.
-        if planned is None:
+        cuda = self.device.type == "cuda"  # (a CPU stand-in for FlashInfer in the tests has no copies)
+        if planned is not None:
+            planned.synchronize()  # at once unless the device is more than a step behind
+        elif cuda:
             planned = torch.cuda.Event()
             self._wrappers[key] = (w, planned, workspace)
-        else:
-            planned.synchronize()  # at once unless the device is more than a step behind
         w.plan(indptr, indptr, h, hk, d, causal=self.causal, q_data_type=self.dtype)
-        planned.record()
+        if planned is not None:
+            planned.record()
         self._current = w
 
     def __call__(self, q, k, v, meta):
