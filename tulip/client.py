@@ -26,6 +26,10 @@ from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.spin import Spinner
 
 
+KEEPALIVE_S = 4.0  # a ping after this long without hearing from the peer
+KEEPALIVE_TIMEOUT_S = 4.0  # unanswered this long: the connection is closed
+
+
 def pack(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[bytes, list[int]]:
     """Token-id sequences -> (int32 little-endian bytes, lengths)."""
     lengths = [len(s) for s in seqs]
@@ -182,7 +186,12 @@ class TulipClient:
         self.channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", mb),
             ("grpc.max_send_message_length", mb),
-            ("grpc.keepalive_time_ms", 30_000),
+            # a peer that stops answering (a dead node, a cut link: no reset, no error) is found by a ping
+            # unanswered for KEEPALIVE_TIMEOUT_S; the transport is then closed, so what waits on it fails
+            # UNAVAILABLE (a balancer retries it elsewhere) instead of hanging until its deadline
+            ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1e3)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1e3)),
+            ("grpc.http2.max_pings_without_data", 0),  # idle channels (a health watch alone) are checked too
             # a replica that starts (or comes back) is reached within a second: the default backoff
             # grows to two minutes, which left Ivy workers unready long after Tulip was serving
             ("grpc.initial_reconnect_backoff_ms", 200),

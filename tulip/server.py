@@ -499,9 +499,10 @@ async def serve(cfg: TulipConfig) -> int:
         ("grpc.max_receive_message_length", mb),
         ("grpc.max_send_message_length", mb),
         ("grpc.so_reuseport", 0),
-        # Clients keep idle streams alive with pings (TulipClient: every 30 s); grpc's default server
-        # policy (one ping per 5 minutes without data, 2 strikes) answered them with GOAWAY
-        # "too_many_pings" about every 2 minutes, tearing down Ivy's streams.
+        # Clients keep idle streams alive with pings (TulipClient: after 4 s without data, to find a peer
+        # that stopped answering); grpc's default server policy (one ping per 5 minutes without data,
+        # 2 strikes) answered them with GOAWAY "too_many_pings", tearing down Ivy's streams. No strikes:
+        # pings closer than the interval below are never punished.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
