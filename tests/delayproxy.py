@@ -48,7 +48,6 @@ async def copied(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 
 
 async def main(listen: str, target: str) -> None:
-    global delay_s
     loop = asyncio.get_running_loop()
 
     def set_delay(ms: float) -> None:

@@ -25,7 +25,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.spin import Spinner
 
-
 KEEPALIVE_S = 4.0  # a ping after this long without hearing from the peer
 KEEPALIVE_TIMEOUT_S = 4.0  # unanswered this long: the connection is closed
 
