@@ -187,10 +187,11 @@ class TulipClient:
             ("grpc.max_send_message_length", mb),
             # a peer that stops answering (a dead node, a cut link: no reset, no error) is found by a ping
             # unanswered for KEEPALIVE_TIMEOUT_S; the transport is then closed, so what waits on it fails
-            # UNAVAILABLE (a balancer retries it elsewhere) instead of hanging until its deadline
+            # UNAVAILABLE (a balancer retries it elsewhere) instead of hanging until its deadline. grpc's
+            # default of at most 2 pings between data frames sent is kept: on an idle channel more would
+            # draw GOAWAY "too_many_pings" from a server with grpc's default ping policy (Tulip allows them)
             ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1e3)),
             ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1e3)),
-            ("grpc.http2.max_pings_without_data", 0),  # idle channels (a health watch alone) are checked too
             # a replica that starts (or comes back) is reached within a second: the default backoff
             # grows to two minutes, which left Ivy workers unready long after Tulip was serving
             ("grpc.initial_reconnect_backoff_ms", 200),
