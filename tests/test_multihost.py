@@ -144,8 +144,12 @@ class Net:
         self.subnet = free_subnet()
         self.hosts: list[str] = []  # namespace names
         sh("ip", "link", "add", self.bridge, "type", "bridge")
-        sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
-        sh("ip", "link", "set", self.bridge, "up")
+        try:
+            sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+            sh("ip", "link", "set", self.bridge, "up")
+        except BaseException:
+            self.close()
+            raise
 
     def veth(self, i: int) -> str:
         return f"{self.tag}v{i}"  # the root (bridge) end of host i's link
@@ -248,7 +252,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
     if why:
         pytest.skip(why)
     reference = st_model.encode(TEXTS, convert_to_numpy=True).astype(np.float64)
-    net = Net()
+    net = Net()  # a bridge and a subnet; removed in the finally below, as is every host added to it
     ip = {i: f"{net.subnet}.{10 + i}" for i in range(1, 5)}
     proxy_ip = f"{net.subnet}.23"  # host 3's second address: the delay proxy's
     name_ip = {1: ip[1], 2: ip[2], 3: proxy_ip, 4: ip[4]}  # what the name gives for each host
@@ -316,6 +320,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
 
         phase("latency")
         proxy.p.send_signal(signal.SIGUSR1)
+        proxy.wait_for(lambda: "delay 50 ms" in proxy.output(), timeout=5)
         time.sleep(PHASE_S)
 
         phase("added")
@@ -349,6 +354,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
         assert not bad, bad[:5]
         assert max(r[1] for r in rows) <= DEADLINE_S, sorted(r[1] for r in rows)[-5:]
         assert all(f["requests"] > 0 for f in table)
+        assert all(per_host["steady"][i] > 0 for i in (1, 2, 3)), per_host  # the name gave Ivy all three
         assert took <= 2 * INTERVAL + 1, took
         assert per_host["added"][4] > 0
     finally:
