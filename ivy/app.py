@@ -163,6 +163,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         req = errors.parse_body(EmbeddingRequest, body)
         stamp("decode")
         check_model(req.model)
+        check_room()
         info = await model_info()
         if info.num_labels:
             raise APIError(400, f"'{served}' is a cross-encoder: it scores query-document pairs and returns no "
@@ -219,6 +220,11 @@ def create_app(cfg: IvyConfig) -> FastAPI:
 
     latency, prompt_tokens = metrics.latency, metrics.tokens
 
+    def check_room() -> None:
+        """A 429 at once, before any tokenizing, while every replica's queue is known to be full."""
+        if balancer.full():
+            raise APIError(429, "every inference server's queue is full; retry shortly", None, "overloaded")
+
     def check_model(model: str | None) -> None:
         if model is not None and model != served:
             raise APIError(404, f"model '{model}' does not exist; this server serves '{served}'", "model", "model_not_found")
@@ -238,6 +244,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     async def rerank(body: bytes, stamp: Stamp) -> bytes:
         req = errors.parse_body(RerankRequest, body)
         check_model(req.model)
+        check_room()
         if not req.documents:
             raise APIError(400, "'documents' must not be empty", "documents")
         check_count(len(req.documents) + 1, "documents")
@@ -269,6 +276,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         """vLLM's score API: 1:N (text_1 one text) or N:N (pairwise) relevance scores."""
         req = errors.parse_body(ScoreRequest, body)
         check_model(req.model)
+        check_room()
         t1, t2 = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
         for name, texts, sent in (("text_1", t1, req.text_1), ("text_2", t2, req.text_2)):
             if not texts:

@@ -68,6 +68,14 @@ class Balancer:
         return min(candidates, key=lambda r: (r.down_until > now, r.busy_until > now, r.outstanding,
                                               (self.replicas.index(r) - turn) % n))
 
+    def full(self) -> bool:
+        """Every replica answered RESOURCE_EXHAUSTED (or is down) within the last BUSY_SECONDS, one at
+        least full: a request now would be refused, so Ivy refuses it before tokenizing it. The mark
+        expires on its own; the first request after it probes the replicas again."""
+        now = time.monotonic()
+        return (any(r.busy_until > now for r in self.replicas)
+                and all(r.busy_until > now or r.down_until > now for r in self.replicas))
+
     def start(self) -> None:
         """Ask for Info in the background from now on (call on the serving event loop)."""
         self._fetch = asyncio.ensure_future(self.fetch_info())

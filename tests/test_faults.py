@@ -311,3 +311,59 @@ def test_a_key_in_the_query_string_stays_out_of_the_access_log(tmp_path, workers
         assert "sk-secret-123" not in ivy.output()
     finally:
         ivy.stop()
+
+
+def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
+    """Fault 8 (part): Ivy tokenized a request in full before it learned that every replica's queue
+    was full. Now, while every replica answered RESOURCE_EXHAUSTED within the last
+    ivy.balancer.BUSY_SECONDS, a request is a 429 (Retry-After) before it is tokenized: a huge text
+    is refused in milliseconds, not after the seconds its tokenizing takes."""
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    (tmp_path / "t").mkdir()
+    target, tulip = start_tulip(tmp_path / "t", "--max-batch-tokens", "512", "--max-queued-tokens", "4096")
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--max-chunk-tokens", "2048"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    words = "tulips and roses grow in the garden by the river "
+    stop, statuses = threading.Event(), []
+
+    def flood():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                r = c.post(url + "/v1/embeddings", json={"input": [words * 25] * 8, "truncate": True})
+                statuses.append(r.status_code)
+
+    try:
+        ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
+        huge = json.dumps({"input": [f"{i} " + words * 10 for i in range(2048)], "truncate": True})  # 1 MB
+        headers = {"content-type": "application/json"}
+        t0 = time.monotonic()
+        assert httpx.post(url + "/v1/tokenize", content=huge, headers=headers, timeout=60).status_code == 200
+        tokenizing = time.monotonic() - t0  # what tokenizing it costs, idle
+        threads = [threading.Thread(target=flood) for _ in range(4)]  # 8,000 tokens for a queue of 4,096
+        for t in threads:
+            t.start()
+        ivy.wait_for(lambda: 429 in statuses, timeout=30)
+        refusals = []
+        for _ in range(6):
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/embeddings", content=huge, headers=headers, timeout=60)
+            refusals.append((time.monotonic() - t0, r.status_code, r.headers.get("retry-after")))
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        fastest = min(refusals)
+        assert tokenizing > 0.5, tokenizing  # the test could tell the difference
+        print("refusals", refusals, "tokenizing", tokenizing)
+        assert fastest[1:] == (429, "1") and fastest[0] < min(0.5, tokenizing / 4), (refusals, tokenizing)
+        assert set(statuses) <= {200, 429}, set(statuses)
+    finally:
+        stop.set()
+        ivy.stop()
+        tulip.stop()
