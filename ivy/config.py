@@ -32,6 +32,10 @@ class IvyConfig:
     max_inputs: int = field(2048, "most inputs accepted in one request")
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
+    read_timeout_s: float = field(30.0, "a request's headers and body must arrive within this many seconds of its "
+                                  "first byte (of a new connection's opening), else the connection is closed "
+                                  "(slow or stalled peers); under Granian: its header read timeout")
+    keep_alive_s: float = field(5.0, "an idle keep-alive connection is closed after this many seconds")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
     api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* and /v2/* then need 'Authorization: "
                                       "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
@@ -56,8 +60,9 @@ class IvyConfig:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.tulip_spin_ms < 0:
             raise ValueError(f"tulip_spin_ms {self.tulip_spin_ms} must be >= 0")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s {self.request_timeout_s} must be > 0")
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be > 0")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "IvyConfig":

@@ -367,3 +367,76 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
         stop.set()
         ivy.stop()
         tulip.stop()
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_stalled_and_slow_peers_are_dropped_without_holding_others(tmp_path, server):
+    """Timeouts where an HTTP peer can stall (slowloris): a connection that sends nothing, one that
+    sends its headers a byte at a time, and one that never finishes its body are closed within
+    --read-timeout-s (Granian: the headers sent byte by byte only); headers over 64 KiB are a 431; an idle
+    keep-alive connection is closed after --keep-alive-s; other clients are answered meanwhile."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}", "--server", server,
+                "--read-timeout-s", "2", "--keep-alive-s", "1"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"
+    post = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+
+    def closed_after(send: bytes, drip: float = 0.0, limit: float = 8.0) -> float:
+        """Seconds until the server closes a connection that sends `send` (a byte per `drip` s)."""
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(0.05)
+        t0 = time.monotonic()
+        sent = 0
+        try:
+            while time.monotonic() - t0 < limit:
+                if sent < len(send):
+                    n = 1 if drip else len(send)
+                    s.sendall(send[sent: sent + n])
+                    sent += n
+                try:
+                    data = s.recv(65536)
+                    if not data or b"HTTP/1.1 408" in data:
+                        return time.monotonic() - t0
+                except socket.timeout:
+                    pass
+                time.sleep(drip)
+            return float("inf")
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+        finally:
+            s.close()
+
+    try:
+        ivy.wait_for(lambda: _status(url + "/health") == 200, timeout=60)
+        cases = {"byte by byte": (head, 0.3)}
+        if server == "uvicorn":  # Granian's timer starts at the first byte, and covers the headers only
+            cases.update({"silent": (b"", 0.0), "unfinished body": (post, 0.0)})
+        results, latencies = {}, []
+        threads = [threading.Thread(target=lambda k=k, v=v: results.__setitem__(k, closed_after(*v)))
+                   for k, v in cases.items()]
+        for t in threads:
+            t.start()
+        with httpx.Client() as c:  # others are served while the slow peers hang on
+            while any(t.is_alive() for t in threads):
+                t0 = time.monotonic()
+                assert c.get(url + "/health", timeout=10).status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.1)
+        for t in threads:
+            t.join()
+        assert all(1.5 < v < 4.5 for v in results.values()), results
+        assert max(latencies) < 1.0, max(latencies)
+        if server == "uvicorn":
+            r = httpx.get(url + "/health", headers={"x-big": "a" * (70 << 10)}, timeout=10)
+            assert r.status_code == 431
+            idle = closed_after(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
+            assert 0.5 < idle < 2.5, idle
+    finally:
+        ivy.stop()
