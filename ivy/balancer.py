@@ -149,7 +149,8 @@ class Balancer:
                     r.down_until = time.monotonic() + DOWN_SECONDS
                 else:
                     raise
-                last = e
+                if last is None or last.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    last = e  # a full replica's "retry shortly" (429) outranks an unreachable one's 503
             finally:
                 r.outstanding -= tokens
         assert last is not None  # there is always at least one replica

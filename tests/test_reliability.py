@@ -171,11 +171,11 @@ def test_a_replica_killed_under_load_loses_nothing(cluster, refs):
     """kill -9 of one of two Tulips under concurrent clients: every request answered 200 with the
     right embeddings (its work retried on the other replica); the restarted replica takes load again."""
     with Load(cluster.url, refs) as load:
-        time.sleep(2)
+        time.sleep(1.5)
         t_kill = time.monotonic()
         cluster.tulips[1].p.kill()
         cluster.tulips[1].p.wait()
-        time.sleep(2)
+        time.sleep(1)
         cluster.start(1)
         cluster.wait(1)
         t_back = time.monotonic()
@@ -194,17 +194,14 @@ def test_a_replica_killed_under_load_loses_nothing(cluster, refs):
 
 def test_a_replica_drained_under_load_answers_everything(cluster, refs):
     """SIGTERM of one of two Tulips under load: it finishes what it holds and exits 0; new work
-    goes to the other replica; nothing is lost."""
+    goes to the other replica; nothing is lost. (The next test restarts it.)"""
     with Load(cluster.url, refs) as load:
         time.sleep(1.5)
         t0 = time.monotonic()
         cluster.tulips[0].p.send_signal(signal.SIGTERM)
         code = cluster.tulips[0].p.wait(30)
         t1 = time.monotonic()
-        time.sleep(1)
-        cluster.start(0)
-        cluster.wait(0)
-        time.sleep(1)
+        time.sleep(1.5)
     f = record("replica_drained_under_load", clients=6, faults="1 x SIGTERM of 1 of 2 Tulips", exit_code=code,
                drain_seconds=round(t1 - t0, 2), **load.figures(t0, t1))
     assert code == 0
@@ -212,8 +209,9 @@ def test_a_replica_drained_under_load_answers_everything(cluster, refs):
 
 
 def test_all_replicas_down_is_a_fast_503_and_recovers(cluster, refs):
-    """Every Tulip killed: requests are 503 with Retry-After at once (no hanging); once replicas are
-    back, the same Ivy process serves again."""
+    """Every Tulip killed: requests are 503 with Retry-After at once (no hanging); once a replica is
+    back, the same Ivy process serves again. (The tests after this one run with one replica up and
+    one down, which Ivy passes over.)"""
     ivy_pid = cluster.ivy.p.pid
     for p in cluster.tulips:
         p.p.kill()
@@ -225,10 +223,8 @@ def test_all_replicas_down_is_a_fast_503_and_recovers(cluster, refs):
             r = c.post(cluster.url + "/v1/embeddings", json={"input": "hello"})
             times.append(time.monotonic() - t0)
             codes.append((r.status_code, r.headers.get("retry-after")))
-        for i in range(2):
-            cluster.start(i)
-        for i in range(2):
-            cluster.wait(i)
+        cluster.start(0)
+        cluster.wait(0)
         t_up = time.monotonic()
         while c.post(cluster.url + "/v1/embeddings", json={"input": "hello"}).status_code != 200:
             assert time.monotonic() - t_up < 30, "Ivy did not recover"
@@ -236,15 +232,16 @@ def test_all_replicas_down_is_a_fast_503_and_recovers(cluster, refs):
         recovery = time.monotonic() - t_up
     f = record("all_replicas_down", requests=len(codes), answered_503=sum(c == (503, "1") for c in codes),
                p50_ms=pct(times, 50), max_ms=round(max(times) * 1e3, 1),
-               recovery_after_replicas_ready_s=round(recovery, 2))
+               recovery_after_replica_ready_s=round(recovery, 2))
     assert f["answered_503"] == len(codes) and max(times) < 1.0, (codes, times)
     assert cluster.ivy.p.pid == ivy_pid and cluster.ivy.p.poll() is None
 
 
 def test_overload_is_429_with_bounded_memory(cluster, refs):
     """Clients asking several times what the replicas can compute (closed loop, retrying at once,
-    some with 1 MB bodies): only 200s and 429s (with Retry-After), and Ivy's resident memory grows by
-    a bounded amount (its queues are Tulip's, bounded by --max-queued-tokens)."""
+    some with 1 MB bodies), one replica up and one down: only 200s and 429s (with Retry-After; a
+    chunk refused by the full replica and then by the unreachable one was a 503), and Ivy's resident
+    memory grows by a bounded amount (its queues are Tulip's, bounded by --max-queued-tokens)."""
     words = "tulips and roses grow in the garden by the river "
     small = json.dumps({"input": [words * 4] * 32})  # ~1,400 tokens
     big = json.dumps({"input": [f"{i} " + words * 2600 for i in range(8)], "truncate": True})  # 1 MB, cut to 8 x 256
@@ -265,7 +262,7 @@ def test_overload_is_429_with_bounded_memory(cluster, refs):
     threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
     for t in threads:
         t.start()
-    t_end = time.monotonic() + 8
+    t_end = time.monotonic() + 6
     while time.monotonic() < t_end:
         peak[0] = max(peak[0], rss_mib(pid))
         time.sleep(0.1)
@@ -277,7 +274,7 @@ def test_overload_is_429_with_bounded_memory(cluster, refs):
         after_ok = c.post(cluster.url + "/v1/embeddings", json={"input": "hello"}).status_code
     codes = [s for _, s in rows]
     ok_lat = [dt for dt, s in rows if s == 200]
-    f = record("overload", clients=16, big_body_clients=2, seconds=8, requests=len(rows),
+    f = record("overload", clients=16, big_body_clients=2, seconds=6, requests=len(rows),
                answered_200=codes.count(200), answered_429=codes.count(429),
                other=len(codes) - codes.count(200) - codes.count(429),
                other_statuses=sorted(set(codes) - {200, 429}), p99_200_ms=pct(ok_lat, 99),
@@ -373,7 +370,7 @@ def from_schema(schema: dict):
     simple = {"string": st.text(max_size=30), "boolean": st.booleans(), "null": st.none(),
               "integer": st.integers(-2**70, 2**70) | st.integers(-3, 600),
               "number": st.floats() | st.integers(-3, 600)}
-    return simple.get(kind) or st.none() | st.booleans() | st.integers() | st.text(max_size=10)
+    return simple[kind] if kind in simple else st.none() | st.booleans() | st.integers() | st.text(max_size=10)
 
 
 def _quote(value: str) -> str:
@@ -487,32 +484,35 @@ def test_sigterm_drains_ivy_in_flight_requests(cluster):
     """SIGTERM of Ivy while requests are in flight: each is answered (200, every row) after the
     signal, Ivy exits 0, and it takes no new connection meanwhile. (Last in this module: it stops
     the cluster's Ivy.)"""
+    import socket
+
     words = "tulips and roses grow in the garden by the river "
-    body = {"input": [f"{i} {words * 4}" for i in range(120)]}  # ~5,500 tokens: a second or two of work here
-    results: list = []
-
-    def one():
-        try:
-            r = httpx.post(cluster.url + "/v1/embeddings", json=body, timeout=60)
-            results.append((r.status_code, len(r.json()["data"]) if r.status_code == 200 else r.text[:200],
-                            time.monotonic()))
-        except httpx.HTTPError as e:
-            results.append((0, repr(e), time.monotonic()))
-
-    threads = [threading.Thread(target=one) for _ in range(2)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # the requests are in Ivy, at Tulip
+    body = json.dumps({"input": [f"{i} {words * 4}" for i in range(60)]}).encode()  # ~2,700 tokens
+    port = int(cluster.url.rsplit(":", 1)[1])
+    socks = []
+    for _ in range(2):  # sent whole before the signal: these requests are Ivy's to finish
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(s)
+    time.sleep(0.5)
     t0 = time.monotonic()
     cluster.ivy.p.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     refused = status(cluster.url + "/health") == 0
-    for t in threads:
-        t.join(60)
+    results = []
+    for s in socks:
+        s.settimeout(60)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+        s.close()
+        head, _, payload = data.partition(b"\r\n\r\n")
+        results.append((int(head.split()[1]), len(json.loads(payload)["data"]) if head.split()[1] == b"200" else
+                        payload[:200], time.monotonic() - t0))
     code = cluster.ivy.p.wait(30)
-    f = record("ivy_sigterm_drain", in_flight=len(threads), answered_200=sum(r[0] == 200 for r in results),
-               answered_after_sigterm_s=[round(r[2] - t0, 2) for r in results], exit_code=code,
+    f = record("ivy_sigterm_drain", in_flight=len(socks), answered_200=sum(r[0] == 200 for r in results),
+               answered_after_sigterm_s=[round(r[2], 2) for r in results], exit_code=code,
                exit_after_s=round(time.monotonic() - t0, 2))
-    assert [r[:2] for r in results] == [(200, 120)] * 2, results
-    assert all(r[2] > t0 for r in results), f  # they were in flight when the signal came
+    assert [r[:2] for r in results] == [(200, 60)] * 2, results
     assert code == 0 and refused, f
