@@ -440,3 +440,25 @@ def test_stalled_and_slow_peers_are_dropped_without_holding_others(tmp_path, ser
             assert 0.5 < idle < 2.5, idle
     finally:
         ivy.stop()
+
+
+def test_a_caller_cancelled_mid_write_does_not_end_the_stream(tulip_server):
+    """grpc.aio cancels a whole call when a write on it is cancelled: a caller that left while its
+    (large) message was being written ended the shared EmbedStream, failing every other request on
+    it (UNAVAILABLE, a 503 from Ivy with one replica). Now the write finishes and the others carry on."""
+    target, _ = tulip_server
+
+    async def main():
+        async with TulipClient(target, transport="stream") as c:
+            first = asyncio.create_task(c.embed(seqs(*[200] * 40), timeout=60))
+            await asyncio.sleep(0.05)
+            stream = c.stream._call
+            big = asyncio.create_task(c.embed(seqs(*[4096] * 800), timeout=60))  # 13 MB of ids, over the queue
+            await asyncio.sleep(0.005)  # its message is being written
+            big.cancel()
+            out = await first
+            after = await c.embed(seqs(6), timeout=30)
+            return out, after, c.stream._call is stream
+
+    out, after, same_stream = asyncio.run(main())
+    assert out.shape == (40, 384) and after.shape == (1, 384) and same_stream

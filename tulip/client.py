@@ -123,9 +123,17 @@ class TulipStream:
             req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        # The write runs as a task of its own: grpc.aio cancels the whole call when a write is
+        # cancelled, so a caller that left mid-write (a client gone, a sibling chunk failed) ended
+        # the stream for every request on it. It finishes instead, and then Tulip is told.
+        write = asyncio.ensure_future(self._write(call, req))
         try:
-            async with self._write_lock:
-                await call.write(req)
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            self._pending.pop(rid, None)
+            self._background(write)
+            write.add_done_callback(lambda w: self._written_then_cancel(w, call, rid))
+            raise
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             self._pending.pop(rid, None)
             if fut.done():
@@ -146,6 +154,18 @@ class TulipStream:
                             reply.error_message)
         return reply
 
+    async def _write(self, call, req: tulip_pb2.EmbedRequest) -> None:
+        async with self._write_lock:
+            await call.write(req)
+
+    def _background(self, task: asyncio.Task) -> None:
+        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
+        task.add_done_callback(self._cancels.discard)
+
+    def _written_then_cancel(self, write: asyncio.Task, call, rid: str) -> None:
+        if not write.cancelled() and write.exception() is None:
+            self._cancel(call, rid)
+
     def _cancel(self, call, rid: str) -> None:
         """Tell Tulip (in the background) that request `rid` on `call` has no caller any more."""
         if self._call is not call:
@@ -158,9 +178,7 @@ class TulipStream:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the stream closed meanwhile: nothing left to cancel
 
-        task = asyncio.get_running_loop().create_task(send())
-        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
-        task.add_done_callback(self._cancels.discard)
+        self._background(asyncio.get_running_loop().create_task(send()))
 
     async def close(self) -> None:
         if self._call is not None:
