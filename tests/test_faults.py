@@ -340,7 +340,7 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
 
     try:
         ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
-        huge = json.dumps({"input": [f"{i} " + words * 10 for i in range(2048)], "truncate": True})  # 1 MB
+        huge = json.dumps({"input": [f"{i} " + words * 20 for i in range(2048)], "truncate": True})  # 2 MB
         headers = {"content-type": "application/json"}
         t0 = time.monotonic()
         assert httpx.post(url + "/v1/tokenize", content=huge, headers=headers, timeout=60).status_code == 200
@@ -359,9 +359,9 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
         for t in threads:
             t.join(60)
         fastest = min(refusals)
-        assert tokenizing > 0.5, tokenizing  # the test could tell the difference
+        assert tokenizing > 1.0, tokenizing  # the test could tell the difference
         print("refusals", refusals, "tokenizing", tokenizing)
-        assert fastest[1:] == (429, "1") and fastest[0] < min(0.5, tokenizing / 4), (refusals, tokenizing)
+        assert fastest[1:] == (429, "1") and fastest[0] < min(1.0, tokenizing / 3), (refusals, tokenizing)
         assert set(statuses) <= {200, 429}, set(statuses)
     finally:
         stop.set()
@@ -450,7 +450,7 @@ def test_a_caller_cancelled_mid_write_does_not_end_the_stream(tulip_server):
 
     async def main():
         async with TulipClient(target, transport="stream") as c:
-            first = asyncio.create_task(c.embed(seqs(*[200] * 40), timeout=60))
+            first = asyncio.create_task(c.embed(seqs(*[200] * 10), timeout=60))
             await asyncio.sleep(0.05)
             stream = c.stream._call
             big = asyncio.create_task(c.embed(seqs(*[4096] * 800), timeout=60))  # 13 MB of ids, over the queue
@@ -461,4 +461,4 @@ def test_a_caller_cancelled_mid_write_does_not_end_the_stream(tulip_server):
             return out, after, c.stream._call is stream
 
     out, after, same_stream = asyncio.run(main())
-    assert out.shape == (40, 384) and after.shape == (1, 384) and same_stream
+    assert out.shape == (10, 384) and after.shape == (1, 384) and same_stream
