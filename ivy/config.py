@@ -35,7 +35,7 @@ class IvyConfig:
     read_timeout_s: float = field(30.0, "a request's headers and body must arrive within this many seconds of its "
                                   "first byte (of a new connection's opening), else the connection is closed "
                                   "(slow or stalled peers); under Granian: its header read timeout")
-    keep_alive_s: float = field(5.0, "an idle keep-alive connection is closed after this many seconds")
+    keep_alive_s: float = field(5.0, "an idle keep-alive connection is closed after this many seconds (uvicorn)")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
     api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* and /v2/* then need 'Authorization: "
                                       "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
