@@ -217,8 +217,13 @@ def test_a_caller_that_disconnects_has_its_queued_work_dropped(tmp_path):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(1.5)
-        s.close()  # the caller is gone
+        def queued() -> float:  # tokens waiting in Tulip (on a loaded machine, tokenizing can take > 1.5 s)
+            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tulip_queue_tokens"))
+
+        ivy.wait_for(lambda: queued() > 0, timeout=30)
+        s.close()  # the caller is gone, its work queued
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
         waited = time.monotonic() - t0
