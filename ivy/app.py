@@ -115,7 +115,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         nonlocal balancer
-        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms)
+        balancer = Balancer(cfg.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms, cfg.resolve_interval)
         app.state.balancer = balancer
         balancer.start()
         gc.collect()

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from ivy.discovery import parse_target
 from trellis.cli import field, parse
 
 
@@ -13,7 +14,12 @@ from trellis.cli import field, parse
 class IvyConfig:
     """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
 
-    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT or unix:PATH (repeat the flag for several)")
+    tulip: tuple[str, ...] = field((), "Tulip replicas: IP:PORT or unix:PATH (one replica), or a DNS name NAME:PORT "
+                                   "(or dns:///NAME:PORT) standing for one replica per address it resolves to, "
+                                   "e.g. a Kubernetes headless Service; repeat the flag for several")
+    resolve_interval: float = field(5.0, "seconds between lookups of each --tulip DNS name (replicas that appear "
+                                    "are added, ones that leave finish what they have and are dropped); a "
+                                    "connection failure also looks it up again, at most every 0.5 s")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
@@ -48,11 +54,9 @@ class IvyConfig:
         if not self.tulip:
             raise ValueError("at least one --tulip HOST:PORT is required")
         for t in self.tulip:
-            if t.startswith("unix:") and len(t) > 5:
-                continue
-            host, sep, port = t.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--tulip {t!r} is not HOST:PORT or unix:PATH")
+            parse_target(t)  # ValueError quoting it
+        if not self.resolve_interval > 0:
+            raise ValueError(f"resolve_interval {self.resolve_interval} must be > 0 (seconds)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
