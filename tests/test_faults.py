@@ -364,7 +364,7 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
         for t in threads:
             t.join(60)
         fastest = min(refusals)
-        assert tokenizing > 1.0, tokenizing  # the test could tell the difference
+        assert tokenizing > 0.4, tokenizing  # the test could tell the difference
         print("refusals", refusals, "tokenizing", tokenizing)
         assert fastest[1:] == (429, "1") and fastest[0] < min(1.0, tokenizing / 3), (refusals, tokenizing)
         assert set(statuses) <= {200, 429}, set(statuses)
