@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -76,6 +77,15 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+def _started(coro) -> asyncio.Task:
+    """`coro` as a task that has already run up to its first wait (Python >= 3.12: eager start, so a
+    write that completes at once costs no loop iteration); before 3.12 an ordinary task."""
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
+
+
 class TulipStream:
     """One long-lived EmbedStream call multiplexing concurrent requests by request_id.
 
@@ -126,7 +136,7 @@ class TulipStream:
         # The write runs as a task of its own: grpc.aio cancels the whole call when a write is
         # cancelled, so a caller that left mid-write (a client gone, a sibling chunk failed) ended
         # the stream for every request on it. It finishes instead, and then Tulip is told.
-        write = asyncio.ensure_future(self._write(call, req))
+        write = _started(self._write(call, req))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
