@@ -1,4 +1,17 @@
-"""Ivy's configuration: one frozen dataclass, flags and IVY_* environment variables."""
+"""Ivy's configuration: frozen dataclasses, flags and IVY_* environment variables.
+
+`IvyConfig` is the gateway's settings. The models it serves are `ModelConfig`s: the one named by
+`--model` / `--tulip` / `--served-model-name` / `--prompts-file` (when `--tulip` is given), then each
+entry of the `--model-config` file, in order. The first is the default: a request without `model`
+goes to it.
+
+The `--model-config` file is JSON, a list of models (or {"models": [...]}), each with the fields
+of `ModelConfig`:
+
+    [{"name": "reranker", "model": "/models/bge-reranker-v2-m3", "tulip": ["tulip-rr-0.tulip-rr:50051"]},
+     {"name": "docs", "model": "/models/bge-m3", "tulip": ["10.0.0.5:50051", "10.0.0.6:50051"],
+      "prompts_file": "/etc/ivy/docs-prompts.json"}]
+"""
 
 from __future__ import annotations
 
@@ -9,14 +22,71 @@ from dataclasses import dataclass
 from trellis.cli import field, parse
 
 
+def check_targets(targets: tuple[str, ...], where: str = "--tulip") -> None:
+    """Each Tulip target is HOST:PORT or unix:PATH, else a ValueError quoting it."""
+    for t in targets:
+        if t.startswith("unix:") and len(t) > 5:
+            continue
+        host, sep, port = t.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{where} {t!r} is not HOST:PORT or unix:PATH")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model Ivy serves: its directory (tokenizer, prompts, maximum length) and its own Tulips."""
+
+    model: str = field("default", "model directory, a preset name or 'default' (all-MiniLM-L6-v2)")
+    tulip: tuple[str, ...] = field((), "its Tulip replicas, HOST:PORT or unix:PATH (at least one)")
+    name: str = field("", "the name clients send as `model` and /v1/models lists; defaults to the directory name")
+    prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
+
+    def __post_init__(self):
+        what = f"model {self.name or self.model!r}"
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"{what}: 'model' must be a model directory, a preset or 'default'")
+        if not isinstance(self.name, str) or not isinstance(self.prompts_file, str):
+            raise ValueError(f"{what}: 'name' and 'prompts_file' must be strings")
+        if not self.tulip or not all(isinstance(t, str) for t in self.tulip):
+            raise ValueError(f"{what}: 'tulip' must list at least one HOST:PORT or unix:PATH")
+        check_targets(self.tulip, f"{what}: tulip")
+
+
+def read_model_config(path: str) -> tuple[ModelConfig, ...]:
+    """The models listed in a --model-config file (see the module docstring), or a ValueError."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model-config {path!r}: {e}") from None
+    entries = doc.get("models") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--model-config {path!r} must hold a non-empty JSON list of models (or {{\"models\": [...]}})")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ValueError(f"--model-config {path!r}: entry {i} is not an object")
+        if unknown := sorted(set(e) - known):
+            raise ValueError(f"--model-config {path!r}: entry {i} has unknown field(s) {unknown}; "
+                             f"the fields are {sorted(known)}")
+        tulip = e.get("tulip", ())
+        e = {**e, "tulip": (tulip,) if isinstance(tulip, str) else tuple(tulip) if isinstance(tulip, list) else tulip}
+        out.append(ModelConfig(**e))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class IvyConfig:
     """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
 
-    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT or unix:PATH (repeat the flag for several)")
+    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT or unix:PATH of --model (repeat the flag for several)")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
+    model_config: str = field("", "a JSON file listing more models to serve, each with its own directory and "
+                              "Tulips (ivy/config.py's docstring; README, Configuration); --model with --tulip, "
+                              "if given, comes first and is the default")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
     workers: int = field(1, "worker processes (each with its own event loop and Tulip channels)")
@@ -41,14 +111,13 @@ class IvyConfig:
     log_level: str = field("info", "the server's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self):
-        if not self.tulip:
-            raise ValueError("at least one --tulip HOST:PORT is required")
-        for t in self.tulip:
-            if t.startswith("unix:") and len(t) > 5:
-                continue
-            host, sep, port = t.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--tulip {t!r} is not HOST:PORT or unix:PATH")
+        if not self.tulip and not self.model_config:
+            raise ValueError("at least one --tulip HOST:PORT (or a --model-config file) is required")
+        check_targets(self.tulip)
+        models = read_model_config(self.model_config) if self.model_config else ()
+        if self.tulip:
+            models = (ModelConfig(self.model, self.tulip, self.served_model_name, self.prompts_file), *models)
+        object.__setattr__(self, "_models", models)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
@@ -58,6 +127,11 @@ class IvyConfig:
             raise ValueError(f"tulip_spin_ms {self.tulip_spin_ms} must be >= 0")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s {self.request_timeout_s} must be > 0")
+
+    @property
+    def models(self) -> tuple[ModelConfig, ...]:
+        """The models served, the default first (see the module docstring)."""
+        return self._models
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "IvyConfig":

@@ -106,6 +106,6 @@ def test_kubernetes_manifests_fit_together():
 
 @pytest.mark.parametrize("path", ["/ready", "/health"])
 def test_probed_routes_exist(path):
-    from ivy.app import ROUTES
+    from ivy.app import create_app
 
-    assert path in ROUTES
+    assert path in create_app(IvyConfig(tulip=("127.0.0.1:1",))).state.route_paths

@@ -129,7 +129,7 @@ def test_429_and_503_carry_retry_after():
     async def send(message):
         sent.append(message)
 
-    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()))
     for status in (429, 503, 400):
         sent.clear()
@@ -186,7 +186,7 @@ def test_deeply_nested_json_is_a_400():
 
 
 def test_the_bearer_scheme_is_case_insensitive():
-    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()), api_keys=("k1",))
     scope = lambda v: {"path": "/v1/embeddings", "headers": [(b"authorization", v)]}  # noqa: E731
     assert front.authorized(scope(b"Bearer k1")) and front.authorized(scope(b"bearer k1"))
