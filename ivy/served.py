@@ -6,6 +6,7 @@ Tulip replicas (one Balancer each) and the turning of a request's inputs into to
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
 from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
 from trellis.tulip.v1 import tulip_pb2
+
+log = logging.getLogger("ivy")
 
 INFO_WAIT_S = 5.0  # a request reaching a worker that has not heard from a replica yet waits this long, then 503
 
@@ -38,6 +41,7 @@ class ServedModel:
         # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)
         self.pool_without_prompt = self.spec.pooling != "last" and not self.spec.include_prompt
         self.balancer: Balancer | None = None  # gRPC channels must be made on the server's event loop
+        self._mismatch: str | None = None  # checked once, on the first Info
 
     def start(self) -> None:
         cfg = self.cfg
@@ -57,6 +61,15 @@ class ServedModel:
         if info is None:
             raise APIError(503, f"no inference server for '{self.name}' is reachable yet; retry shortly", None,
                            "replica_unavailable")
+        if self._mismatch is None:
+            self._mismatch = ""
+            if info.vocab_size != self.spec.vocab_size:  # token ids from this tokenizer would mean other tokens
+                self._mismatch = (f"model '{self.name}' is misconfigured: its Tulips serve a model with a vocabulary "
+                                  f"of {info.vocab_size} (Info: '{info.model}'), its directory {self.path} has "
+                                  f"{self.spec.vocab_size}")
+                log.error("%s; its requests are refused", self._mismatch)
+        if self._mismatch:
+            raise APIError(503, self._mismatch, "model", "model_mismatch")
         return info
 
     async def offload(self, chars: int, fn, *args):

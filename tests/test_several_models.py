@@ -156,20 +156,24 @@ def test_metrics_carry_the_model(several, client):
 
 def test_ready_waits_for_every_model(tulip_server, tmp_path):
     """/ready is 200 only when each model has a Tulip answering; the one without is named, and the
-    other model serves meanwhile."""
+    other model serves meanwhile. A model whose Tulips serve another vocabulary (a mixed-up
+    configuration) is refused, not answered with another model's vectors."""
     import time
 
     from tests.conftest import Proc, free_port, http_status
 
     port = free_port()
     models = tmp_path / "models.json"
+    save_nomic_bert(tmp_path / "nomic")
     models.write_text(json.dumps({"models": [{"name": "second", "model": "default",
-                                              "tulip": [f"127.0.0.1:{free_port()}"]}]}))
+                                              "tulip": [f"127.0.0.1:{free_port()}"]},
+                                             {"name": "mixed-up", "model": str(tmp_path / "nomic"),
+                                              "tulip": [tulip_server[0]]}]}))
     ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", tulip_server[0], "--model-config", str(models)], tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         ivy.wait_for(lambda: http_status(url + "/health") == 200, timeout=60)
-        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [DEFAULT, "second"]
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [DEFAULT, "second", "mixed-up"]
         assert post(url + "/v1/embeddings", {"input": "hi"})["model"] == DEFAULT
         deadline = time.monotonic() + 30
         while True:  # the first model's worker has its Info once it has answered
@@ -180,6 +184,8 @@ def test_ready_waits_for_every_model(tulip_server, tmp_path):
             time.sleep(0.2)
         assert r.json()["error"]["message"].endswith("for 'second'"), r.text
         e = post(url + "/v1/embeddings", {"input": "hi", "model": "second"}, 503)["error"]
-        assert "'second'" in e["message"]
+        assert "'second'" in e["message"] and e["code"] == "replica_unavailable"
+        e = post(url + "/v1/embeddings", {"input": "hi", "model": "mixed-up"}, 503)["error"]
+        assert e["code"] == "model_mismatch" and "vocabulary of 30522" in e["message"], e
     finally:
         assert ivy.stop() == 0
