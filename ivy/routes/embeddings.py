@@ -16,6 +16,7 @@ from ivy.front import REQUEST_ID, Stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.schemas import EmbeddingRequest
 from trellis.tulip.v1 import tulip_pb2
+from tulip.client import EmbedOptions
 
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
              "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
@@ -77,9 +78,8 @@ def routes(ctx: Context) -> Routes:
         stamp("checks")  # accumulates with the one above
         seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
         # chunked windows come back whole: pooled, then Matryoshka-cut here
-        result = await tulip_call(model.balancer.embed(seqs, 0 if chunked else dims, cfg.request_timeout_s,
-                                                       encoding, outputs, pool_from, stamp,
-                                                       request_id=REQUEST_ID.get()))
+        opts = EmbedOptions(0 if chunked else dims, encoding, outputs, pool_from, request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s, stamp))
         stamp("grpc")
         if chunked:
             result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)

@@ -17,6 +17,7 @@ from ivy.routes.common import Context, Routes, tulip_call
 from ivy.schemas import RerankRequest, ScoreRequest
 from ivy.served import ServedModel
 from trellis.tulip.v1 import tulip_pb2
+from tulip.client import EmbedOptions
 
 
 def routes(ctx: Context) -> Routes:
@@ -109,8 +110,8 @@ def routes(ctx: Context) -> Routes:
         d, d_pool = await model.text_sequences(documents, "document", None, truncate, *document_names)
         pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
-        result = await tulip_call(model.balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32,
-                                                       (), pool_from, request_id=REQUEST_ID.get()))
+        opts = EmbedOptions(pool_from=pool_from, request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
         v = result.vectors.astype(np.float64)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
         return seqs, (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
@@ -127,9 +128,9 @@ def routes(ctx: Context) -> Routes:
             raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
                            "the query and each document together, without one", "instruction")
         seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
-        result = await tulip_call(model.balancer.embed(seqs, 0, cfg.request_timeout_s, tulip_pb2.ENCODING_FLOAT32,
-                                                       segment_starts=starts if any(starts) else (),
-                                                       raw_scores=raw_scores, request_id=REQUEST_ID.get()))
+        opts = EmbedOptions(segment_starts=starts if any(starts) else (), raw_scores=raw_scores,
+                            request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
         return seqs, result.scores[:, 0].astype(np.float64)
 
     out.post("/v1/rerank", rerank, RerankRequest)
