@@ -62,6 +62,52 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (3 * h, h), "o": (h, h), "up": (inter, h), "down": (h, inter)}
 
 
+ATTENTION_TILES = [(bm, bn, w) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (2, 4)]
+NORM_TILES = [(r, w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
+
+
+def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
+    """ROSE's attention kernel over launch tiles (`rose.kernels.attention.tile`) on the `--attention`
+    cells, and `add_norm` over rows per program and warps on each `--tokens` count with the hidden
+    size's partials (the output projection's measured split): rows `attention-tile` / `add_norm-tile`."""
+    from rose.kernels import attention as kattn
+    from rose.kernels import gemm
+
+    dev, dt, L = torch.device("cuda"), torch.bfloat16, args.layers
+    set_mode("pdl")
+    for cell in args.attention.split(","):
+        n, length = map(int, cell.split("x"))
+        T = n * length
+        cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
+        qkv = [torch.randn(T, heads[0] + 2 * heads[1], heads[2], device=dev, dtype=dt) for _ in range(L)]
+        for t in ATTENTION_TILES:
+            def fn(i, t=t):
+                q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)
+                return kattn.attention(q, k, v, cu, length, causal, config=t)
+            try:
+                us = time_graph(fn, L, args.iters)
+            except Exception as e:  # a tile that does not fit
+                print(f"attention tile {t} at {cell}: {str(e)[:120]}")
+                continue
+            programs = -(-length // 64) * n * heads[0]
+            emit("attention-tile", T, "triton", us, seqs=n, length=length, config=list(t), mode="pdl",
+                 default=t == kattn.tile(length, heads[2], programs))
+        del qkv
+    h = cfg["hidden_size"]
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        _, split, _ = gemm.plan(tokens, h, h)
+        parts = [torch.randn(split, tokens, h, device=dev) for _ in range(L)]
+        res = torch.randn(tokens, h, device=dev, dtype=dt)
+        g, beta = torch.ones(h, device=dev, dtype=dt), torch.zeros(h, device=dev, dtype=dt)
+        bias = None if rms else torch.randn(h, device=dev, dtype=dt)
+        for t in NORM_TILES:
+            def fn(i, t=t):
+                return gemm.add_norm(parts[i], bias, res, g, None if rms else beta, eps, rms=rms, config=t)
+            emit("add_norm-tile", tokens, "triton", time_graph(fn, L, args.iters), split=split, config=list(t),
+                 mode="pdl", default=t == (1, 8))
+        del parts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
@@ -70,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="try the first N tile configs")
     ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
+    ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
+                    help="also sweep the launch tiles of ROSE's attention and add + norm kernels (PDL on)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from rose.kernels import gemm
@@ -163,6 +211,8 @@ def main(argv=None) -> int:
                     return be(q, k, v, meta)
                 emit("attention", T, name, time_graph(fn, L, args.iters), seqs=n, length=length, mode=mode)
         set_mode(MODES[-1])
+    if args.tiles:
+        sweep_tiles(args, cfg, heads, causal, rms, eps, emit)
     print("\nbest Triton config per op (us per call, against the cuBLAS rows above):")
     for (op, tokens), (us, kw) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"  {op:9s} {tokens:5d}: {us:7.2f} us  {kw}")

@@ -136,6 +136,7 @@ class Engine:
         # a cross-encoder: scores per sequence from its classification head (0: an embedding model)
         self.num_labels = family.num_labels(self.spec.config)
         self.activation = activation_name(self.spec, self.num_labels) if self.num_labels else ""
+        self._head_pool = family.classifier_pooling(self.spec.config) if self.num_labels else ""
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
         self.dense = DenseStack.load(self.spec.dense, self.device)  # after pooling, before Normalize
         # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
@@ -227,10 +228,11 @@ class Engine:
 
     def _scores(self, ids, positions, seq_ids, cu, max_seqlen, segment_starts=None, seq_lens=None) -> torch.Tensor:
         """A cross-encoder's step: device tensors in (`segment_starts` int64 [N + 1], 0: one segment, or
-        None), float32 [N, num_labels] logits of the head on each sequence's first token out."""
+        None), float32 [N, num_labels] logits of the head on each sequence's first token (or mean:
+        `Family.classifier_pooling`) out."""
         types = None if segment_starts is None else token_types(positions, seq_ids, segment_starts)
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types)
-        return self.model.classify(pool(hidden, cu, seq_ids, "cls")).float()
+        return self.model.classify(pool(hidden, cu, seq_ids, self._head_pool).to(hidden.dtype)).float()
 
     def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""

@@ -104,10 +104,13 @@ def _unigram_tokenizer_json(path, texts, vocab_size: int = 400) -> int:
 
 def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int = 64, seed: int = 0, **overrides):
     """A random `BertForSequenceClassification` ("bert", with all-MiniLM-L6-v2's real WordPiece
-    tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template) or
+    tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template),
     `XLMRobertaForSequenceClassification` ("xlm-roberta", a small Unigram tokenizer with XLM-R's
-    template) saved by transformers, as a cross-encoder is published; the tokenizer's
-    model_max_length is `max_length`. Returns (path, hf_model)."""
+    template) or `ModernBertForSequenceClassification` ("modernbert", gte-reranker-modernbert-base's
+    architecture: MiniLM's tokenizer without token type ids, as ModernBERT's tokenizer_config has it;
+    three layers, global / local / global with a 16-token window the pairs exceed; `classifier_pooling`
+    "cls" or "mean" through `overrides`) saved by transformers, as a cross-encoder is published; the
+    tokenizer's model_max_length is `max_length`. Returns (path, hf_model)."""
     import json
     import shutil
 
@@ -120,15 +123,24 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
     kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
               initializer_range=0.2)
-    if family == "bert":
+    if family in ("bert", "modernbert"):
         src = resolve_model_path("default")
         for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
             shutil.copy(src / name, path / name)
         tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    if family == "bert":
         kw.update(vocab_size=30522, max_position_embeddings=96)
         kw.update(overrides)
         torch.manual_seed(seed)
         model = transformers.BertForSequenceClassification(transformers.BertConfig(**kw))
+    elif family == "modernbert":
+        tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
+        kw.update(vocab_size=30522, num_hidden_layers=3, intermediate_size=96, max_position_embeddings=256,
+                  global_attn_every_n_layers=2, local_attention=16, pad_token_id=0, bos_token_id=101,
+                  eos_token_id=102, cls_token_id=101, sep_token_id=102)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(**kw))
     elif family == "xlm-roberta":
         vocab = _unigram_tokenizer_json(path, SENTENCES)
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
@@ -141,7 +153,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     else:
         raise ValueError(family)
     with torch.no_grad():  # scores spread over (0, 1), not all near sigmoid(0); a second segment that shows
-        head = model.classifier if family == "bert" else model.classifier.out_proj
+        head = model.classifier.out_proj if family == "xlm-roberta" else model.classifier
         head.weight.normal_(0.0, 0.5)
         if family == "bert":
             model.bert.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)

@@ -1,10 +1,12 @@
-"""Cross-encoders (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`): ROSE's
-scores against sentence-transformers' `CrossEncoder.predict` on the same tiny random checkpoints,
-the second segment's token types, several labels and a saved activation, the graph path, and a real
-Tulip + Ivy serving each family's `/v1/rerank` (with its errors)."""
+"""Cross-encoders (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`,
+`ModernBertForSequenceClassification` with either `classifier_pooling`): ROSE's scores against
+sentence-transformers' `CrossEncoder.predict` (and transformers' logits) on the same tiny random
+checkpoints, the second segment's token types, several labels and a saved activation, the graph
+path, and a real Tulip + Ivy serving each family's `/v1/rerank` (with its errors)."""
 
 import asyncio
 import json
+import shutil
 
 import grpc
 import httpx
@@ -26,6 +28,16 @@ MAX_LEN = 64
 QUERY = "What is the capital of France?"
 DOCS = SENTENCES[:12] + [" ".join(SENTENCES)]  # the last one is cut (truncate) to MAX_LEN with the query
 PAIRS = [(QUERY, d) for d in DOCS] + [(SENTENCES[i], SENTENCES[-1 - i]) for i in range(8)]
+# fixture param -> save_cross_encoder's family and overrides (ModernBERT: both classifier_pooling modes;
+# the mean one with a bias on its head's dense layer, the published default being none)
+FAMILIES = {"bert": ("bert", {}), "xlm-roberta": ("xlm-roberta", {}),
+            "modernbert-cls": ("modernbert", {"classifier_pooling": "cls"}),
+            "modernbert-mean": ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True})}
+
+
+def save_family(param, path, **kw):
+    family, overrides = FAMILIES[param]
+    return save_cross_encoder(family, path, max_length=MAX_LEN, **overrides, **kw)
 
 
 def pair_ids(path, pairs, truncate=True):
@@ -45,12 +57,12 @@ def pair_ids(path, pairs, truncate=True):
     return asyncio.run(enc())
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def cross(request, tmp_path_factory):
-    """(family, model dir, CrossEncoder, ROSE engine)."""
+    """(family, model dir, CrossEncoder, ROSE engine); family is FAMILIES' key."""
     from sentence_transformers import CrossEncoder
 
-    path, _ = save_cross_encoder(request.param, tmp_path_factory.mktemp(request.param) / "ce", max_length=MAX_LEN)
+    path, _ = save_family(request.param, tmp_path_factory.mktemp(request.param) / "ce")
     return (request.param, path, CrossEncoder(str(path), device="cpu"),
             Engine(EngineConfig(model=str(path), device="cpu", dtype="float32")))
 
@@ -65,13 +77,14 @@ def test_tokenized_as_sentence_transformers(cross):
     family, path, ce, _ = cross
     seqs, starts = pair_ids(path, PAIRS)
     ref = ce.tokenizer([q for q, _ in PAIRS], [d for _, d in PAIRS], truncation="longest_first",
-                       max_length=ce.max_seq_length)
+                       max_length=ce.max_seq_length, return_token_type_ids=True)
     assert ce.max_seq_length == MAX_LEN and max(map(len, seqs)) == MAX_LEN  # one pair is cut
     assert [s.tolist() for s in seqs] == ref["input_ids"]
-    if family == "bert":
-        assert [t.index(1) for t in ref["token_type_ids"]] == starts and all(starts)
-    else:  # XLM-R's template types every token 0
+    assert [t.index(1) if 1 in t else 0 for t in ref["token_type_ids"]] == starts
+    if family == "xlm-roberta":  # XLM-R's template types every token 0
         assert not any(starts)
+    else:  # BERT's (the ModernBERT checkpoint's too, though it does not read them) types the document 1
+        assert all(starts)
 
 
 def test_scores_match_cross_encoder(cross):
@@ -91,14 +104,15 @@ def test_scores_match_cross_encoder(cross):
 
 def test_second_segment_token_types_are_used(cross):
     """BERT numbers the document's tokens type 1: dropping the segment starts changes the scores (and
-    breaks parity); XLM-R has one token type, so they change nothing."""
+    breaks parity); XLM-R has one token type and ModernBERT none, so they change nothing."""
     family, path, ce, engine = cross
     seqs, starts = pair_ids(path, PAIRS[:6])
     raw = ce.predict(PAIRS[:6], activation_fn=nn.Identity())
     with_types = scores(engine, seqs, starts)[:, 0]
-    if family == "xlm-roberta":
-        forced = [3] * len(seqs)  # any boundary: one token type
-        np.testing.assert_allclose(scores(engine, seqs, forced)[:, 0], with_types, atol=1e-6)
+    if family != "bert":
+        for other in ([3] * len(seqs), None):  # any boundary, or none: one token type
+            np.testing.assert_allclose(scores(engine, seqs, other)[:, 0], with_types, atol=1e-6)
+        np.testing.assert_allclose(with_types, raw, atol=1e-4)
         return
     dropped = scores(engine, seqs, None)[:, 0]
     np.testing.assert_allclose(with_types, raw, atol=1e-4)
@@ -133,6 +147,51 @@ def _masked(engine, *args):
         return engine._scores(*args)
     finally:
         engine.attention = saved
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_head_as_transformers(tmp_path, pooling):
+    """ModernBertForSequenceClassification's logits from transformers itself (a padded batch, its
+    attention mask: mean pooling over each pair's tokens, special ones included) equal ROSE's; the
+    head reads config.json's `classifier_pooling` (the other mode scores otherwise, and as
+    transformers does with it); the head's tensors are loaded strictly; an unknown mode is refused."""
+    import safetensors.torch
+    import transformers
+
+    path, hf = save_family(f"modernbert-{pooling}", tmp_path / "ce", num_labels=2)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    feats = tok([q for q, _ in PAIRS], [d for _, d in PAIRS], truncation="longest_first", max_length=MAX_LEN,
+                padding=True, return_tensors="pt")
+    assert "token_type_ids" not in feats and (feats["attention_mask"] == 0).any()  # padded rows
+    with torch.no_grad():
+        ref = hf(**feats).logits.numpy()
+    seqs, starts = pair_ids(path, PAIRS)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    assert engine.num_labels == 2 and engine.model.classifier_pooling(engine.spec.config) == pooling
+    got = scores(engine, seqs, starts)
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+    other = {"cls": "mean", "mean": "cls"}[pooling]
+    flipped = tmp_path / "flipped"
+    shutil.copytree(path, flipped)
+    cfg = json.loads((flipped / "config.json").read_text())
+    (flipped / "config.json").write_text(json.dumps({**cfg, "classifier_pooling": other}))
+    flip = scores(Engine(EngineConfig(model=str(flipped), device="cpu", dtype="float32")), seqs, starts)
+    assert np.abs(flip - got).max() > 0.1
+    hf.config.classifier_pooling = other
+    with torch.no_grad():
+        np.testing.assert_allclose(flip, hf(**feats).logits.numpy(), atol=1e-4)
+
+    tensors = safetensors.torch.load_file(str(path / "model.safetensors"))
+    assert {k for k in tensors if not k.startswith("model.")} >= {"head.dense.weight", "head.norm.weight",
+                                                                   "classifier.weight", "classifier.bias"}
+    del tensors["head.norm.weight"]
+    safetensors.torch.save_file(tensors, str(flipped / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors for: \['head\.norm\.weight'\]"):
+        Engine(EngineConfig(model=str(flipped), device="cpu", dtype="float32"))
+    (flipped / "config.json").write_text(json.dumps({**cfg, "classifier_pooling": "max"}))
+    with pytest.raises(ValueError, match="unsupported classifier_pooling 'max'"):
+        Engine(EngineConfig(model=str(flipped), device="cpu", dtype="float32"))
 
 
 def test_several_labels_and_a_saved_activation(tmp_path):
@@ -189,6 +248,44 @@ def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
     assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
 
 
+def test_modernbert_reranker_preset(tmp_path, monkeypatch):
+    """gte-reranker-modernbert-base's preset: gte-modernbert-base's shapes with
+    ModernBertForSequenceClassification's head (head dense 768 x 768 without bias, its norm, classifier
+    1 x 768), mean classifier pooling, a byte-level stand-in tokenizer that pairs as BERT's template
+    (Ivy scores pairs with it); its random weights run (a copy at small widths: the full one is 150M
+    parameters), the same scores from two engines, apart across pairs."""
+    from rose.models import model_class
+    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.presets import PRESETS
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("gte-reranker-modernbert-base")
+    spec = ModelSpec.read(path)
+    family = model_class(spec)
+    assert (family.num_labels(spec.config), family.classifier_pooling(spec.config)) == (1, "mean")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in family(spec.config).named_parameters()
+                  if not k.startswith(("embeddings.", "layers.", "final_norm."))}
+    assert shapes == {"head.dense.weight": (768, 768), "head.norm.weight": (768,), "classifier.weight": (1, 768),
+                      "classifier.bias": (1,)}
+    seqs, starts = pair_ids(path, PAIRS[:6])
+    assert all(s[0] == 2 and s[starts[i] - 1] == 3 and s[-1] == 3 for i, s in enumerate(seqs))  # [CLS] q [SEP] d [SEP]
+
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    config = PRESETS["gte-reranker-modernbert-base"]["config"]
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "intermediate_size": 96,
+                                                   "vocab_size": 300, "local_attention": 16}))
+    got = []
+    for _ in range(2):
+        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
+        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 8192)
+        got.append(scores(engine, seqs, starts)[:, 0])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+
+
 def test_segment_starts_only_for_cross_encoders():
     """An embedding model's Tulip refuses segment_starts and raw_scores (checked before queueing)."""
     info = tulip_pb2.InfoReply(embedding_dim=8, max_seq_len=16, vocab_size=100, outputs=[tulip_pb2.OUTPUT_DENSE],
@@ -199,12 +296,12 @@ def test_segment_starts_only_for_cross_encoders():
             parse_request(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, **kw), info)
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request, tmp_path_factory):
-    """A real Tulip serving the BERT or XLM-R cross-encoder and an Ivy in front of it (a small chunk
+    """A real Tulip serving one FAMILIES cross-encoder and an Ivy in front of it (a small chunk
     budget: a rerank's pairs go to Tulip in several requests): (Ivy URL, Tulip target, path)."""
     tmp = tmp_path_factory.mktemp("served-" + request.param)
-    path, _ = save_cross_encoder(request.param, tmp / "ce", max_length=MAX_LEN)
+    path, _ = save_family(request.param, tmp / "ce")
     tport, port = free_port(), free_port()
     tulip = Proc(["-m", "tulip", "--model", str(path), "--port", str(tport), "--device", "cpu",
                   "--served-model-name", "tiny-reranker"], tmp)

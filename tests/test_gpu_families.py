@@ -1,6 +1,7 @@
 """CUDA only: each encoder family's real-shape preset (random weights) in bfloat16, CUDA-graph replay
 against the same engine's eager steps (cosine >= 0.999), and the attention each one runs: MPNet on
-the padded batch in graphs (against SDPA per sequence), ModernBERT's local layers on a windowed backend."""
+the padded batch in graphs (against SDPA per sequence), ModernBERT's local layers on a windowed backend;
+the cross-encoder presets' logits replayed against eager."""
 
 import pytest
 import torch
@@ -32,5 +33,27 @@ def test_graph_replay_matches_eager(preset):
     for _ in range(3):  # capture, then replays
         out = e.step(batch).synchronize()
         assert F.cosine_similarity(out, eager).min().item() >= 0.999
+    if e.runner is not None:
+        assert e.runner.stats.replays >= 1
+
+
+@pytest.mark.parametrize("preset", ["bge-reranker-v2-m3", "gte-reranker-modernbert-base"])
+def test_cross_encoder_graph_replay_matches_eager(preset):
+    """Query-document pairs ([CLS] q [SEP] d [SEP]; ModernBERT's with segment starts, which it ignores):
+    the logits of replayed graphs are the eager step's (ModernBERT's head on the mean of the states)."""
+    g = torch.Generator().manual_seed(0)
+    seqs, starts = [], []
+    for q, d in ((12, 300), (8, 17), (20, 120), (5, 40)):
+        a, b = (torch.randint(10, 250, (n,), generator=g).tolist() for n in (q, d))
+        seqs.append([2] + a + [3] + b + [3])
+        starts.append(q + 2)
+    batch = Batch.from_sequences(seqs, None, starts if preset == "gte-reranker-modernbert-base" else None)
+    eager = Engine(EngineConfig(model=preset, graphs="off")).step(batch).synchronize()
+    e = Engine(EngineConfig(model=preset, graphs="eager-all"))
+    assert (e.runner is not None) == e.attention.capturable
+    for _ in range(3):  # capture, then replays
+        out = e.step(batch).synchronize()
+        assert out.shape == (4, 1)
+        torch.testing.assert_close(out, eager, atol=0.02 * max(1.0, eager.abs().max().item()), rtol=0)
     if e.runner is not None:
         assert e.runner.stats.replays >= 1

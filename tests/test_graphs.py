@@ -14,10 +14,12 @@ from rose.layers.attention import AttentionBackend
 
 
 class MaskedAttention(AttentionBackend):
-    """Capturable on CPU: the block-diagonal mask is derived on the device from cu_seqlens only."""
+    """Capturable on CPU: the block-diagonal mask is derived on the device from cu_seqlens only (and
+    the band of a sliding-window layer from the flat positions: |i - j| < window)."""
 
     name = "masked"
     capturable = True
+    windowed = True
 
     def __call__(self, q, k, v, meta):
         T = q.shape[0]
@@ -25,6 +27,8 @@ class MaskedAttention(AttentionBackend):
         seg = torch.searchsorted(meta.cu_seqlens.long(), pos, right=True)
         seg = torch.where(pos < meta.cu_seqlens[-1], seg, -1 - pos)  # padding tokens see only themselves
         mask = seg[:, None] == seg[None, :]
+        if meta.window:
+            mask &= (pos[:, None] - pos[None, :]).abs() < meta.window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
         return o.transpose(0, 1)
 

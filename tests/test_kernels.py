@@ -41,16 +41,17 @@ def test_linear_matches_reference(m, n, k, act):
     assert rel(out, gemm.linear_reference(x, w, bias, act)) < TOL
 
 
-@pytest.mark.parametrize("m,n,k,split", [(128, 128, 256, 1), (128, 128, 256, 4), (70, 96, 512, 2)])
+@pytest.mark.parametrize("m,n,k,split,tile", [(128, 128, 256, 1, None), (128, 128, 256, 4, None),
+                                              (70, 96, 512, 2, None), (70, 96, 256, 2, (4, 2)), (128, 128, 256, 4, (8, 4))])
 @pytest.mark.parametrize("rms", [False, True])
-def test_split_k_partials_reduced_by_add_norm(m, n, k, split, rms):
+def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms):
     torch.manual_seed(split + m)
     x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
     parts = gemm.linear_partials(x, w, split)
     assert parts.shape == (split, m, n) and parts.dtype == torch.float32
     assert rel(parts.sum(0), x.float() @ w.float().T) < TOL
     bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (None if rms else rand(n))
-    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms)
+    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms, config=tile)  # tile: rows per program, warps
     want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms)
     for a, b in zip(got if rms else (got,), want if rms else (want,)):
         assert a.dtype == DT and rel(a, b) < TOL
@@ -77,9 +78,12 @@ def test_short_attention_matches_sdpa(lens, heads, kv_heads, dim, causal):
     T = sum(lens) + 7  # a bucket's padding rows
     q, k, v = rand(T, heads, dim), rand(T, kv_heads, dim), rand(T, kv_heads, dim)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [sum(lens)] * 2, dtype=torch.int32)  # 2 dummies
-    out = kattn.attention(q, k, v, cu.to(DEV), max(64, 1 << (max(lens) - 1).bit_length()), causal)
-    assert rel(out, kattn.attention_reference(q, k, v, cu, causal)) < TOL
-    assert (out[sum(lens):] == 0).all()  # padding rows are written, as zeros
+    max_len = max(64, 1 << (max(lens) - 1).bit_length())
+    want = kattn.attention_reference(q, k, v, cu, causal)
+    for tile in (None, (16, 128, 2), (64, 32, 4)):  # the default and other launch tiles
+        out = kattn.attention(q, k, v, cu.to(DEV), max_len, causal, config=tile)
+        assert rel(out, want) < TOL
+        assert (out[sum(lens):] == 0).all()  # padding rows are written, as zeros
 
 
 def test_attention_reads_strided_qkv_without_a_copy():

@@ -189,6 +189,52 @@ def test_decoder_presets(tmp_path, monkeypatch, name, model_type, pooling, windo
         assert spec.prompts[next(k for k in spec.prompts if k.endswith("query"))].startswith("Instruct: ")
 
 
+def test_embeddinggemma_preset_runs_its_dense_modules(tmp_path, monkeypatch):
+    """The embeddinggemma-300m preset is written in the published pipeline's layout: Transformer, mean
+    Pooling, 2_Dense (768 -> 3072) and 3_Dense (3072 -> 768), no bias, Identity, float32 weights in
+    each module's model.safetensors, then Normalize. The engine runs the whole pipeline on its random
+    weights (a copy of the preset at one layer and a small vocabulary, as fast as a test should be): its
+    vectors are the mean-pooled states through both Dense modules, normalised."""
+    from safetensors.numpy import load_file
+
+    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.presets import PRESETS, RANDOM_WEIGHTS
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("embeddinggemma-300m")
+    modules = json.loads((path / "modules.json").read_text())
+    assert [(m["idx"], m["path"], m["type"].rsplit(".", 1)[-1]) for m in modules] == [
+        (0, "", "Transformer"), (1, "1_Pooling", "Pooling"), (2, "2_Dense", "Dense"), (3, "3_Dense", "Dense"),
+        (4, "4_Normalize", "Normalize")]
+    weights = [load_file(str(path / d / "model.safetensors")) for d in ("2_Dense", "3_Dense")]
+    assert [{k: (v.shape, v.dtype) for k, v in w.items()} for w in weights] == [
+        {"linear.weight": ((3072, 768), np.float32)}, {"linear.weight": ((768, 3072), np.float32)}]
+    spec = ModelSpec.read(path)
+    assert [(d.path.name, d.in_features, d.out_features, d.bias, d.activation) for d in spec.dense] == [
+        ("2_Dense", 768, 3072, False, "torch.nn.modules.linear.Identity"),
+        ("3_Dense", 3072, 768, False, "torch.nn.modules.linear.Identity")]
+    assert (spec.pooling, spec.normalize, spec.embedding_dim) == ("mean", True, 768)
+
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    config = PRESETS["embeddinggemma-300m"]["config"]
+    (small / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "vocab_size": 512,
+                                                   "layer_types": config["layer_types"][:1]}))
+    assert (small / RANDOM_WEIGHTS).is_file()
+    engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
+    assert engine.embedding_dim == 768 and len(engine.dense) == 2
+    ids = [Tokenizer.from_file(str(small / "tokenizer.json")).encode(t).ids for t in ("hello there", "a b c d e f")]
+    batch = Batch.from_sequences(ids)
+    got = engine.step(batch).synchronize()
+    with torch.inference_mode():
+        hidden = engine._encode(batch.input_ids, batch.positions, batch.cu_seqlens, batch.max_seqlen, batch.seq_lens)
+    pooled = torch.stack([hidden[batch.cu_seqlens[i]:batch.cu_seqlens[i + 1]].mean(0) for i in range(2)])
+    w2, w3 = (torch.from_numpy(w["linear.weight"]) for w in weights)
+    want = F.normalize(pooled @ w2.T @ w3.T, dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert F.cosine_similarity(got, F.normalize(pooled, dim=-1)).max() < 0.5  # the Dense modules ran
+
+
 # --- served end to end: deploy.local (Ivy + one Tulip), the official openai client -----------------
 
 @pytest.fixture(scope="module", params=[("llama", False), ("mistral", False), ("qwen2", True), ("gemma3_text", True)],

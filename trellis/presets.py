@@ -4,14 +4,14 @@
 cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
 RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
-architecture, shapes and cost; its embeddings (or the cross-encoder `bge-reranker-v2-m3`'s
-scores) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
+architecture, shapes and cost; its embeddings (or the cross-encoders' scores: `bge-reranker-v2-m3`,
+`gte-reranker-modernbert-base`) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
 (trellis/standin.py: a 250k-piece Unigram vocabulary, so that tokenizing costs what it costs with
 the real one, and XLM-R's pair template); the decoder presets' (Qwen3, e5-mistral,
 gte-Qwen2, EmbeddingGemma) is byte-level (one token per UTF-8 byte) with the model's special tokens,
 as are the encoder presets' (`msmarco-distilbert`, `all-mpnet-base-v2`, `gte-modernbert-base`,
 `nomic-embed-text-v1.5`, `splade-cocondenser`: each model's published config.json hyper-parameters,
-BERT-style [CLS] ... [SEP] wrapping).
+BERT-style [CLS] ... [SEP] wrapping; `gte-reranker-modernbert-base`'s with BERT's pair template).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 5  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -106,8 +106,9 @@ PRESETS.update({
         "prompts": {"query": _E5_QUERY, "document": ""},
         **_QWEN3_SPECIALS,
     },
-    # google/embeddinggemma-300m: Gemma3 text, bidirectional, mean pooling, normalised (the published
-    # pipeline's two Dense layers, 768 -> 3072 -> 768, are not part of this preset), task prompts.
+    # google/embeddinggemma-300m: Gemma3 text, bidirectional, mean pooling, then the published pipeline's
+    # two Dense modules (2_Dense 768 -> 3072, 3_Dense 3072 -> 768: no bias, Identity activation; random
+    # weights written in their layout), normalised, task prompts.
     "embeddinggemma-300m": {
         "config": {"model_type": "gemma3_text", "architectures": ["Gemma3TextModel"], "vocab_size": 262144,
                    "hidden_size": 768, "num_hidden_layers": 24, "num_attention_heads": 3, "num_key_value_heads": 1,
@@ -118,7 +119,7 @@ PRESETS.update({
                    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(24)],
                    "use_bidirectional_attention": True, "attention_bias": False,
                    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
-        "pooling": "mean", "normalize": True, "max_seq_length": 2048,
+        "pooling": "mean", "normalize": True, "max_seq_length": 2048, "dense": [[768, 3072], [3072, 768]],
         "prompts": {"query": "task: search result | query: ", "document": "title: none | text: ",
                     "Clustering": "task: clustering | query: ", "Classification": "task: classification | query: ",
                     "STS": "task: sentence similarity | query: "},
@@ -171,12 +172,25 @@ PRESETS.update({
 })
 
 
+# Alibaba-NLP/gte-reranker-modernbert-base: a cross-encoder, ModernBertForSequenceClassification over
+# gte-modernbert-base's shapes, one label (CrossEncoder applies Sigmoid); the head as transformers
+# defaults it (gelu, no bias) on the mean of the tokens (`classifier_pooling`, as ModernBERT-base's
+# config.json; not checked against the reranker's own); no sentence-transformers files; the
+# stand-in tokenizer pairs as BERT does (`[CLS] q [SEP] d [SEP]`, the document typed 1).
+PRESETS["gte-reranker-modernbert-base"] = {
+    "config": {**PRESETS["gte-modernbert-base"]["config"], "architectures": ["ModernBertForSequenceClassification"],
+               "classifier_pooling": "mean", "classifier_activation": "gelu", "classifier_bias": False,
+               "classifier_dropout": 0.0, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}},
+    "cross_encoder": True, "max_seq_length": 8192, **_BERT_SPECIALS}
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
 
 
-def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path) -> None:
-    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None)."""
+def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:
+    """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None); with
+    `pair` (a cross-encoder's), pairs as BERT's template builds them: `first $A last $B:1 last:1`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = dict(specials)
@@ -188,8 +202,9 @@ def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], 
     tok.decoder = decoders.ByteLevel()
     first, last = wrap
     single = f"{first} $A {last}" if first else f"$A {last}"
+    pairs = {"pair": f"{single} $B:1 {last}:1"} if pair else {}
     tok.post_processor = processors.TemplateProcessing(
-        single=single, special_tokens=[(t, specials[t]) for t in (first, last) if t])
+        single=single, **pairs, special_tokens=[(t, specials[t]) for t in (first, last) if t])
     tok.save(str(path))
 
 
@@ -198,8 +213,26 @@ def fingerprint(name: str) -> str:
     return hashlib.sha256(json.dumps([FORMAT, PRESETS[name]], sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _dense_module(d: Path, index: int, in_features: int, out_features: int) -> dict:
+    """`{index}_Dense/` as sentence-transformers saves a Dense module without bias and with the Identity
+    activation (config.json, model.safetensors: `linear.weight` [out, in], float32), its weights
+    seeded random ~ N(0, 1 / in_features); its modules.json entry."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    mdir = d / f"{index}_Dense"
+    mdir.mkdir(parents=True, exist_ok=True)
+    (mdir / "config.json").write_text(json.dumps(
+        {"in_features": in_features, "out_features": out_features, "bias": False,
+         "activation_function": "torch.nn.modules.linear.Identity"}, indent=2))
+    rng = np.random.default_rng(index)
+    w = rng.standard_normal((out_features, in_features), dtype=np.float32) / np.float32(np.sqrt(in_features))
+    save_file({"linear.weight": w}, str(mdir / "model.safetensors"), metadata={"format": "pt"})
+    return {"idx": index, "name": str(index), "path": mdir.name, "type": "sentence_transformers.models.Dense"}
+
+
 def _sentence_transformers_files(p: dict, d: Path) -> None:
-    """modules.json, the pooling (and Normalize / quantizer) modules, sentence_bert_config.json, prompts."""
+    """modules.json, the pooling (and Dense / Normalize / quantizer) modules, sentence_bert_config.json, prompts."""
     splade = p["pooling"] == "splade"  # sentence-transformers' SparseEncoder layout
     pool_dir = d / ("1_SpladePooling" if splade else "1_Pooling")
     pool_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +240,12 @@ def _sentence_transformers_files(p: dict, d: Path) -> None:
         ("models.Transformer", "models.Pooling")
     modules = [{"idx": 0, "name": "0", "path": "", "type": f"sentence_transformers.{kinds[0]}"},
                {"idx": 1, "name": "1", "path": pool_dir.name, "type": f"sentence_transformers.{kinds[1]}"}]
+    for shape in p.get("dense", ()):
+        modules.append(_dense_module(d, len(modules), *shape))
     if p["normalize"]:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        i = len(modules)
+        modules.append({"idx": i, "name": str(i), "path": f"{i}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
     if p.get("quantizer"):  # as pplx-embed-v1's modules.json lists it (its code is the repo's st_quantize.py)
         modules.append({"idx": 2, "name": "2", "path": "", "type": "st_quantize.FlexibleQuantizer",
                         "kwargs": ["quantization"]})
@@ -234,11 +271,17 @@ def materialize(name: str) -> Path:
         return d
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(p["config"], indent=2))
-    if p.get("cross_encoder"):  # a transformers classifier as published: the tokenizer's limit, no pipeline
+    if p.get("cross_encoder") and p.get("tokenizer") == "xlm-r-unigram":
+        # a transformers classifier as published: the tokenizer's limit, no pipeline
         (d / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": p["max_seq_length"], "bos_token": "<s>",
              "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
              "mask_token": "<mask>"}, indent=2))
+    elif p.get("cross_encoder"):  # the byte-level stand-in (BERT specials); no token type ids, as ModernBERT's
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"],
+             "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "<unk>",
+             "model_input_names": ["input_ids", "attention_mask"]}, indent=2))
     else:
         _sentence_transformers_files(p, d)
     if p.get("tokenizer") == "xlm-r-unigram":
@@ -246,6 +289,6 @@ def materialize(name: str) -> Path:
 
         standin.build(d)
     else:
-        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json")
+        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json", pair=bool(p.get("cross_encoder")))
     marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
     return d

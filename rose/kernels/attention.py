@@ -14,7 +14,9 @@ copy); GQA reads kv head h // (q heads / kv heads).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -80,25 +82,44 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_
              out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)
 
 
-def block_m(max_seqlen: int) -> int:
-    """Query rows per program: small for short sequences, so even one sequence fills some SMs."""
-    return 32 if max_seqlen <= 256 else 64
+Tile = tuple[int, int, int]  # BLOCK_M (query rows per program), BLOCK_N (keys per iteration), warps
+
+
+@functools.cache
+def _tile_override() -> Tile | None:
+    """ROSE_ATTENTION_TILE=BLOCK_M,BLOCK_N,WARPS: one tile for every call, a knob for measurements
+    (`benchmarks.small_step`)."""
+    env = os.environ.get("ROSE_ATTENTION_TILE")
+    return tuple(int(x) for x in env.split(",")) if env else None
+
+
+def tile(max_seqlen: int, head_dim: int, programs: int) -> Tile:
+    """The launch tile for `programs` (query blocks of 64 x sequences x heads), measured by
+    `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
+    while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
+    sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
+    (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4)."""
+    if override := _tile_override():
+        return override
+    block_n = 128 if programs <= 2 * 132 else 64
+    return 32 if head_dim > 64 and max_seqlen <= 256 else 64, block_n, 4
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              causal: bool = False) -> torch.Tensor:
+              causal: bool = False, config: Tile | None = None) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hk, D] (last dim contiguous), cu_seqlens int32 [N+1] on the device,
-    max_seqlen a host int >= every length (a graph's length bucket) -> out [T, H, D]."""
+    max_seqlen a host int >= every length (a graph's length bucket) -> out [T, H, D].
+    `config`: the launch tile (default `tile`)."""
     T, H, D = q.shape
     hk = k.shape[1]
     if H % hk:
         raise ValueError(f"{H} query heads do not group over {hk} kv heads")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
-    bm = block_m(max_seqlen)
+    bm, bn, warps = config or tile(max_seqlen, D, triton.cdiv(max(max_seqlen, 1), 64) * n * H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=64 if D <= 64 else 32, CAUSAL=causal, num_warps=4)
+              BLOCK_N=bn, CAUSAL=causal, num_warps=warps)
     args = (q, k, v, out, cu_seqlens, T, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(D))
     launch(_attention_kernel, grid, *args, **kw)

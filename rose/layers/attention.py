@@ -244,7 +244,7 @@ class FlashInferBackend(AttentionBackend):
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-        self._wrappers: dict = {}
+        self._wrappers: dict = {}  # graph key (None: eager) -> (wrapper, event after its last plan, workspace)
         self._current = None
         self.causal = False
 
@@ -261,26 +261,41 @@ class FlashInferBackend(AttentionBackend):
         return self._workspace
 
     def _wrapper(self, key, batch: int, tokens: int):
-        w = self._wrappers.get(key)
-        if w is None:
-            workspace = self._workspace_for(tokens, batch)
-            if key is None:
-                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=self.backend)
-            else:
-                buf = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
-                w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
-                    workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf, kv_indptr_buf=buf,
-                    backend=self.backend)
-                self._wrappers[key] = w
-        return w
+        """(wrapper, event recorded after its last plan) for graph key `key`; key None: the one eager
+        wrapper (re-planned for any batch), made again when the workspace has grown."""
+        entry = self._wrappers.get(key)
+        workspace = self._workspace_for(tokens, batch)
+        if entry is not None and (key is not None or entry[2] is workspace):
+            return entry
+        if entry is not None and entry[1] is not None:
+            entry[1].synchronize()  # the old eager wrapper's last plan copy has run: its buffer may go
+        if key is None:
+            w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=self.backend)
+        else:
+            buf = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+            w = self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf, kv_indptr_buf=buf, backend=self.backend)
+        entry = self._wrappers[key] = (w, None, workspace)
+        return entry
 
     def prepare(self, key, cu_host, num_tokens):
         # Always one more sequence holding the padding tokens (maybe none), so a key's batch
         # size and row count never change between plans.
         indptr = torch.from_numpy(np.append(np.asarray(cu_host, dtype=np.int32), np.int32(num_tokens)))
-        w = self._wrapper(key, len(indptr) - 1, num_tokens)
+        w, planned, workspace = self._wrapper(key, len(indptr) - 1, num_tokens)
         h, hk, d = self.shape
+        # plan() writes the wrapper's page-locked host buffer, then queues its copy to the device on
+        # this stream. Planning the same wrapper again before that copy has run (steps still queued
+        # ahead of it) would overwrite what the earlier step is about to read: wait for that copy.
+        cuda = self.device.type == "cuda"  # (a CPU stand-in for FlashInfer in the tests has no copies)
+        if planned is not None:
+            planned.synchronize()  # at once unless the device is more than a step behind
+        elif cuda:
+            planned = torch.cuda.Event()
+            self._wrappers[key] = (w, planned, workspace)
         w.plan(indptr, indptr, h, hk, d, causal=self.causal, q_data_type=self.dtype)
+        if planned is not None:
+            planned.record()
         self._current = w
 
     def __call__(self, q, k, v, meta):

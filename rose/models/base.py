@@ -21,6 +21,8 @@ Class-level rules (read before the model is built, from config.json alone):
                      `*ForSequenceClassification` head on the first token: one score per query-document
                      pair, or num_labels); empty: embeddings only.
     num_labels(config)        the head's outputs per sequence for such a directory; 0 for an embedding model.
+    classifier_pooling(config)  which state of each sequence the head reads: "cls" (the first token, the
+                     default) or "mean" (every token of the sequence; ModernBERT's `classifier_pooling`).
     standard_config(config)   config.json with Hugging Face's usual key names added where the family's
                      config uses its own (DistilBERT's `dim`, NomicBERT's GPT-2 style `n_embd`), so
                      the rest of the stack reads `hidden_size`, `vocab_size`, ... alike.
@@ -40,8 +42,9 @@ Instance side:
                      are 0-based; the family adds its offset. `token_type_ids` (int64 [T], on the device)
                      come only for cross-encoders whose batch has a second segment (`rose.batch.Batch`'s
                      `segment_starts`; `rose.layers.scores.token_types`); None means every token is type 0.
-    classify(first) -> logits [N, num_labels]: families with `classifier_architectures` define it (built when num_labels > 0):
-                     the classification head on each sequence's first-token state [N, hidden] (BERT:
+    classify(pooled) -> logits [N, num_labels]: families with `classifier_architectures` define it (built when
+                     num_labels > 0): the classification head on each sequence's state pooled by
+                     `classifier_pooling` [N, hidden], in the model's dtype (BERT:
                      pooler dense + tanh, then `classifier`); checkpoint names as Hugging Face's. A head
                      that uses tensors the embedding model skips (BERT's pooler) sets `ignored` on the
                      instance (the loader reads the instance's).
@@ -104,6 +107,10 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
         if not set(config.get("architectures") or ()) & cls.classifier_architectures:
             return 0
         return len(config["id2label"]) if config.get("id2label") else int(config.get("num_labels", 2))
+
+    @classmethod
+    def classifier_pooling(cls, config: dict) -> str:
+        return "cls"
 
     @classmethod
     def sliding_window(cls, config: dict) -> int:

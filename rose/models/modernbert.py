@@ -9,6 +9,12 @@ newer config.json files `layer_types` and `rope_parameters` per layer type say t
 first layer has no attention norm (Hugging Face's Identity). The window reaches the attention
 backend as `AttentionMetadata.window`; a backend without one runs the local layers elsewhere
 (`rose.layers.attention.WindowFallback`, chosen by the engine). Hugging Face parameter names.
+
+As a cross-encoder (`ModernBertForSequenceClassification`, e.g. gte-reranker-modernbert-base) the
+head is transformers': the final states pooled by config.json's `classifier_pooling` ("cls": the
+first token; "mean": every token of the sequence, special tokens included, as transformers' masked
+mean over the unpadded tokens), then `head` (dense, `classifier_activation`, norm) and `classifier`;
+its dropout is inference's identity. ModernBERT has no token types: a pair's segments change nothing.
 """
 
 from __future__ import annotations
@@ -103,9 +109,35 @@ class ModernBertEncoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class ModernBertPredictionHead(nn.Module):
+    """transformers' `ModernBertPredictionHead`: dense (bias: `classifier_bias`), activation, norm."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h = cfg["hidden_size"]
+        self.dense = nn.Linear(h, h, bias=cfg.get("classifier_bias", False))
+        self.act = get_activation(cfg.get("classifier_activation", "gelu"))
+        self.norm = _norm(cfg)
+
+    def forward(self, x):
+        return self.norm(self.act(self.dense(x)))
+
+
+ROTARY = re.compile(r"(^|\.)rotary_emb\.")
+
+
 class ModernBertModel(Family):
     strip_prefixes = ("model.",)
     ignored = re.compile(r"^(head|decoder|classifier)\.|(^|\.)rotary_emb\.")
+    classifier_architectures = frozenset({"ModernBertForSequenceClassification"})
+
+    @classmethod
+    def classifier_pooling(cls, config: dict) -> str:
+        """transformers' `classifier_pooling`: "cls" or "mean" (over all of a sequence's tokens)."""
+        mode = config.get("classifier_pooling", "cls")
+        if mode not in ("cls", "mean"):
+            raise ValueError(f"unsupported classifier_pooling {mode!r} for modernbert (supported: cls, mean)")
+        return mode
 
     @classmethod
     def default_pooling(cls, config: dict) -> str:
@@ -127,6 +159,14 @@ class ModernBertModel(Family):
         d, n, thetas = cfg["hidden_size"] // cfg["num_attention_heads"], cfg.get("max_position_embeddings", 8192), rope_thetas(cfg)
         self.rotary_global = Rotary(d, n, thetas[GLOBAL])
         self.rotary_local = Rotary(d, n, thetas[LOCAL])
+        if n_labels := self.num_labels(cfg):
+            self.classifier_pooling(cfg)  # refuse an unknown mode at build time
+            self.head = ModernBertPredictionHead(cfg)
+            self.classifier = nn.Linear(cfg["hidden_size"], n_labels)
+            self.ignored = ROTARY  # head and classifier are the cross-encoder's: loaded, not skipped
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.head(pooled))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -136,8 +176,9 @@ class ModernBertModel(Family):
         self.rotary_global.materialize(device)
         self.rotary_local.materialize(device)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embeddings(input_ids)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embeddings(input_ids)  # no token types: a pair's second segment is not marked
         full = (self.rotary_global.lookup(positions, x.dtype), meta)
         local = (self.rotary_local.lookup(positions, x.dtype), meta.with_window(self.window))
         for layer in self.layers:
