@@ -49,9 +49,10 @@ class Stack:
         self._tmp: str | None = None
 
     def device(self, i: int) -> str:
-        """Replica i's device: with several replicas on a GPU host, one GPU each (round robin)."""
+        """Tulip i's device (counting every model's): with several Tulips on a GPU host, one GPU each
+        (round robin)."""
         a = self.args
-        if a.replicas == 1 or a.device not in ("auto", "cuda"):
+        if a.replicas * (1 + len(a.add_model)) == 1 or a.device not in ("auto", "cuda"):
             return a.device
         if self._gpus is None:
             import torch

@@ -138,7 +138,7 @@ class Front:
         self.routes = {r for r in routes if "{" not in r}
         self.templates = [compile_path(r)[:2] for r in sorted(routes - self.routes)]  # (regex, "/v1/models/{model_id}")
         self.bearers = [f"Bearer {k}".encode() for k in api_keys]
-        self._children: dict[tuple[str, int], object] = {}
+        self._children: dict[tuple[str, int, str], object] = {}
         stages = os.environ.get("IVY_STAGES")
         self.stages = Stages(stages) if stages else None
 

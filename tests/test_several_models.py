@@ -189,3 +189,14 @@ def test_ready_waits_for_every_model(tulip_server, tmp_path):
         assert e["code"] == "model_mismatch" and "vocabulary of 30522" in e["message"], e
     finally:
         assert ivy.stop() == 0
+
+
+def test_deploy_local_add_model_needs_a_name_and_a_model():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "deploy.local", "--add-model", "just-a-path"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'just-a-path' is not NAME=MODEL" in r.stderr, r.stderr
