@@ -14,10 +14,11 @@ PORT ?= 8000
 
 .PHONY: install serve test proto clean
 
-$(BIN)/.installed: pyproject.toml
+# deploy/constraints.txt pins every version (python -m deploy.lock writes it); the images install the same.
+$(BIN)/.installed: pyproject.toml deploy/constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q -c deploy/constraints.txt "$(TORCH)"
+	$(BIN)/pip install -q -c deploy/constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(BIN)/.installed

@@ -1,6 +1,7 @@
 """The one balancer: chunks a request on a token budget and sends each chunk to
 the least-loaded Tulip replica (fewest outstanding tokens), retrying a chunk on
 another replica when one is unavailable. Results come back in input order.
+Which replicas there are, and whether each is serving, is ivy.discovery's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 import grpc
 import numpy as np
 
+from ivy.discovery import SERVING, Replica, ReplicaSet
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedOptions, EmbedResult, TulipClient
+from tulip.client import EmbedOptions, EmbedResult, rpc_error
 
 log = logging.getLogger("ivy.balancer")
 
@@ -26,14 +28,7 @@ DOWN_SECONDS = 2.0
 # otherwise draw every request.
 BUSY_SECONDS = 0.25
 
-
-class Replica:
-    def __init__(self, target: str, transport: str = "stream", spin_ms: float = 0.0):
-        self.client = TulipClient(target, transport=transport, spin_ms=spin_ms)
-        self.target = target
-        self.outstanding = 0  # tokens sent and not yet answered
-        self.down_until = 0.0
-        self.busy_until = 0.0  # RESOURCE_EXHAUSTED lately: passed over while others have room
+__all__ = ["Balancer", "Replica", "chunk"]
 
 
 def chunk(seqs: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
@@ -50,26 +45,34 @@ def chunk(seqs: list[np.ndarray], budget: int) -> list[tuple[int, int]]:
 
 class Balancer:
     def __init__(self, targets: tuple[str, ...], max_chunk_tokens: int, transport: str = "stream",
-                 spin_ms: float = 0.0):
-        self.replicas = [Replica(t, transport, spin_ms) for t in targets]
+                 spin_ms: float = 0.0, resolve_interval: float = 5.0):
+        self.pool = ReplicaSet(targets, transport, spin_ms, resolve_interval)
         self.max_chunk_tokens = max_chunk_tokens
         self._rr = itertools.count()
         self._info: tulip_pb2.InfoReply | None = None
         self._fetch: asyncio.Future | None = None
 
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
+
     def pick(self, exclude: set[Replica]) -> Replica | None:
-        """Least outstanding tokens among replicas not excluded; replicas marked down come last."""
+        """Least outstanding tokens among the routable replicas not excluded (none that reports
+        NOT_SERVING); ejected ones, then ones marked down, then ones not yet heard healthy come last."""
         now = time.monotonic()
-        candidates = [r for r in self.replicas if r not in exclude]
+        replicas = self.pool.replicas
+        candidates = [(i, r) for i, r in enumerate(replicas) if r.routable and r not in exclude]
         if len(candidates) < 2:
-            return candidates[0] if candidates else None
+            return candidates[0][1] if candidates else None
         turn = next(self._rr)
-        n = len(self.replicas)
-        return min(candidates, key=lambda r: (r.down_until > now, r.busy_until > now, r.outstanding,
-                                              (self.replicas.index(r) - turn) % n))
+        n = len(replicas)
+        return min(candidates, key=lambda c: (c[1].ejected, c[1].down_until > now, c[1].health != SERVING,
+                                              c[1].busy_until > now, c[1].outstanding, (c[0] - turn) % n))[1]
 
     def start(self) -> None:
-        """Ask for Info in the background from now on (call on the serving event loop)."""
+        """Ask for Info, resolve names and watch health in the background from now on (call on the
+        serving event loop)."""
+        self.pool.start()
         self._fetch = asyncio.ensure_future(self.fetch_info())
 
     async def close(self) -> None:
@@ -77,7 +80,7 @@ class Balancer:
             self._fetch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._fetch
-        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+        await self.pool.close()
 
     async def info(self, wait: float = 0.0) -> tulip_pb2.InfoReply | None:
         """The served model's Info (cached), or None when no replica has answered. `wait`: seconds to
@@ -89,7 +92,7 @@ class Balancer:
         return self._info
 
     async def _ask_info(self) -> tulip_pb2.InfoReply | None:
-        for r in self.replicas:
+        for r in self.pool.replicas:
             try:
                 self._info = await r.client.info(timeout=2.0)
                 break
@@ -112,7 +115,7 @@ class Balancer:
         """This worker can serve: it knows the model and a replica answers its health check."""
         if self._info is None:
             return False
-        checks = await asyncio.gather(*(r.client.healthy() for r in self.replicas))
+        checks = await asyncio.gather(*(r.client.healthy() for r in self.pool.replicas))
         return any(checks)
 
     async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, deadline: float, stamp=None) -> EmbedResult:
@@ -127,6 +130,7 @@ class Balancer:
             try:
                 out = await r.client.call(seqs, opts, max(deadline - time.monotonic(), 0.001))
                 r.down_until = 0.0
+                self.pool.succeeded(r)
                 return out
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -135,12 +139,16 @@ class Balancer:
                     log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", opts.request_id or "-",
                                 r.target, e.details())
                     r.down_until = time.monotonic() + DOWN_SECONDS
+                    self.pool.failed(r, e.details() or e.code().name)
                 else:
                     raise
                 last = e
             finally:
                 r.outstanding -= tokens
-        assert last is not None  # there is always at least one replica
+        if last is None:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "no Tulip replica is serving: "
+                            + (", ".join(map(repr, self.pool.replicas)) or
+                               f"none found yet for {', '.join(t.given for t in self.pool.targets)}"))
         raise last
 
     async def embed(self, seqs: list[np.ndarray], opts: EmbedOptions, timeout: float, stamp=None) -> EmbedResult:

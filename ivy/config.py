@@ -19,17 +19,18 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from ivy.discovery import parse_target
 from trellis.cli import field, parse
 
 
-def check_targets(targets: tuple[str, ...], where: str = "--tulip") -> None:
-    """Each Tulip target is HOST:PORT or unix:PATH, else a ValueError quoting it."""
+def check_targets(targets: tuple[str, ...], where: str = "") -> None:
+    """Each Tulip target is one ivy.discovery.parse_target takes, else a ValueError quoting it
+    (after `where`, e.g. the model it belongs to)."""
     for t in targets:
-        if t.startswith("unix:") and len(t) > 5:
-            continue
-        host, sep, port = t.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{where} {t!r} is not HOST:PORT or unix:PATH")
+        try:
+            parse_target(t)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}" if where else str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class ModelConfig:
     """One model Ivy serves: its directory (tokenizer, prompts, maximum length) and its own Tulips."""
 
     model: str = field("default", "model directory, a preset name or 'default' (all-MiniLM-L6-v2)")
-    tulip: tuple[str, ...] = field((), "its Tulip replicas, HOST:PORT or unix:PATH (at least one)")
+    tulip: tuple[str, ...] = field((), "its Tulip replicas, as --tulip takes them (IP:PORT, unix:PATH, a DNS name "
+                                   "NAME:PORT or dns:///NAME:PORT); at least one")
     name: str = field("", "the name clients send as `model` and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
 
@@ -49,7 +51,7 @@ class ModelConfig:
             raise ValueError(f"{what}: 'name' and 'prompts_file' must be strings")
         if not self.tulip or not all(isinstance(t, str) for t in self.tulip):
             raise ValueError(f"{what}: 'tulip' must list at least one HOST:PORT or unix:PATH")
-        check_targets(self.tulip, f"{what}: tulip")
+        check_targets(self.tulip, what)
 
 
 def read_model_config(path: str) -> tuple[ModelConfig, ...]:
@@ -80,7 +82,12 @@ def read_model_config(path: str) -> tuple[ModelConfig, ...]:
 class IvyConfig:
     """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
 
-    tulip: tuple[str, ...] = field((), "a Tulip replica HOST:PORT or unix:PATH of --model (repeat the flag for several)")
+    tulip: tuple[str, ...] = field((), "--model's Tulip replicas: IP:PORT or unix:PATH (one replica), or a DNS name "
+                                   "NAME:PORT (or dns:///NAME:PORT) standing for one replica per address it resolves "
+                                   "to, e.g. a Kubernetes headless Service; repeat the flag for several")
+    resolve_interval: float = field(5.0, "seconds between lookups of each --tulip DNS name (replicas that appear "
+                                    "are added, ones that leave finish what they have and are dropped); a "
+                                    "connection failure also looks it up again, at most every 0.5 s")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
@@ -114,6 +121,8 @@ class IvyConfig:
         if not self.tulip and not self.model_config:
             raise ValueError("at least one --tulip HOST:PORT (or a --model-config file) is required")
         check_targets(self.tulip)
+        if not self.resolve_interval > 0:
+            raise ValueError(f"resolve_interval {self.resolve_interval} must be > 0 (seconds)")
         models = read_model_config(self.model_config) if self.model_config else ()
         if self.tulip:
             models = (ModelConfig(self.model, self.tulip, self.served_model_name, self.prompts_file), *models)

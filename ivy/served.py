@@ -45,7 +45,8 @@ class ServedModel:
 
     def start(self) -> None:
         cfg = self.cfg
-        self.balancer = Balancer(self.config.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms)
+        self.balancer = Balancer(self.config.tulip, cfg.max_chunk_tokens, cfg.transport, cfg.tulip_spin_ms,
+                                cfg.resolve_interval)
         self.balancer.start()
 
     async def close(self) -> None:

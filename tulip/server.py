@@ -527,9 +527,11 @@ async def serve(cfg: TulipConfig) -> int:
         aloop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("tulip: draining (up to %.1f s)", cfg.drain_seconds)
-    servicer.draining = True  # new work, on open streams too, is sent elsewhere; what is in flight finishes
+    # NOT_SERVING first: a balancer watching health (Ivy) stops sending here at once; then new work that
+    # still arrives, on open streams too, is UNAVAILABLE (sent elsewhere); what is in flight finishes.
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.draining = True
     await server.stop(grace=cfg.drain_seconds)
     await loop.stop(cfg.drain_seconds)
     log_stages(loop.stages)
