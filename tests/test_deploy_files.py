@@ -329,6 +329,7 @@ def test_ivy_deployment_probes_service_hpa_pdb_secret_prompts():
     c = container(dep)
     _, cfg = k8s_config(c)
     from ivy.app import create_app
+    from ivy.config import IvyConfig
 
     routes = create_app(IvyConfig(tulip=("127.0.0.1:1",))).state.route_paths
 
