@@ -17,7 +17,7 @@ import numpy as np
 
 from ivy.discovery import SERVING, Replica, ReplicaSet
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedResult, rpc_error
+from tulip.client import EmbedOptions, EmbedResult, rpc_error
 
 log = logging.getLogger("ivy.balancer")
 
@@ -127,9 +127,7 @@ class Balancer:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.pool.replicas))
         return any(checks)
 
-    async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
-                    deadline: float, pool_from: list[int], stamp=None, segment_starts=(),
-                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
+    async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, deadline: float, stamp=None) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -139,9 +137,7 @@ class Balancer:
             if stamp is not None:
                 stamp("balancer")
             try:
-                out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
-                                                  encoding, outputs, pool_from, segment_starts, raw_scores,
-                                                  request_id)
+                out = await r.client.call(seqs, opts, max(deadline - time.monotonic(), 0.001))
                 r.down_until = 0.0
                 self.pool.succeeded(r)
                 return out
@@ -149,7 +145,7 @@ class Balancer:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     r.busy_until = time.monotonic() + BUSY_SECONDS  # full: the next replica, if any has room
                 elif e.code() in RETRYABLE:
-                    log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", request_id or "-",
+                    log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", opts.request_id or "-",
                                 r.target, e.details())
                     r.down_until = time.monotonic() + DOWN_SECONDS
                     self.pool.failed(r, e.details() or e.code().name)
@@ -165,23 +161,17 @@ class Balancer:
                                f"none found yet for {', '.join(t.given for t in self.pool.targets)}"))
         raise last
 
-    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
-                    outputs: tuple = (), pool_from: list[int] = (), stamp=None, segment_starts: list[int] = (),
-                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
-        """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
-        `request_id`: the caller's, sent to Tulip as the EmbedRequest's (a chunk's: with "-k" added).
-        `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out. `stamp`
-        (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked.
-        A cross-encoder's pairs: `segment_starts` (empty or one per sequence), `raw_scores`; the result's `scores`."""
+    async def embed(self, seqs: list[np.ndarray], opts: EmbedOptions, timeout: float, stamp=None) -> EmbedResult:
+        """Embed all `seqs` (chunked over replicas) as `opts` asks; results per sequence, in input
+        order, within `timeout` seconds (retries included). A chunk's options are `opts.part`'s (its
+        sequences' pool_from / segment_starts, the request id with "-k" added). `stamp` (ivy.front's
+        per-stage timing): called with "balancer" once a one-chunk request's replica is picked. A
+        cross-encoder's pairs: the result's `scores`."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp, segment_starts,
-                                    raw_scores, request_id)
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
-                                                  pool_from[a:b] if pool_from else (), None,
-                                                  segment_starts[a:b] if segment_starts else (), raw_scores,
-                                                  f"{request_id}-{k}" if request_id else ""))
+            return await self._send(seqs, opts, deadline, stamp)
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], opts.part(a, b, k), deadline))
                  for k, (a, b) in enumerate(runs)]
         try:
             parts = await asyncio.gather(*tasks)

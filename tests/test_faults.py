@@ -13,7 +13,7 @@ from ivy.balancer import Balancer
 from ivy.front import Front
 from tests.conftest import Proc, free_port
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import TulipClient, pack
+from tulip.client import EmbedOptions, TulipClient, pack
 
 rng = np.random.default_rng(7)
 EMBED = "/trellis.tulip.v1.Tulip/Embed"
@@ -109,7 +109,7 @@ def test_a_replica_with_a_full_queue_passes_work_to_one_with_room(tulip_server, 
         async def main():
             b = Balancer((small, target), max_chunk_tokens=4096)
             try:
-                results = await asyncio.gather(*(b.embed(seqs(200, 200), 0, timeout=60) for _ in range(12)),
+                results = await asyncio.gather(*(b.embed(seqs(200, 200), EmbedOptions(), timeout=60) for _ in range(12)),
                                                return_exceptions=True)
                 return results, b.replicas[0].busy_until > 0
             finally:
@@ -129,7 +129,7 @@ def test_429_and_503_carry_retry_after():
     async def send(message):
         sent.append(message)
 
-    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()))
     for status in (429, 503, 400):
         sent.clear()
@@ -186,7 +186,7 @@ def test_deeply_nested_json_is_a_400():
 
 
 def test_the_bearer_scheme_is_case_insensitive():
-    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()), api_keys=("k1",))
     scope = lambda v: {"path": "/v1/embeddings", "headers": [(b"authorization", v)]}  # noqa: E731
     assert front.authorized(scope(b"Bearer k1")) and front.authorized(scope(b"bearer k1"))

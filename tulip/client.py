@@ -45,6 +45,43 @@ def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
     return np.frombuffer(reply.embeddings, dtype="<f4").reshape(n, dim)
 
 
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What an embed request asks of Tulip beside its token ids, one object from Ivy's route
+    through the balancer to the client (a new EmbedRequest field: the proto, the route that sets it,
+    this class and the servicer). The per-sequence fields are empty or one per sequence.
+
+    dimensions:     Matryoshka truncation (0: the model's full width).
+    encoding:       tulip_pb2.ENCODING_* of the reply's vectors.
+    outputs:        extra tulip_pb2.OUTPUT_* (sparse, ColBERT) where the model has them.
+    pool_from:      per sequence, leading (prompt) tokens mean pooling leaves out.
+    segment_starts: a cross-encoder's pairs: per sequence where its second segment starts (0: none).
+    raw_scores:     a cross-encoder's logits, not activated.
+    request_id:     the caller's id (a chunk's: "-k" added by `part`; the stream adds "#n").
+    """
+
+    dimensions: int = 0
+    encoding: int = tulip_pb2.ENCODING_FLOAT32
+    outputs: tuple[int, ...] = ()
+    pool_from: Sequence[int] = ()
+    segment_starts: Sequence[int] = ()
+    raw_scores: bool = False
+    request_id: str = ""
+
+    def part(self, a: int, b: int, k: int) -> "EmbedOptions":
+        """The options of sequences [a, b), chunk k of a request split over replicas."""
+        return EmbedOptions(self.dimensions, self.encoding, self.outputs, self.pool_from[a:b],
+                            self.segment_starts[a:b], self.raw_scores,
+                            f"{self.request_id}-{k}" if self.request_id else "")
+
+    def request(self, seqs) -> tulip_pb2.EmbedRequest:
+        ids, lengths = pack(seqs)
+        return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=self.dimensions,
+                                      encoding=self.encoding, outputs=list(self.outputs),
+                                      pool_from=list(self.pool_from), segment_starts=list(self.segment_starts),
+                                      raw_scores=self.raw_scores, request_id=self.request_id)
+
+
 @dataclass
 class EmbedResult:
     """Everything one Embed call returned, per sequence in request order.
@@ -255,11 +292,12 @@ class TulipClient:
         result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
         `raw_scores`: the head's logits, not activated. `request_id`: the caller's id for the request
         (the stream adds "#n" to keep its messages apart, see TulipStream)."""
-        ids, lengths = pack(seqs)
-        req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
-                                     outputs=list(outputs), pool_from=list(pool_from),
-                                     segment_starts=list(segment_starts), raw_scores=raw_scores,
-                                     request_id=request_id)
+        return await self.call(seqs, EmbedOptions(dimensions, encoding, tuple(outputs), pool_from, segment_starts,
+                                                  raw_scores, request_id), timeout)
+
+    async def call(self, seqs, opts: EmbedOptions, timeout: float | None = None) -> EmbedResult:
+        """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object)."""
+        req = opts.request(seqs)
         self.outstanding += 1
         try:
             self._spinner.kick()
