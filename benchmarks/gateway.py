@@ -291,13 +291,14 @@ def main(argv=None) -> int:
     ap.add_argument("--uds", action="store_true", help="Ivy reaches the stand-in over a Unix socket, not TCP loopback")
     ap.add_argument("--stand-in-only", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--stand-in-uds", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--stand-in-vocab", type=int, default=250002, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.stand_in_only:
-        serve_stand_in(args.stand_in_only, uds=args.stand_in_uds)
+        serve_stand_in(args.stand_in_only, vocab_size=args.stand_in_vocab, uds=args.stand_in_uds)
         return 0
     from benchmarks.common import Recorder
     from benchmarks.concurrency import text_of
-    from trellis.modeldir import default_served_name, resolve_model_path
+    from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
 
     path = resolve_model_path(args.model)
     served = default_served_name(args.model, path)
@@ -306,8 +307,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tport, port = free_port(), free_port()
     uds = f"/tmp/trellis-stand-in-{os.getpid()}.sock" if args.uds else ""
-    stand_in = spawn(["-m", "benchmarks.gateway", "--stand-in-only", str(tport), "--stand-in-uds", uds],
-                     work / "stand-in.log")
+    # the model's vocabulary: Ivy refuses a model whose Tulips report another (a mixed-up configuration)
+    vocab = ModelSpec.read(path).vocab_size
+    stand_in = spawn(["-m", "benchmarks.gateway", "--stand-in-only", str(tport), "--stand-in-uds", uds,
+                      "--stand-in-vocab", str(vocab)], work / "stand-in.log")
     ivy_argv = ["-m", "ivy", "--model", args.model, "--port", str(port), "--tulip", f"unix:{uds}" if uds else f"127.0.0.1:{tport}",
                 "--workers", "1", *(["--server", args.server] if args.server else []), *args.ivy_args.split()]
     stages = work / "stages.jsonl"

@@ -1,18 +1,23 @@
-"""python -m deploy.local --model default --replicas 1 --port 8000
+"""python -m deploy.local --model default --replicas 1 --port 8000 [--add-model NAME=MODEL ...]
 
-Starts N Tulip replicas and one Ivy as child processes on loopback, waits until
+Starts N Tulip replicas per model and one Ivy as child processes on loopback, waits until
 Ivy reports ready, prints the base URL, and on SIGINT/SIGTERM stops them all
-(Ivy first, then the Tulips, each given time to drain) and exits 0.
+(Ivy first, then the Tulips, each given time to drain) and exits 0. `--model` is the default
+model; each `--add-model NAME=MODEL` adds one more, served as NAME with N Tulips of its own
+(Ivy's --model-config file, written to a temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -41,11 +46,13 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.url = f"http://{args.host}:{args.port}"
         self._gpus: int | None = None
+        self._tmp: str | None = None
 
     def device(self, i: int) -> str:
-        """Replica i's device: with several replicas on a GPU host, one GPU each (round robin)."""
+        """Tulip i's device (counting every model's): with several Tulips on a GPU host, one GPU each
+        (round robin)."""
         a = self.args
-        if a.replicas == 1 or a.device not in ("auto", "cuda"):
+        if a.replicas * (1 + len(a.add_model)) == 1 or a.device not in ("auto", "cuda"):
             return a.device
         if self._gpus is None:
             import torch
@@ -59,23 +66,38 @@ class Stack:
         p = subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True)
         self.procs.append((name, p))
 
-    def start(self) -> None:
+    def _tulips(self, model: str, name: str, first: int) -> list[str]:
+        """`--replicas` Tulips serving `model` (as `name`, if given); their targets."""
         a = self.args
         targets = []
-        for i in range(a.replicas):
+        for i in range(first, first + a.replicas):
             port = free_port()
             targets.append(f"127.0.0.1:{port}")
-            argv = ["-m", "tulip", "--model", a.model, "--port", str(port), "--device", self.device(i), "--dtype",
+            argv = ["-m", "tulip", "--model", model, "--port", str(port), "--device", self.device(i), "--dtype",
                     a.dtype]
-            if a.served_model_name:
-                argv += ["--served-model-name", a.served_model_name]
+            if name:
+                argv += ["--served-model-name", name]
             self._spawn(f"tulip-{i}", argv)
+        return targets
+
+    def start(self) -> None:
+        a = self.args
+        targets = self._tulips(a.model, a.served_model_name, 0)
         argv = ["-m", "ivy", "--model", a.model, "--host", a.host, "--port", str(a.port), "--workers",
                 str(a.ivy_workers)]
         for t in targets:
             argv += ["--tulip", t]
         if a.served_model_name:
             argv += ["--served-model-name", a.served_model_name]
+        if a.add_model:
+            models = []
+            for k, (name, model) in enumerate(a.add_model, 1):
+                models.append({"name": name, "model": model, "tulip": self._tulips(model, name, k * a.replicas)})
+            self._tmp = tempfile.mkdtemp(prefix="trellis-local-")
+            path = os.path.join(self._tmp, "models.json")
+            with open(path, "w") as f:
+                json.dump(models, f, indent=1)
+            argv += ["--model-config", path]
         self._spawn("ivy", argv)
 
     def wait_ready(self, timeout: float) -> bool:
@@ -105,6 +127,16 @@ class Stack:
                     print(f"deploy.local: {name} did not stop in {grace:.0f} s; killing it", file=sys.stderr)
                     p.kill()
                     p.wait()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def model_pair(s: str) -> tuple[str, str]:
+    """--add-model NAME=MODEL -> (NAME, MODEL)."""
+    name, sep, model = s.partition("=")
+    if not sep or not name or not model:
+        raise argparse.ArgumentTypeError(f"{s!r} is not NAME=MODEL (a served name, then a directory or preset)")
+    return name, model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", help="Tulip device: auto | cpu | cuda")
     ap.add_argument("--dtype", default="auto", help="Tulip dtype: auto | float32 | bfloat16 | float16")
     ap.add_argument("--served-model-name", default="", help="model name clients use")
+    ap.add_argument("--add-model", action="append", type=model_pair, default=[], metavar="NAME=MODEL",
+                    help="one more model served as NAME (a directory or preset), with --replicas Tulips of its own "
+                    "(repeat for several); --model stays the default")
     ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness")
     args = ap.parse_args(argv)
     if args.replicas < 1:

@@ -29,12 +29,17 @@ def _uvicorn(cfg: IvyConfig) -> int:
     import uvicorn
 
     import copy
+    import functools
+
+    from ivy.protocol import ReadLimitedProtocol
 
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # its workers log by this config too
     log_config["filters"] = {"redact_query": {"()": "ivy.front.RedactQuery"}}
     log_config["handlers"]["access"]["filters"] = ["redact_query"]
-    kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http="httptools",
-              timeout_graceful_shutdown=10, access_log=cfg.access_log, log_config=log_config)
+    http = functools.partial(ReadLimitedProtocol, read_timeout=cfg.read_timeout_s)
+    kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http=http,
+              timeout_keep_alive=cfg.keep_alive_s, timeout_graceful_shutdown=10, access_log=cfg.access_log,
+              log_config=log_config)
     if cfg.workers == 1:
         from ivy.app import create_app
 
@@ -47,12 +52,14 @@ def _uvicorn(cfg: IvyConfig) -> int:
 
 def _granian(cfg: IvyConfig) -> int:
     from granian.constants import Interfaces, Loops
+    from granian.http import HTTP1Settings
     from granian.server import Server
 
     os.environ["IVY_CONFIG_JSON"] = cfg.to_json()  # every worker (a process, even for one) builds the app
     Server("ivy.app:create_app_from_env", factory=True, address=cfg.host, port=cfg.port, interface=Interfaces.ASGI,
            workers=cfg.workers, loop=Loops.uvloop, log_level=cfg.log_level, log_access=cfg.access_log,
-           websockets=False, workers_kill_timeout=10).serve()
+           websockets=False, workers_kill_timeout=10,
+           http1_settings=HTTP1Settings(header_read_timeout=int(cfg.read_timeout_s * 1000))).serve()
     return 0
 
 

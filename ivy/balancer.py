@@ -17,7 +17,7 @@ import numpy as np
 
 from ivy.discovery import SERVING, Replica, ReplicaSet
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedResult, rpc_error
+from tulip.client import EmbedOptions, EmbedResult, rpc_error
 
 log = logging.getLogger("ivy.balancer")
 
@@ -69,6 +69,15 @@ class Balancer:
         return min(candidates, key=lambda c: (c[1].ejected, c[1].down_until > now, c[1].health != SERVING,
                                               c[1].busy_until > now, c[1].outstanding, (c[0] - turn) % n))[1]
 
+    def full(self) -> bool:
+        """Every routable replica answered RESOURCE_EXHAUSTED (or is down or ejected) within the last
+        BUSY_SECONDS, one at least full: a request now would be refused, so Ivy refuses it before tokenizing it. The mark
+        expires on its own; the first request after it probes the replicas again."""
+        now = time.monotonic()
+        live = [r for r in self.pool.replicas if r.routable]  # the ones pick() would try
+        return (any(r.busy_until > now for r in live)
+                and all(r.busy_until > now or r.down_until > now or r.ejected for r in live))
+
     def start(self) -> None:
         """Ask for Info, resolve names and watch health in the background from now on (call on the
         serving event loop)."""
@@ -118,9 +127,7 @@ class Balancer:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.pool.replicas))
         return any(checks)
 
-    async def _send(self, seqs: list[np.ndarray], dimensions: int, encoding: int, outputs: tuple,
-                    deadline: float, pool_from: list[int], stamp=None, segment_starts=(),
-                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
+    async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, deadline: float, stamp=None) -> EmbedResult:
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -130,9 +137,7 @@ class Balancer:
             if stamp is not None:
                 stamp("balancer")
             try:
-                out = await r.client.embed_result(seqs, dimensions, max(deadline - time.monotonic(), 0.001),
-                                                  encoding, outputs, pool_from, segment_starts, raw_scores,
-                                                  request_id)
+                out = await r.client.call(seqs, opts, max(deadline - time.monotonic(), 0.001))
                 r.down_until = 0.0
                 self.pool.succeeded(r)
                 return out
@@ -140,13 +145,14 @@ class Balancer:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     r.busy_until = time.monotonic() + BUSY_SECONDS  # full: the next replica, if any has room
                 elif e.code() in RETRYABLE:
-                    log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", request_id or "-",
+                    log.warning("request %s: replica %s unavailable (%s); retrying elsewhere", opts.request_id or "-",
                                 r.target, e.details())
                     r.down_until = time.monotonic() + DOWN_SECONDS
                     self.pool.failed(r, e.details() or e.code().name)
                 else:
                     raise
-                last = e
+                if last is None or last.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    last = e  # a full replica's "retry shortly" (429) outranks an unreachable one's 503
             finally:
                 r.outstanding -= tokens
         if last is None:
@@ -155,23 +161,17 @@ class Balancer:
                                f"none found yet for {', '.join(t.given for t in self.pool.targets)}"))
         raise last
 
-    async def embed(self, seqs: list[np.ndarray], dimensions: int, timeout: float, encoding: int = 0,
-                    outputs: tuple = (), pool_from: list[int] = (), stamp=None, segment_starts: list[int] = (),
-                    raw_scores: bool = False, request_id: str = "") -> EmbedResult:
-        """Embed all `seqs` (chunked over replicas); results per sequence, in input order.
-        `request_id`: the caller's, sent to Tulip as the EmbedRequest's (a chunk's: with "-k" added).
-        `pool_from` (empty or one per sequence): leading tokens mean pooling leaves out. `stamp`
-        (ivy.front's per-stage timing): called with "balancer" once a one-chunk request's replica is picked.
-        A cross-encoder's pairs: `segment_starts` (empty or one per sequence), `raw_scores`; the result's `scores`."""
+    async def embed(self, seqs: list[np.ndarray], opts: EmbedOptions, timeout: float, stamp=None) -> EmbedResult:
+        """Embed all `seqs` (chunked over replicas) as `opts` asks; results per sequence, in input
+        order, within `timeout` seconds (retries included). A chunk's options are `opts.part`'s (its
+        sequences' pool_from / segment_starts, the request id with "-k" added). `stamp` (ivy.front's
+        per-stage timing): called with "balancer" once a one-chunk request's replica is picked. A
+        cross-encoder's pairs: the result's `scores`."""
         deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, dimensions, encoding, outputs, deadline, pool_from, stamp, segment_starts,
-                                    raw_scores, request_id)
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], dimensions, encoding, outputs, deadline,
-                                                  pool_from[a:b] if pool_from else (), None,
-                                                  segment_starts[a:b] if segment_starts else (), raw_scores,
-                                                  f"{request_id}-{k}" if request_id else ""))
+            return await self._send(seqs, opts, deadline, stamp)
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], opts.part(a, b, k), deadline))
                  for k, (a, b) in enumerate(runs)]
         try:
             parts = await asyncio.gather(*tasks)

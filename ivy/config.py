@@ -1,4 +1,17 @@
-"""Ivy's configuration: one frozen dataclass, flags and IVY_* environment variables."""
+"""Ivy's configuration: frozen dataclasses, flags and IVY_* environment variables.
+
+`IvyConfig` is the gateway's settings. The models it serves are `ModelConfig`s: the one named by
+`--model` / `--tulip` / `--served-model-name` / `--prompts-file` (when `--tulip` is given), then each
+entry of the `--model-config` file, in order. The first is the default: a request without `model`
+goes to it.
+
+The `--model-config` file is JSON, a list of models (or {"models": [...]}), each with the fields
+of `ModelConfig`:
+
+    [{"name": "reranker", "model": "/models/bge-reranker-v2-m3", "tulip": ["tulip-rr-0.tulip-rr:50051"]},
+     {"name": "docs", "model": "/models/bge-m3", "tulip": ["10.0.0.5:50051", "10.0.0.6:50051"],
+      "prompts_file": "/etc/ivy/docs-prompts.json"}]
+"""
 
 from __future__ import annotations
 
@@ -10,19 +23,77 @@ from ivy.discovery import parse_target
 from trellis.cli import field, parse
 
 
+def check_targets(targets: tuple[str, ...], where: str = "") -> None:
+    """Each Tulip target is one ivy.discovery.parse_target takes, else a ValueError quoting it
+    (after `where`, e.g. the model it belongs to)."""
+    for t in targets:
+        try:
+            parse_target(t)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}" if where else str(e)) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model Ivy serves: its directory (tokenizer, prompts, maximum length) and its own Tulips."""
+
+    model: str = field("default", "model directory, a preset name or 'default' (all-MiniLM-L6-v2)")
+    tulip: tuple[str, ...] = field((), "its Tulip replicas, as --tulip takes them (IP:PORT, unix:PATH, a DNS name "
+                                   "NAME:PORT or dns:///NAME:PORT); at least one")
+    name: str = field("", "the name clients send as `model` and /v1/models lists; defaults to the directory name")
+    prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
+
+    def __post_init__(self):
+        what = f"model {self.name or self.model!r}"
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"{what}: 'model' must be a model directory, a preset or 'default'")
+        if not isinstance(self.name, str) or not isinstance(self.prompts_file, str):
+            raise ValueError(f"{what}: 'name' and 'prompts_file' must be strings")
+        if not self.tulip or not all(isinstance(t, str) for t in self.tulip):
+            raise ValueError(f"{what}: 'tulip' must list at least one HOST:PORT or unix:PATH")
+        check_targets(self.tulip, what)
+
+
+def read_model_config(path: str) -> tuple[ModelConfig, ...]:
+    """The models listed in a --model-config file (see the module docstring), or a ValueError."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model-config {path!r}: {e}") from None
+    entries = doc.get("models") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--model-config {path!r} must hold a non-empty JSON list of models (or {{\"models\": [...]}})")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ValueError(f"--model-config {path!r}: entry {i} is not an object")
+        if unknown := sorted(set(e) - known):
+            raise ValueError(f"--model-config {path!r}: entry {i} has unknown field(s) {unknown}; "
+                             f"the fields are {sorted(known)}")
+        tulip = e.get("tulip", ())
+        e = {**e, "tulip": (tulip,) if isinstance(tulip, str) else tuple(tulip) if isinstance(tulip, list) else tulip}
+        out.append(ModelConfig(**e))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class IvyConfig:
     """Ivy: the OpenAI-compatible HTTP gateway in front of one or more Tulip replicas."""
 
-    tulip: tuple[str, ...] = field((), "Tulip replicas: IP:PORT or unix:PATH (one replica), or a DNS name NAME:PORT "
-                                   "(or dns:///NAME:PORT) standing for one replica per address it resolves to, "
-                                   "e.g. a Kubernetes headless Service; repeat the flag for several")
+    tulip: tuple[str, ...] = field((), "--model's Tulip replicas: IP:PORT or unix:PATH (one replica), or a DNS name "
+                                   "NAME:PORT (or dns:///NAME:PORT) standing for one replica per address it resolves "
+                                   "to, e.g. a Kubernetes headless Service; repeat the flag for several")
     resolve_interval: float = field(5.0, "seconds between lookups of each --tulip DNS name (replicas that appear "
                                     "are added, ones that leave finish what they have and are dropped); a "
                                     "connection failure also looks it up again, at most every 0.5 s")
     model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
     served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
+    model_config: str = field("", "a JSON file listing more models to serve, each with its own directory and "
+                              "Tulips (ivy/config.py's docstring; README, Configuration); --model with --tulip, "
+                              "if given, comes first and is the default")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
     workers: int = field(1, "worker processes (each with its own event loop and Tulip channels)")
@@ -38,6 +109,10 @@ class IvyConfig:
     max_inputs: int = field(2048, "most inputs accepted in one request")
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
+    read_timeout_s: float = field(30.0, "a request's headers and body must arrive within this many seconds of its "
+                                  "first byte (of a new connection's opening), else the connection is closed "
+                                  "(slow or stalled peers); under Granian: its header read timeout")
+    keep_alive_s: float = field(5.0, "an idle keep-alive connection is closed after this many seconds (uvicorn)")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
     api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* and /v2/* then need 'Authorization: "
                                       "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
@@ -47,12 +122,15 @@ class IvyConfig:
     log_level: str = field("info", "the server's log level", choices=("critical", "error", "warning", "info", "debug"))
 
     def __post_init__(self):
-        if not self.tulip:
-            raise ValueError("at least one --tulip HOST:PORT is required")
-        for t in self.tulip:
-            parse_target(t)  # ValueError quoting it
+        if not self.tulip and not self.model_config:
+            raise ValueError("at least one --tulip HOST:PORT (or a --model-config file) is required")
+        check_targets(self.tulip)
         if not self.resolve_interval > 0:
             raise ValueError(f"resolve_interval {self.resolve_interval} must be > 0 (seconds)")
+        models = read_model_config(self.model_config) if self.model_config else ()
+        if self.tulip:
+            models = (ModelConfig(self.model, self.tulip, self.served_model_name, self.prompts_file), *models)
+        object.__setattr__(self, "_models", models)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
@@ -60,8 +138,14 @@ class IvyConfig:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.tulip_spin_ms < 0:
             raise ValueError(f"tulip_spin_ms {self.tulip_spin_ms} must be >= 0")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s {self.request_timeout_s} must be > 0")
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be > 0")
+
+    @property
+    def models(self) -> tuple[ModelConfig, ...]:
+        """The models served, the default first (see the module docstring)."""
+        return self._models
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "IvyConfig":

@@ -13,6 +13,11 @@ Every request has an id: the caller's `x-request-id` header where it is 1 to 128
 characters, else a fresh one (32 hex digits). It is echoed in every reply's `x-request-id` header
 (errors included), held in `REQUEST_ID` while the request is handled (the handlers send it to
 Tulip as the EmbedRequest's request_id) and named in Ivy's log lines about the request.
+
+Request counts are labelled with the route (the path template of the app's route that serves the
+path, "other" for none), the status and the model the request was routed to ("" where it names
+none or an unknown one): `CALL` holds the request's `Call` while it is handled, and routing a
+request to a model (`ivy.served.Models.get`) sets its `model`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import logging
 import os
 import re
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import orjson
+from starlette.routing import compile_path
 
 from ivy.errors import RETRY_AFTER, APIError, error_body
 
@@ -38,6 +44,18 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 MAX_STAGE_RECORDS = 200_000
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
+
+
+class Call:
+    """What the metrics say of the request being handled: the model it was routed to."""
+
+    __slots__ = ("model",)
+
+    def __init__(self):
+        self.model = ""
+
+
+CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("call", default=None)
 
 
 def request_id(headers) -> str:
@@ -109,21 +127,32 @@ async def _unless_disconnected(work, receive):
 
 
 class Front:
-    """See the module docstring. `inner`: the FastAPI app's own ASGI entry. `counter`: a
-    prometheus Counter labelled (route, status)."""
+    """See the module docstring. `inner`: the FastAPI app's own ASGI entry. `routes`: the app's
+    route path templates (`/v1/models/{model_id:path}`), the request counts' route labels.
+    `counter`: a prometheus Counter labelled (route, status, model)."""
 
-    def __init__(self, inner, fast: dict[str, Handler], routes: set[str], max_body: int, counter,
+    def __init__(self, inner, fast: dict[str, Handler], routes: Iterable[str], max_body: int, counter,
                  api_keys: tuple[str, ...] = ()):
-        self.inner, self.fast, self.routes, self.max_body, self.counter = inner, fast, routes, max_body, counter
+        self.inner, self.fast, self.max_body, self.counter = inner, fast, max_body, counter
+        routes = set(routes)
+        self.routes = {r for r in routes if "{" not in r}
+        self.templates = [compile_path(r)[:2] for r in sorted(routes - self.routes)]  # (regex, "/v1/models/{model_id}")
         self.bearers = [f"Bearer {k}".encode() for k in api_keys]
-        self._children: dict[tuple[str, int], object] = {}
+        self._children: dict[tuple[str, int, str], object] = {}
         stages = os.environ.get("IVY_STAGES")
         self.stages = Stages(stages) if stages else None
 
-    def count(self, route: str, status: int) -> None:
-        c = self._children.get((route, status))
+    def route(self, path: str) -> str:
+        """The label of the route serving `path`: its template, or "other"."""
+        if path in self.routes:
+            return path
+        return next((label for regex, label in self.templates if regex.match(path)), "other")
+
+    def count(self, route: str, status: int, model: str = "") -> None:
+        key = (route, status, model)
+        c = self._children.get(key)
         if c is None:
-            c = self._children[(route, status)] = self.counter.labels(route, str(status))
+            c = self._children[key] = self.counter.labels(route, str(status), model)
         c.inc()
 
     def authorized(self, scope) -> bool:
@@ -140,9 +169,11 @@ class Front:
                 return await self.inner(scope, receive, self._writing_stages_on_shutdown(send))
             return await self.inner(scope, receive, send)
         path = scope["path"]
-        route = path if path in self.routes else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        route = self.route(path)
         rid = request_id(scope["headers"])
         REQUEST_ID.set(rid)  # this request's task's own context
+        call = Call()
+        CALL.set(call)
         if not self.authorized(scope):
             return await self.reply(send, route, 401, error_body(
                 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"), rid)
@@ -153,7 +184,7 @@ class Front:
         if handler is None:
             async def counting_send(message):
                 if message["type"] == "http.response.start":
-                    self.count(route, message["status"])
+                    self.count(route, message["status"], call.model)
                     message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
                 await send(message)
 
@@ -176,7 +207,7 @@ class Front:
             if len(body) > WATCH_BYTES:  # big enough to be worth cancelling if its caller leaves
                 result = await _unless_disconnected(handler(body, stamp), receive)
                 if result is _GONE:
-                    self.count(route, 499)  # the client closed the connection: its work is dropped
+                    self.count(route, 499, call.model)  # the client closed the connection: its work is dropped
                     log.info("request %s: the client disconnected; its work was dropped", rid)
                     return
                 status, payload = 200, result
@@ -189,7 +220,7 @@ class Front:
         except Exception:
             log.exception("%s failed (request %s)", path, rid)
             status, payload = 500, error_body(500, "internal server error", None, "internal_error")
-        await self.reply(send, route, status, payload, rid)
+        await self.reply(send, route, status, payload, rid, call.model)
         if rec is not None:
             stamp("send")
             self.stages.keep(rec)
@@ -197,7 +228,7 @@ class Front:
     def too_large(self, n: int) -> bytes:
         return error_body(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes")
 
-    async def reply(self, send, route: str, status: int, payload: bytes, rid: str = "") -> None:
+    async def reply(self, send, route: str, status: int, payload: bytes, rid: str = "", model: str = "") -> None:
         headers = [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]
         if rid:
             headers.append((b"x-request-id", rid.encode()))
@@ -205,7 +236,7 @@ class Front:
             headers.append((b"retry-after", RETRY_AFTER[status].encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
-        self.count(route, status)
+        self.count(route, status, model)
 
     def _writing_stages_on_shutdown(self, send):
         async def wrapped(message):

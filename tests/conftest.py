@@ -114,3 +114,12 @@ def stack_default(tmp_path_factory):
     """deploy.local serving the default model with one replica; yields the base URL."""
     with local_stack("default", tmp_path_factory.mktemp("stack-default")) as (url, _):
         yield url
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples `name` (as exposed, e.g. `ivy_requests_total`) in Prometheus text
+    whose labels include `labels` (whatever order the exposition writes them in)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -40,7 +40,7 @@ def test_all_suites_end_to_end_on_cpu(tiny, tmp_path, model_path):
     assert "online 1x16" in summary and "bulk 100x64" in summary and "engine step in-process" in summary
     assert "through Ivy over HTTP" in summary and "| 1 | 1 | aiohttp | 4 x 1x64 text |" in summary and "bulk via Ivy" in summary
     table = json.loads((out / "attention_table_4x4x16.json").read_text())
-    assert table["heads"] == [4, 4, 16] and len(table["cells"]) == 4 and table["cells"][0]["winner"] == "sdpa"
+    assert table["heads"] == [4, 4, 16] and len(table["cells"]) == 4 and table["cells"][0]["winner"] in ("sdpa", "padded")  # the CPU backends; timing picks
     assert (out / "kernels_4x4x16.png").stat().st_size > 5_000
     assert (out / f"summary_{tiny.name}.png").stat().st_size > 10_000
 

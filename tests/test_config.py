@@ -99,3 +99,60 @@ def test_structure_doc_names_every_module():
     assert files
     missing = [f for f in files if f"`{f}`" not in doc]
     assert not missing, f"docs/structure.md does not mention {missing}"
+
+
+def test_model_config_file(tmp_path, monkeypatch):
+    """--model-config lists more models, each with its own Tulips; --model with --tulip comes first
+    (the default); the file alone serves its own list; the config travels to workers as JSON."""
+    import json
+
+    from ivy.config import ModelConfig
+
+    f = tmp_path / "models.json"
+    f.write_text(json.dumps([{"name": "rr", "model": "/m/rr", "tulip": ["a:1", "b:2"]},
+                             {"model": "/m/docs", "tulip": "unix:/run/t.sock", "prompts_file": "/p.json"}]))
+    cfg = IvyConfig.from_args(["--tulip", "t:1", "--model-config", str(f)])
+    assert cfg.models == (ModelConfig("default", ("t:1",)), ModelConfig("/m/rr", ("a:1", "b:2"), "rr"),
+                          ModelConfig("/m/docs", ("unix:/run/t.sock",), "", "/p.json"))
+    assert IvyConfig.from_json(cfg.to_json()).models == cfg.models
+    monkeypatch.setenv("IVY_MODEL_CONFIG", str(f))
+    assert [m.model for m in IvyConfig.from_args([]).models] == ["/m/rr", "/m/docs"]
+    f.write_text(json.dumps({"models": [{"model": "/m/x", "tulip": ["x:9"]}]}))
+    assert IvyConfig.from_args([]).models == (ModelConfig("/m/x", ("x:9",)),)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.models[0].name = "x"
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("{", "Expecting property name"),
+    ("[]", "must hold a non-empty JSON list"),
+    ('{"model": "/m"}', "must hold a non-empty JSON list"),
+    ('["/m"]', "entry 0 is not an object"),
+    ('[{"model": "/m", "tulip": ["a:1"], "replicas": 2}]', "unknown field(s) ['replicas']"),
+    ('[{"model": "/m"}]', "model '/m': 'tulip' must list at least one"),
+    ('[{"name": "rr", "model": "/m", "tulip": []}]', "model 'rr': 'tulip' must list"),
+    ('[{"model": "/m", "tulip": ["nohost"]}]', "model '/m': --tulip 'nohost' is not HOST:PORT"),
+    ('[{"model": "/m", "tulip": [1]}]', "'tulip' must list"),
+    ('[{"model": 7, "tulip": ["a:1"]}]', "'model' must be a model directory"),
+])
+def test_bad_model_config_quotes_the_value(tmp_path, capsys, content, fragment):
+    f = tmp_path / "models.json"
+    f.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        IvyConfig.from_args(["--model-config", str(f)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err, err
+
+
+def test_missing_model_config_and_duplicate_names(tmp_path, model_path):
+    import json
+
+    with pytest.raises(ValueError, match="--model-config '/nonexistent.json'.*No such file"):
+        IvyConfig(model_config="/nonexistent.json")
+    from ivy.app import create_app
+
+    f = tmp_path / "models.json"
+    f.write_text(json.dumps([{"model": str(model_path), "name": "all-MiniLM-L6-v2", "tulip": ["a:1"]}]))
+    with pytest.raises(ValueError, match="two models are served as 'all-MiniLM-L6-v2'"):
+        create_app(IvyConfig(tulip=("b:2",), model_config=str(f)))

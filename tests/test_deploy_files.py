@@ -328,11 +328,14 @@ def test_ivy_deployment_probes_service_hpa_pdb_secret_prompts():
     labels = dep["spec"]["template"]["metadata"]["labels"]
     c = container(dep)
     _, cfg = k8s_config(c)
-    from ivy.app import ROUTES
+    from ivy.app import create_app
+    from ivy.config import IvyConfig
+
+    routes = create_app(IvyConfig(tulip=("127.0.0.1:1",))).state.route_paths
 
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": cfg.port}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": cfg.port}
-    assert {"/ready", "/health", "/metrics"} <= ROUTES
+    assert {"/ready", "/health", "/metrics"} <= set(routes)
     (http,) = c["ports"]
     assert http["containerPort"] == cfg.port
     svc = docs[("Service", "ivy")]

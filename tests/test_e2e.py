@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import Proc, free_port, http_status
+from tests.conftest import Proc, free_port, http_status, metric
 from tests.sentences import SENTENCES
 
 MODEL = "all-MiniLM-L6-v2"
@@ -209,8 +209,10 @@ def test_tokenize_shows_what_the_model_sees(stack, st_model):
 
 def test_metrics_count_requests(stack):
     text = httpx.get(stack[0] + "/metrics").text
-    assert re.search(r'ivy_requests_total\{route="/v1/embeddings",status="200"\} [1-9]', text)
-    assert re.search(r'ivy_requests_total\{route="/v1/embeddings",status="400"\} [1-9]', text)
+    # labelled with the model a request was routed to; "" where it was refused before (the body did not parse)
+    assert metric(text, "ivy_requests_total", route="/v1/embeddings", status="200", model="all-MiniLM-L6-v2") >= 1
+    assert metric(text, "ivy_requests_total", route="/v1/embeddings", status="400") >= 1
+    assert metric(text, "ivy_prompt_tokens_total", model="all-MiniLM-L6-v2") >= 1
 
 
 def _port_open(port: int) -> bool:

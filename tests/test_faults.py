@@ -13,7 +13,7 @@ from ivy.balancer import Balancer
 from ivy.front import Front
 from tests.conftest import Proc, free_port
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import TulipClient, pack
+from tulip.client import EmbedOptions, TulipClient, pack
 
 rng = np.random.default_rng(7)
 EMBED = "/trellis.tulip.v1.Tulip/Embed"
@@ -109,7 +109,7 @@ def test_a_replica_with_a_full_queue_passes_work_to_one_with_room(tulip_server, 
         async def main():
             b = Balancer((small, target), max_chunk_tokens=4096)
             try:
-                results = await asyncio.gather(*(b.embed(seqs(200, 200), 0, timeout=60) for _ in range(12)),
+                results = await asyncio.gather(*(b.embed(seqs(200, 200), EmbedOptions(), timeout=60) for _ in range(12)),
                                                return_exceptions=True)
                 return results, b.replicas[0].busy_until > 0
             finally:
@@ -129,7 +129,7 @@ def test_429_and_503_carry_retry_after():
     async def send(message):
         sent.append(message)
 
-    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_requests", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()))
     for status in (429, 503, 400):
         sent.clear()
@@ -186,7 +186,7 @@ def test_deeply_nested_json_is_a_400():
 
 
 def test_the_bearer_scheme_is_case_insensitive():
-    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status"],
+    front = Front(None, {}, set(), 1 << 20, Counter("t_auth", "t", ["route", "status", "model"],
                                                      registry=CollectorRegistry()), api_keys=("k1",))
     scope = lambda v: {"path": "/v1/embeddings", "headers": [(b"authorization", v)]}  # noqa: E731
     assert front.authorized(scope(b"Bearer k1")) and front.authorized(scope(b"bearer k1"))
@@ -217,8 +217,13 @@ def test_a_caller_that_disconnects_has_its_queued_work_dropped(tmp_path):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(1.5)
-        s.close()  # the caller is gone
+        def queued() -> float:  # tokens waiting in Tulip (on a loaded machine, tokenizing can take > 1.5 s)
+            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tulip_queue_tokens"))
+
+        ivy.wait_for(lambda: queued() > 0, timeout=30)
+        s.close()  # the caller is gone, its work queued
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
         waited = time.monotonic() - t0
@@ -276,7 +281,7 @@ def test_a_draining_tulip_sends_new_work_elsewhere(tmp_path):
     try:
         async def main():
             async with TulipClient(target, transport="stream") as c:
-                first = asyncio.create_task(c.embed(seqs(*[256] * 48)))
+                first = asyncio.create_task(c.embed(seqs(*[256] * 24)))  # 12 steps: under way at the signal
                 await asyncio.sleep(0.3)  # queued and stepping
                 proc.p.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
@@ -285,7 +290,7 @@ def test_a_draining_tulip_sends_new_work_elsewhere(tmp_path):
                 return await first, e.value
 
         out, err = asyncio.run(main())
-        assert out.shape == (48, 384)
+        assert out.shape == (24, 384)
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
         assert proc.p.wait(30) == 0
     finally:
@@ -311,3 +316,154 @@ def test_a_key_in_the_query_string_stays_out_of_the_access_log(tmp_path, workers
         assert "sk-secret-123" not in ivy.output()
     finally:
         ivy.stop()
+
+
+def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
+    """Fault 8 (part): Ivy tokenized a request in full before it learned that every replica's queue
+    was full. Now, while every replica answered RESOURCE_EXHAUSTED within the last
+    ivy.balancer.BUSY_SECONDS, a request is a 429 (Retry-After) before it is tokenized: a huge text
+    is refused in milliseconds, not after the seconds its tokenizing takes."""
+    import json
+    import threading
+    import time
+
+    import httpx
+
+    (tmp_path / "t").mkdir()
+    target, tulip = start_tulip(tmp_path / "t", "--max-batch-tokens", "512", "--max-queued-tokens", "4096")
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", target, "--max-chunk-tokens", "2048"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    words = "tulips and roses grow in the garden by the river "
+    stop, statuses = threading.Event(), []
+
+    def flood():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                r = c.post(url + "/v1/embeddings", json={"input": [words * 25] * 8, "truncate": True})
+                statuses.append(r.status_code)
+
+    try:
+        ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
+        huge = json.dumps({"input": [f"{i} " + words * 20 for i in range(2048)], "truncate": True})  # 2 MB
+        headers = {"content-type": "application/json"}
+        t0 = time.monotonic()
+        assert httpx.post(url + "/v1/tokenize", content=huge, headers=headers, timeout=60).status_code == 200
+        tokenizing = time.monotonic() - t0  # what tokenizing it costs, idle
+        threads = [threading.Thread(target=flood) for _ in range(4)]  # 8,000 tokens for a queue of 4,096
+        for t in threads:
+            t.start()
+        ivy.wait_for(lambda: 429 in statuses, timeout=30)
+        refusals = []
+        for _ in range(6):
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/embeddings", content=huge, headers=headers, timeout=60)
+            refusals.append((time.monotonic() - t0, r.status_code, r.headers.get("retry-after")))
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        fastest = min(refusals)
+        assert tokenizing > 0.4, tokenizing  # the test could tell the difference
+        print("refusals", refusals, "tokenizing", tokenizing)
+        assert fastest[1:] == (429, "1") and fastest[0] < min(1.0, tokenizing / 3), (refusals, tokenizing)
+        assert set(statuses) <= {200, 429}, set(statuses)
+    finally:
+        stop.set()
+        ivy.stop()
+        tulip.stop()
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_stalled_and_slow_peers_are_dropped_without_holding_others(tmp_path, server):
+    """Timeouts where an HTTP peer can stall (slowloris): a connection that sends nothing, one that
+    sends its headers a byte at a time, and one that never finishes its body are closed within
+    --read-timeout-s (Granian: the headers sent byte by byte only); headers over 64 KiB are a 431; an idle
+    keep-alive connection is closed after --keep-alive-s; other clients are answered meanwhile."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{free_port()}", "--server", server,
+                "--read-timeout-s", "2", "--keep-alive-s", "1"], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"
+    post = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+
+    def closed_after(send: bytes, drip: float = 0.0, limit: float = 8.0) -> float:
+        """Seconds until the server closes a connection that sends `send` (a byte per `drip` s)."""
+        s = socket.create_connection(("127.0.0.1", port))
+        s.settimeout(0.05)
+        t0 = time.monotonic()
+        sent = 0
+        try:
+            while time.monotonic() - t0 < limit:
+                if sent < len(send):
+                    n = 1 if drip else len(send)
+                    s.sendall(send[sent: sent + n])
+                    sent += n
+                try:
+                    data = s.recv(65536)
+                    if not data or b"HTTP/1.1 408" in data:
+                        return time.monotonic() - t0
+                except socket.timeout:
+                    pass
+                time.sleep(drip)
+            return float("inf")
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - t0
+        finally:
+            s.close()
+
+    try:
+        ivy.wait_for(lambda: _status(url + "/health") == 200, timeout=60)
+        cases = {"byte by byte": (head, 0.3)}
+        if server == "uvicorn":  # Granian's timer starts at the first byte, and covers the headers only
+            cases.update({"silent": (b"", 0.0), "unfinished body": (post, 0.0)})
+        results, latencies = {}, []
+        threads = [threading.Thread(target=lambda k=k, v=v: results.__setitem__(k, closed_after(*v)))
+                   for k, v in cases.items()]
+        for t in threads:
+            t.start()
+        with httpx.Client() as c:  # others are served while the slow peers hang on
+            while any(t.is_alive() for t in threads):
+                t0 = time.monotonic()
+                assert c.get(url + "/health", timeout=10).status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.1)
+        for t in threads:
+            t.join()
+        assert all(1.5 < v < 4.5 for v in results.values()), results
+        assert max(latencies) < 1.0, max(latencies)
+        if server == "uvicorn":
+            r = httpx.get(url + "/health", headers={"x-big": "a" * (70 << 10)}, timeout=10)
+            assert r.status_code == 431
+            idle = closed_after(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
+            assert 0.5 < idle < 2.5, idle
+    finally:
+        ivy.stop()
+
+
+def test_a_caller_cancelled_mid_write_does_not_end_the_stream(tulip_server):
+    """grpc.aio cancels a whole call when a write on it is cancelled: a caller that left while its
+    (large) message was being written ended the shared EmbedStream, failing every other request on
+    it (UNAVAILABLE, a 503 from Ivy with one replica). Now the write finishes and the others carry on."""
+    target, _ = tulip_server
+
+    async def main():
+        async with TulipClient(target, transport="stream") as c:
+            first = asyncio.create_task(c.embed(seqs(*[200] * 10), timeout=60))
+            await asyncio.sleep(0.05)
+            stream = c.stream._call
+            big = asyncio.create_task(c.embed(seqs(*[4096] * 800), timeout=60))  # 13 MB of ids, over the queue
+            await asyncio.sleep(0.005)  # its message is being written
+            big.cancel()
+            out = await first
+            after = await c.embed(seqs(6), timeout=30)
+            return out, after, c.stream._call is stream
+
+    out, after, same_stream = asyncio.run(main())
+    assert out.shape == (10, 384) and after.shape == (1, 384) and same_stream

@@ -219,3 +219,24 @@ def test_the_gateway_imports_neither_the_engine_nor_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_embed_options_split_per_chunk_and_build_the_request():
+    """One options object from the route through the balancer to the client: a chunk's options
+    carry its own sequences' per-sequence fields and the request id with "-k"."""
+    import numpy as np
+
+    from trellis.tulip.v1 import tulip_pb2
+    from tulip.client import EmbedOptions
+
+    o = EmbedOptions(32, tulip_pb2.ENCODING_INT8, (tulip_pb2.OUTPUT_SPARSE,), [1, 2, 3], [0, 4, 5], True, "r")
+    p = o.part(1, 3, 2)
+    assert (p.pool_from, p.segment_starts, p.request_id) == ([2, 3], [4, 5], "r-2")
+    assert (p.dimensions, p.encoding, p.outputs, p.raw_scores) == (32, tulip_pb2.ENCODING_INT8, o.outputs, True)
+    assert EmbedOptions().part(0, 1, 0).request_id == ""
+    req = p.request([[5, 6], [7]])
+    assert (list(req.lengths), list(req.pool_from), list(req.segment_starts), req.request_id) == ([2, 1], [2, 3],
+                                                                                                   [4, 5], "r-2")
+    assert (req.dimensions, req.encoding, list(req.outputs), req.raw_scores) == (32, tulip_pb2.ENCODING_INT8,
+                                                                                [tulip_pb2.OUTPUT_SPARSE], True)
+    assert req.token_ids == np.array([5, 6, 7], "<i4").tobytes()

@@ -12,7 +12,7 @@ from ivy.balancer import Balancer, chunk
 from rose.batch import Batch
 from tests.conftest import Proc, free_port
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.client import TulipClient, pack
+from tulip.client import EmbedOptions, TulipClient, pack
 
 rng = np.random.default_rng(0)
 
@@ -225,7 +225,7 @@ def test_balancer_retries_on_another_replica_and_keeps_order(tulip_server, engin
     async def main():
         b = Balancer((dead, target), max_chunk_tokens=200)
         try:
-            return (await b.embed(seqs, 0, timeout=30)).vectors, b.replicas[0].down_until > 0
+            return (await b.embed(seqs, EmbedOptions(), timeout=30)).vectors, b.replicas[0].down_until > 0
         finally:
             await b.close()
 

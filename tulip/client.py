@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -47,6 +48,43 @@ def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
     return np.frombuffer(reply.embeddings, dtype="<f4").reshape(n, dim)
 
 
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What an embed request asks of Tulip beside its token ids, one object from Ivy's route
+    through the balancer to the client (a new EmbedRequest field: the proto, the route that sets it,
+    this class and the servicer). The per-sequence fields are empty or one per sequence.
+
+    dimensions:     Matryoshka truncation (0: the model's full width).
+    encoding:       tulip_pb2.ENCODING_* of the reply's vectors.
+    outputs:        extra tulip_pb2.OUTPUT_* (sparse, ColBERT) where the model has them.
+    pool_from:      per sequence, leading (prompt) tokens mean pooling leaves out.
+    segment_starts: a cross-encoder's pairs: per sequence where its second segment starts (0: none).
+    raw_scores:     a cross-encoder's logits, not activated.
+    request_id:     the caller's id (a chunk's: "-k" added by `part`; the stream adds "#n").
+    """
+
+    dimensions: int = 0
+    encoding: int = tulip_pb2.ENCODING_FLOAT32
+    outputs: tuple[int, ...] = ()
+    pool_from: Sequence[int] = ()
+    segment_starts: Sequence[int] = ()
+    raw_scores: bool = False
+    request_id: str = ""
+
+    def part(self, a: int, b: int, k: int) -> "EmbedOptions":
+        """The options of sequences [a, b), chunk k of a request split over replicas."""
+        return EmbedOptions(self.dimensions, self.encoding, self.outputs, self.pool_from[a:b],
+                            self.segment_starts[a:b], self.raw_scores,
+                            f"{self.request_id}-{k}" if self.request_id else "")
+
+    def request(self, seqs) -> tulip_pb2.EmbedRequest:
+        ids, lengths = pack(seqs)
+        return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=self.dimensions,
+                                      encoding=self.encoding, outputs=list(self.outputs),
+                                      pool_from=list(self.pool_from), segment_starts=list(self.segment_starts),
+                                      raw_scores=self.raw_scores, request_id=self.request_id)
+
+
 @dataclass
 class EmbedResult:
     """Everything one Embed call returned, per sequence in request order.
@@ -77,6 +115,15 @@ def unpack_result(reply: tulip_pb2.EmbedReply) -> EmbedResult:
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The exception a unary call would raise, for failures seen on the stream."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def _started(coro) -> asyncio.Task:
+    """`coro` as a task that has already run up to its first wait (Python >= 3.12: eager start, so a
+    write that completes at once costs no loop iteration); before 3.12 an ordinary task."""
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
 
 
 class TulipStream:
@@ -126,9 +173,17 @@ class TulipStream:
             req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        # The write runs as a task of its own: grpc.aio cancels the whole call when a write is
+        # cancelled, so a caller that left mid-write (a client gone, a sibling chunk failed) ended
+        # the stream for every request on it. It finishes instead, and then Tulip is told.
+        write = _started(self._write(call, req))
         try:
-            async with self._write_lock:
-                await call.write(req)
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            self._pending.pop(rid, None)
+            self._background(write)
+            write.add_done_callback(lambda w: self._written_then_cancel(w, call, rid))
+            raise
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             self._pending.pop(rid, None)
             if fut.done():
@@ -149,6 +204,18 @@ class TulipStream:
                             reply.error_message)
         return reply
 
+    async def _write(self, call, req: tulip_pb2.EmbedRequest) -> None:
+        async with self._write_lock:
+            await call.write(req)
+
+    def _background(self, task: asyncio.Task) -> None:
+        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
+        task.add_done_callback(self._cancels.discard)
+
+    def _written_then_cancel(self, write: asyncio.Task, call, rid: str) -> None:
+        if not write.cancelled() and write.exception() is None:
+            self._cancel(call, rid)
+
     def _cancel(self, call, rid: str) -> None:
         """Tell Tulip (in the background) that request `rid` on `call` has no caller any more."""
         if self._call is not call:
@@ -161,9 +228,7 @@ class TulipStream:
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 pass  # the stream closed meanwhile: nothing left to cancel
 
-        task = asyncio.get_running_loop().create_task(send())
-        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
-        task.add_done_callback(self._cancels.discard)
+        self._background(asyncio.get_running_loop().create_task(send()))
 
     async def close(self) -> None:
         if self._call is not None:
@@ -236,11 +301,12 @@ class TulipClient:
         result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
         `raw_scores`: the head's logits, not activated. `request_id`: the caller's id for the request
         (the stream adds "#n" to keep its messages apart, see TulipStream)."""
-        ids, lengths = pack(seqs)
-        req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=dimensions, encoding=encoding,
-                                     outputs=list(outputs), pool_from=list(pool_from),
-                                     segment_starts=list(segment_starts), raw_scores=raw_scores,
-                                     request_id=request_id)
+        return await self.call(seqs, EmbedOptions(dimensions, encoding, tuple(outputs), pool_from, segment_starts,
+                                                  raw_scores, request_id), timeout)
+
+    async def call(self, seqs, opts: EmbedOptions, timeout: float | None = None) -> EmbedResult:
+        """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object)."""
+        req = opts.request(seqs)
         self.outstanding += 1
         try:
             self._spinner.kick()

@@ -158,6 +158,9 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
     return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
+_DRAIN = object()  # pushed to every open stream when draining starts
+
+
 class RpcFailure(Exception):
     """A request's failure, as the gRPC status it is answered with."""
 
@@ -207,7 +210,15 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         self._plain_max = min(e.spec.max_seq_len, cfg.max_queued_tokens) if fits else 0
         self._vocab = e.spec.vocab_size
         self._ok = loop.metrics.requests.labels("OK")
-        self.draining = False  # set at SIGTERM: new requests are UNAVAILABLE (a balancer retries them elsewhere)
+        self.draining = False  # set at SIGTERM (drain()): new requests are UNAVAILABLE (a balancer retries them elsewhere)
+        self._streams: set = set()  # each open EmbedStream's push(), to wake it when draining starts
+
+    def drain(self) -> None:
+        """SIGTERM: refuse new work, and end each open stream once its requests are answered (an open
+        stream otherwise held the server for its whole grace period; its client reopens elsewhere)."""
+        self.draining = True
+        for push in list(self._streams):
+            push(_DRAIN)
 
     async def Info(self, request, context):
         return self.info
@@ -322,22 +333,24 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                 push(None)  # the caller closed its side (or reading failed)
 
         reader = asyncio.create_task(read())
+        self._streams.add(push)
         try:
             closed = False
             while True:
                 while replies:
                     reply = replies.popleft()
-                    if reply is None:
-                        closed = True
+                    if reply is None or reply is _DRAIN:
+                        closed = True  # the caller closed its side, or this server is draining
                         continue
                     yield reply
                     if stages is not None:
                         stages.written(reply)
-                if closed and not outstanding:
+                if (closed or self.draining) and not outstanding:
                     break
                 waiter = aloop.create_future()
                 await waiter
         finally:
+            self._streams.discard(push)
             reader.cancel()
             for req in list(outstanding):
                 self.loop.cancel(req)
@@ -529,10 +542,11 @@ async def serve(cfg: TulipConfig) -> int:
     await stop.wait()
     log.info("tulip: draining (up to %.1f s)", cfg.drain_seconds)
     # NOT_SERVING first: a balancer watching health (Ivy) stops sending here at once; then new work that
-    # still arrives, on open streams too, is UNAVAILABLE (sent elsewhere); what is in flight finishes.
+    # still arrives, on open streams too, is UNAVAILABLE (sent elsewhere); what is in flight finishes,
+    # and each open stream ends once its requests are answered (drain()).
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer.draining = True
+    servicer.drain()
     await server.stop(grace=cfg.drain_seconds)
     await loop.stop(cfg.drain_seconds)
     log_stages(loop.stages)

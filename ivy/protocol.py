@@ -1,0 +1,95 @@
+"""Ivy's HTTP/1.1 protocol under uvicorn: httptools' (uvicorn's own) with the read limits uvicorn
+lacks. uvicorn bounds only an idle keep-alive connection (`timeout_keep_alive`); a peer that opens a
+connection and sends nothing, sends its headers a byte at a time, or never finishes its body held
+the connection (and its buffers) for ever, and httptools takes headers of any size.
+
+Here a request must be read whole (headers and body) within `read_timeout` seconds of its first
+byte (a new connection: of its opening), else the connection is closed (a 408 first while still in
+the headers); headers over MAX_HEAD_BYTES are a 431. Once read, a request's handling is bounded by
+Ivy's own deadlines (`--request-timeout-s`), not by this."""
+
+from __future__ import annotations
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+MAX_HEAD_BYTES = 64 << 10  # request line and headers; nginx takes 4 x 8 KiB, Node.js 16 KiB
+
+
+def _reply(status: bytes) -> bytes:
+    return b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class ReadLimitedProtocol(HttpToolsProtocol):
+    """See the module docstring. uvicorn builds it with its own keywords; `read_timeout` comes in
+    through functools.partial (ivy.__main__), which survives the spawn of its worker processes."""
+
+    def __init__(self, *args, read_timeout: float = 30.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self._read_timer = None
+        self._in_head = True  # the bytes arriving belong to a request's line and headers
+        self._head_bytes = 0
+        self._completed = 0  # requests read whole on this connection
+        self._head_size = 0  # this request's line and headers, as parsed
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.read_timeout, self._stalled)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _stalled(self) -> None:
+        self._read_timer = None
+        if not self.transport.is_closing():
+            if self._in_head:
+                self.transport.write(_reply(b"408 Request Timeout"))
+            self.transport.close()
+
+    def _too_large(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(_reply(b"431 Request Header Fields Too Large"))
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        head, done = self._in_head, self._completed
+        super().data_received(data)
+        if head and self._in_head and done == self._completed:  # all of `data` was head, still incomplete
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._too_large()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_size = 0
+        self._arm()  # a keep-alive connection's next request: read within the timeout too
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_size > MAX_HEAD_BYTES:  # headers that came whole in one read
+            self._too_large()  # closing: uvicorn starts no request for them
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._completed += 1
+        self._in_head, self._head_bytes = True, 0  # bytes from here on are the next request's

@@ -1,0 +1,68 @@
+"""What every route module shares: the `Context` routes are built from, the `Routes` a module
+hands the app (a FastAPI router and the hot POST handlers `ivy.front.Front` answers itself),
+and the request checks and error mapping more than one route uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ivy import errors
+from ivy.config import IvyConfig
+from ivy.errors import APIError
+from ivy.front import Handler, _no_stamp
+from ivy.metrics import Metrics
+from ivy.schemas import schema
+from ivy.served import Models
+
+
+@dataclass
+class Context:
+    """What a route module needs: the settings, the served models, the metrics."""
+
+    cfg: IvyConfig
+    models: Models
+    metrics: Metrics
+
+    def check_count(self, n: int, param: str) -> None:
+        if n > self.cfg.max_inputs:
+            raise APIError(400, f"'{param}' has {n} items; at most {self.cfg.max_inputs} are accepted per request",
+                           param)
+
+    def input_list(self, inp) -> list:
+        """A request's 'input' as a non-empty list of at most max_inputs items."""
+        inp = [inp] if isinstance(inp, str) else inp
+        if not inp:
+            raise APIError(400, "'input' must not be empty", "input")
+        self.check_count(len(inp), "input")
+        return inp
+
+
+@dataclass
+class Routes:
+    """A route module's routes: `router` for FastAPI (OpenAPI, /docs and the plain ASGI path),
+    `fast` {path: handler(body, stamp) -> JSON bytes} for Front's hot path."""
+
+    router: APIRouter = field(default_factory=APIRouter)
+    fast: dict[str, Handler] = field(default_factory=dict)
+
+    def post(self, path: str, handler: Handler, body_model, name: str | None = None) -> None:
+        """A hot POST route: answered by Front from the raw body, and registered with FastAPI (its
+        OpenAPI body from `body_model`) to run the same handler where Front is not in front."""
+        async def route(request: Request):
+            return Response(await handler(await request.body(), _no_stamp), media_type="application/json")
+
+        self.router.post(path, name=name or handler.__name__, openapi_extra={"requestBody": {
+            "required": True, "content": {"application/json": {"schema": schema(body_model)}}}})(route)
+        self.fast[path] = handler
+
+
+async def tulip_call(awaitable):
+    """A balancer call's result, a Tulip's gRPC error as the caller's APIError."""
+    try:
+        return await awaitable
+    except grpc.aio.AioRpcError as e:
+        raise errors.from_grpc(e) from None

@@ -1,0 +1,109 @@
+"""POST /v1/embeddings (OpenAI's shape and Ivy's extensions), routed by `model`; long inputs
+(`truncate` false / true / "end" / "start" / "chunk": windows embedded together, token-weighted
+mean per input, `pool_windows`)."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+import orjson
+
+from ivy import errors
+from ivy.errors import APIError
+from ivy.front import REQUEST_ID, Stamp
+from ivy.routes.common import Context, Routes, tulip_call
+from ivy.schemas import EmbeddingRequest
+from trellis.tulip.v1 import tulip_pb2
+from tulip.client import EmbedOptions
+
+ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
+             "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
+
+
+def pool_windows(vectors: np.ndarray, seqs: list[np.ndarray], windows: list[int], normalized: bool,
+                 dims: int) -> np.ndarray:
+    """truncate "chunk": per input the mean of its windows' vectors weighted by their token counts
+    (special tokens included), L2-normalised again where the model normalises; then `dims`
+    (Matryoshka, 0: all) as Tulip applies it: the first `dims` values, L2-normalised."""
+    v = vectors.astype(np.float64)
+    if len(windows) < len(seqs):
+        w = np.array([len(s) for s in seqs], dtype=np.float64)
+        starts = np.cumsum([0, *windows[:-1]])
+        v = np.add.reduceat(v * w[:, None], starts, axis=0) / np.add.reduceat(w, starts)[:, None]
+        if normalized:
+            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    if dims and dims < v.shape[1]:
+        v = v[:, :dims]
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return v.astype("<f4")
+
+
+def routes(ctx: Context) -> Routes:
+    cfg, models = ctx.cfg, ctx.models
+    latency, prompt_tokens = ctx.metrics.latency, ctx.metrics.tokens
+    out = Routes()
+
+    async def embeddings(body: bytes, stamp: Stamp) -> bytes:
+        t0 = time.perf_counter()
+        req = errors.parse_body(EmbeddingRequest, body)
+        stamp("decode")
+        model = models.get(req.model)
+        model.check_room()
+        info = await model.info()
+        if info.num_labels:
+            raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
+                           "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
+        stamp("checks")
+        dims = 0
+        if req.dimensions is not None:
+            if not 1 <= req.dimensions <= info.embedding_dim:
+                raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
+                               "dimensions")
+            dims = req.dimensions
+        encoding = ENCODINGS[req.encoding_format]
+        if encoding not in info.encodings:
+            raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
+                           "encoding_format")
+        outputs = tuple(o for o, asked in ((tulip_pb2.OUTPUT_SPARSE, req.return_sparse),
+                                           (tulip_pb2.OUTPUT_COLBERT, req.return_colbert)) if asked)
+        for o in outputs:
+            if o not in info.outputs:
+                name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
+                raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
+        chunked = req.mode == "chunk"
+        if chunked and (outputs or encoding != tulip_pb2.ENCODING_FLOAT32):
+            raise APIError(400, "truncate \"chunk\" pools float vectors: it takes encoding_format float or base64 "
+                           "and no return_sparse / return_colbert", "truncate")
+        stamp("checks")  # accumulates with the one above
+        seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
+        # chunked windows come back whole: pooled, then Matryoshka-cut here
+        opts = EmbedOptions(0 if chunked else dims, encoding, outputs, pool_from, request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s, stamp))
+        stamp("grpc")
+        if chunked:
+            result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)
+        tokens = int(sum(map(len, seqs)))
+        b64 = req.encoding_format != "float"  # rows are already float32 LE, int8 or packed bits
+        # float rows go to orjson as numpy views of the reply's bytes (no list, no copy); base64 ones
+        # are encoded from those views
+        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(v).decode() if b64 else v}
+                for i, v in enumerate(result.vectors)]
+        tokenizer = model.tokenizer
+        for item, (ids, weights) in zip(data, result.sparse):
+            keys = [str(t) for t in ids.tolist()]
+            item["sparse_embedding"] = dict(zip(keys, weights.tolist()))
+            item["sparse_tokens"] = {k: tokenizer.token(int(k)) for k in keys}
+        for item, vecs in zip(data, result.colbert):
+            item["colbert_embedding"] = base64.b64encode(vecs.astype("<f4").tobytes()).decode() if b64 else vecs
+        reply = orjson.dumps({"object": "list", "data": data, "model": model.name,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                             option=orjson.OPT_SERIALIZE_NUMPY)
+        latency.labels(model.name).observe(time.perf_counter() - t0)
+        prompt_tokens.labels(model.name).inc(tokens)
+        stamp("encode")
+        return reply
+
+    out.post("/v1/embeddings", embeddings, EmbeddingRequest)
+    return out

@@ -1,0 +1,141 @@
+"""POST /v1/rerank and Cohere's /v2/rerank (documents by a cross-encoder's score of each (query,
+document) pair, or by cosine similarity to the query's embedding) and vLLM's POST /v1/score (the
+same scores, 1:N or N:N), each routed by `model`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import orjson
+
+from ivy import errors
+from ivy.errors import APIError
+from ivy.front import REQUEST_ID, Stamp
+from ivy.routes.common import Context, Routes, tulip_call
+from ivy.schemas import RerankRequest, ScoreRequest
+from ivy.served import ServedModel
+from trellis.tulip.v1 import tulip_pb2
+from tulip.client import EmbedOptions
+
+
+def routes(ctx: Context) -> Routes:
+    cfg, models, prompt_tokens = ctx.cfg, ctx.models, ctx.metrics.tokens
+    out = Routes()
+
+    async def rerank(body: bytes, stamp: Stamp) -> bytes:
+        req = errors.parse_body(RerankRequest, body)
+        model = models.get(req.model)
+        model.check_room()
+        if not req.documents:
+            raise APIError(400, "'documents' must not be empty", "documents")
+        ctx.check_count(len(req.documents) + 1, "documents")
+        if req.top_n is not None and req.top_n < 1:
+            raise APIError(400, f"top_n must be at least 1, got {req.top_n}", "top_n")
+        if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < 1:
+            raise APIError(400, f"max_tokens_per_doc must be at least 1, got {req.max_tokens_per_doc}",
+                           "max_tokens_per_doc")
+        for i, d in enumerate([req.query, *req.documents]):
+            if not d:
+                raise APIError(400, "'query' is an empty string" if i == 0 else f"document {i - 1} is an empty string",
+                               "query" if i == 0 else "documents")
+        docs = req.documents
+        if req.max_tokens_per_doc is not None:
+            docs = await model.offload(sum(map(len, docs)), model.tokenizer.cut, docs, req.max_tokens_per_doc)
+        seqs, scores = await _scores(model, req.query, docs, req.truncate, req.raw_scores, req.instruction,
+                                     ("query", None), ("documents", "document"), "document {} with the query")
+        order = np.argsort(-scores, kind="stable")[: req.top_n]
+        tokens = int(sum(len(s) for s in seqs))
+        prompt_tokens.labels(model.name).inc(tokens)
+        results = [{"index": int(i), "relevance_score": float(scores[i]),
+                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
+        # Jina's reply (model, results, usage) and Cohere's (id, results, meta) in one
+        return orjson.dumps({"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": results,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                             "meta": {"tokens": {"input_tokens": tokens, "output_tokens": 0}}})
+
+    async def score(body: bytes, stamp: Stamp) -> bytes:
+        """vLLM's score API: 1:N (text_1 one text) or N:N (pairwise) relevance scores."""
+        req = errors.parse_body(ScoreRequest, body)
+        model = models.get(req.model)
+        model.check_room()
+        t1, t2 = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
+        for name, texts, sent in (("text_1", t1, req.text_1), ("text_2", t2, req.text_2)):
+            if not texts:
+                raise APIError(400, f"'{name}' must not be empty", name)
+            for i, t in enumerate(texts):
+                if not t:
+                    raise APIError(400, f"'{name}' is an empty string" if isinstance(sent, str)
+                                   else f"{name} item {i} is an empty string", name)
+        if len(t1) not in (1, len(t2)):
+            raise APIError(400, f"'text_1' has {len(t1)} texts and 'text_2' has {len(t2)}: send one text_1 to "
+                           "score against every text_2 (1:N), or as many as text_2 to score pairwise (N:N)",
+                           "text_1")
+        ctx.check_count(len(t1) + len(t2), "text_2")
+        one = t1[0] if len(t1) == 1 else t1
+        seqs, scores = await _scores(
+            model, one, t2, req.truncate, req.raw_scores, None,
+            ("text_1", None if isinstance(req.text_1, str) else "text_1 item"),
+            ("text_2", None if isinstance(req.text_2, str) else "text_2 item"),
+            "pair {} (text_1, text_2)" if len(t1) > 1 else "text_2 item {} with text_1")
+        tokens = int(sum(len(s) for s in seqs))
+        prompt_tokens.labels(model.name).inc(tokens)
+        return orjson.dumps({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": model.name,
+                             "data": [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)],
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _scores(model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
+                      raw_scores: bool, instruction: str | None, query_names: tuple[str, str | None],
+                      document_names: tuple[str, str | None], pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+        """Per document its score against the query (one for all, or one per document): a
+        cross-encoder's score of the pair, or the cosine of a bi-encoder's embeddings. `*_names`:
+        the request field and item label (None: one text) that length errors name."""
+        info = await model.info()
+        if info.num_labels:
+            return await _pair_scores(model, queries, documents, truncate, raw_scores, instruction, info,
+                                      document_names[0], pair_item)
+        if raw_scores:
+            raise APIError(400, "'raw_scores' applies to cross-encoders; this model scores by cosine similarity",
+                           "raw_scores")
+        return await _cosine_scores(model, [queries] if isinstance(queries, str) else queries, documents,
+                                    instruction, truncate, query_names, document_names)
+
+    async def _cosine_scores(model: ServedModel, queries: list[str], documents: list[str], instruction: str | None,
+                             truncate: bool, query_names: tuple[str, str | None],
+                             document_names: tuple[str, str | None]) -> tuple[list[np.ndarray], np.ndarray]:
+        """A bi-encoder's scores: each document's cosine similarity to its query (or the one query),
+        the queries with the model's query prompt, the documents with its document prompt, all in one
+        request to Tulip."""
+        q, q_pool = await model.text_sequences(queries, "query", instruction, truncate, *query_names)
+        d, d_pool = await model.text_sequences(documents, "document", None, truncate, *document_names)
+        pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
+        seqs = q + d
+        opts = EmbedOptions(pool_from=pool_from, request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
+        v = result.vectors.astype(np.float64)
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        return seqs, (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
+
+    async def _pair_scores(model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
+                           raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
+                           pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+        """A cross-encoder's scores: each (query, document) pair scored together, as
+        sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores)."""
+        if info.num_labels != 1:
+            raise APIError(400, f"'{model.name}' gives {info.num_labels} scores per pair (a classifier); scoring "
+                           "pairs needs one relevance score per pair", "model")
+        if instruction is not None:
+            raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
+                           "the query and each document together, without one", "instruction")
+        seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
+        opts = EmbedOptions(segment_starts=starts if any(starts) else (), raw_scores=raw_scores,
+                            request_id=REQUEST_ID.get())
+        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
+        return seqs, result.scores[:, 0].astype(np.float64)
+
+    out.post("/v1/rerank", rerank, RerankRequest)
+    out.post("/v2/rerank", rerank, RerankRequest, name="rerank_v2")  # Cohere's path, the same handler
+    out.post("/v1/score", score, ScoreRequest)
+    return out

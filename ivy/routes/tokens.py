@@ -1,0 +1,27 @@
+"""POST /v1/tokenize: the token ids a model sees for each input (its prompt applied), by `model`."""
+
+from __future__ import annotations
+
+import orjson
+
+from ivy import errors
+from ivy.front import Stamp
+from ivy.routes.common import Context, Routes
+from ivy.schemas import TokenizeRequest
+
+
+def routes(ctx: Context) -> Routes:
+    out = Routes()
+
+    async def tokenize(body: bytes, stamp: Stamp) -> bytes:
+        req = errors.parse_body(TokenizeRequest, body)
+        model = ctx.models.get(req.model)
+        inp = ctx.input_list(req.input)
+        seqs = await model.tokenizer.encode(model.templates.apply(inp, req.input_type, req.instruction), req.truncate,
+                                            check_length=False)
+        return orjson.dumps({"object": "list", "model": model.name, "max_model_len": model.tokenizer.max_len,
+                             "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+
+    out.post("/v1/tokenize", tokenize, TokenizeRequest)
+    return out
