@@ -89,9 +89,8 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
             except Exception as e:  # a tile that does not fit
                 print(f"attention tile {t} at {cell}: {str(e)[:120]}")
                 continue
-            programs = -(-length // 64) * n * heads[0]
             emit("attention-tile", T, "triton", us, seqs=n, length=length, config=list(t), mode="pdl",
-                 default=t == kattn.tile(length, heads[2], programs))
+                 default=t == kattn.tile(length, heads[2], n, heads[0]))
         del qkv
     h = cfg["hidden_size"]
     for tokens in [int(t) for t in args.tokens.split(",")]:

@@ -30,29 +30,28 @@ def http_status(url: str) -> int:
         return 0
 
 
-class Proc:
-    """A real child process (python -m ...) with its output captured to a file."""
+class Child:
+    """A real child process (any argv) with its output captured to a file."""
 
-    def __init__(self, args: list[str], tmp: Path, env: dict | None = None):
-        self.log = tmp / f"{args[1].replace('.', '_')}-{time.monotonic_ns()}.log"
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None):
+        self.log = log
         e = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {}))
-        self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=e, stdout=self.log.open("w"),
-                                  stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(argv, cwd=ROOT, env=e, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.log.read_text()
 
     def wait_for(self, check, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while not check():
             if self.p.poll() is not None:
-                raise RuntimeError(f"process exited {self.p.returncode}:\n{self.output()[-3000:]}")
-            if check():
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"not ready after {timeout}s:\n{self.output()[-3000:]}")
+                raise RuntimeError(f"{self.p.args[:6]} exited {self.p.returncode}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout}s:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0, check: bool = True) -> int:
+        """Signal it and wait; past `timeout` it is killed, and (`check`) TimeoutExpired raised."""
         if self.p.poll() is None:
             self.p.send_signal(sig)
         try:
@@ -60,7 +59,26 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
-            raise
+            if check:
+                raise
+            return self.p.returncode
+
+
+class Proc(Child):
+    """A `python -m ...` child, its log in `tmp`."""
+
+    def __init__(self, args: list[str], tmp: Path, env: dict | None = None):
+        super().__init__([sys.executable, *args], tmp / f"{args[1].replace('.', '_')}-{time.monotonic_ns()}.log", env)
+
+
+def tulip_requests(ip: str, metrics_port: int, timeout: float = 2.0) -> float:
+    """Requests a Tulip has finished (any status), from its metrics; -1 when it cannot be asked."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{metrics_port}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return -1
+    return metric(text, "tulip_requests_total")
 
 
 @pytest.fixture(scope="session")

@@ -216,6 +216,18 @@ def test_several_labels_and_a_saved_activation(tmp_path):
     np.testing.assert_allclose(engine.activate(scores(engine, seqs, starts))[:, 0], ref, atol=1e-4)
 
 
+def assert_preset_scores_repeat(small, seqs, starts, max_seq_len: int) -> None:
+    """A one-label Sigmoid preset (random weights, a small copy): two engines give the same finite
+    scores, apart across pairs."""
+    got = []
+    for _ in range(2):
+        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
+        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", max_seq_len)
+        got.append(scores(engine, seqs, starts)[:, 0])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+
+
 def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
     """bge-reranker-v2-m3's config builds XLM-R large with XLMRobertaForSequenceClassification's head
     (dense 1024 x 1024, out_proj 1 x 1024); as a preset (RANDOM_WEIGHTS) the engine fills every one of
@@ -239,13 +251,7 @@ def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
                                                    "vocab_size": 1000, "max_position_embeddings": 130}))
     (small / RANDOM_WEIGHTS).write_text("preset test\n")
     seqs = [[0, 5 + i, 17, 2, 2, 40 + 3 * i, 41, 2] for i in range(6)]
-    got = []
-    for _ in range(2):
-        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
-        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 128)
-        got.append(scores(engine, seqs, None)[:, 0])
-    np.testing.assert_array_equal(got[0], got[1])
-    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+    assert_preset_scores_repeat(small, seqs, None, max_seq_len=128)
 
 
 def test_modernbert_reranker_preset(tmp_path, monkeypatch):
@@ -277,13 +283,7 @@ def test_modernbert_reranker_preset(tmp_path, monkeypatch):
     (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
                                                    "num_attention_heads": 4, "intermediate_size": 96,
                                                    "vocab_size": 300, "local_attention": 16}))
-    got = []
-    for _ in range(2):
-        engine = Engine(EngineConfig(model=str(small), device="cpu", dtype="float32"))
-        assert (engine.num_labels, engine.activation, engine.spec.max_seq_len) == (1, "Sigmoid", 8192)
-        got.append(scores(engine, seqs, starts)[:, 0])
-    np.testing.assert_array_equal(got[0], got[1])
-    assert np.isfinite(got[0]).all() and np.ptp(got[0]) > 1e-6
+    assert_preset_scores_repeat(small, seqs, starts, max_seq_len=8192)
 
 
 def test_segment_starts_only_for_cross_encoders():

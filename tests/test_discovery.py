@@ -13,20 +13,18 @@ request fails meanwhile.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, free_port, http_status
+from conftest import Child, free_port, http_status, tulip_requests
 from grpc_health.v1 import health, health_pb2_grpc
 
 from ivy.balancer import Balancer
@@ -295,46 +293,6 @@ def _unshare_works(tmp: Path) -> str:
     return "" if "127.0.0.7" in r.stdout else f"unshare -m with a bind mount not permitted: {r.stderr.strip()}"
 
 
-class Child:
-    """A child process (any argv) with its output in a file."""
-
-    def __init__(self, argv: list[str], log: Path):
-        self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-        self.p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, check, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if self.p.poll() is not None:
-                raise RuntimeError(f"exited {self.p.returncode}:\n{self.output()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(self.output()[-3000:])
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-
-
-def served(ip: str, metrics_port: int) -> float:
-    """Requests a Tulip has finished (any status), from its metrics; -1 when it is not there."""
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{metrics_port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return -1
-    return sum(float(v) for v in re.findall(r'^tulip_requests_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
-
-
 def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
     why = _unshare_works(tmp_path)
     if why:
@@ -389,38 +347,38 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
                 time.sleep(0.02)
             return time.monotonic()
 
-        wait(lambda: served(*a) > 0, 10)
-        assert served(*b) == 0  # not in the name yet
+        wait(lambda: tulip_requests(*a) > 0, 10)
+        assert tulip_requests(*b) == 0  # not in the name yet
 
         # added: takes load within two re-resolution periods
         t0 = name_is(*ips)
-        took = wait(lambda: served(*b) > 0, 4 * INTERVAL) - t0
+        took = wait(lambda: tulip_requests(*b) > 0, 4 * INTERVAL) - t0
         assert took <= 2 * INTERVAL, took
 
         # removed (a still runs): no new request once Ivy has seen it go (what was in flight may finish)
         name_is(ips[1])
         gone = f"tulip {a[0]}:{port} (tulips.trellis.test:{port}) left the name"
         wait(lambda: gone in ivy.output(), 4 * INTERVAL)
-        at_removal = served(*a)
+        at_removal = tulip_requests(*a)
         in_flight = int(re.search(rf"{re.escape(gone)}.* once its (\d+) in flight", ivy.output()).group(1))
-        b_then = served(*b)
+        b_then = tulip_requests(*b)
         time.sleep(1.5)
-        assert served(*a) - at_removal <= in_flight
-        assert served(*b) > b_then + 10  # the load went on, to the other
+        assert tulip_requests(*a) - at_removal <= in_flight
+        assert tulip_requests(*b) > b_then + 10  # the load went on, to the other
 
         # back in the name, then b drains (SIGTERM): NOT_SERVING is seen, nothing more is sent there,
         # and Ivy lets go of it at once (its stream and watch closed once idle)
-        a_then = served(*a)
+        a_then = tulip_requests(*a)
         name_is(*ips)
-        wait(lambda: served(*a) > a_then, 4 * INTERVAL)
+        wait(lambda: tulip_requests(*a) > a_then, 4 * INTERVAL)
         t0 = time.monotonic()
         tulips[1].p.send_signal(signal.SIGTERM)
         wait(lambda: f"tulip {b[0]}:{port} is NOT_SERVING" in ivy.output(), 5)
         tulips[1].p.wait(15)  # far inside its 30 s grace
         drained_in = time.monotonic() - t0
-        a_then = served(*a)
+        a_then = tulip_requests(*a)
         time.sleep(0.5)
-        assert served(*a) > a_then
+        assert tulip_requests(*a) > a_then
         after = ivy.output().split(f"tulip {b[0]}:{port} is NOT_SERVING", 1)[1]
         # Nothing was sent there once it was seen; the load is one request at a time, so at most one was on
         # its way (sent before the change was seen, refused by the draining Tulip, answered by a)
@@ -433,6 +391,6 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
     finally:
         stop.set()
         if ivy is not None:
-            ivy.stop()
+            ivy.stop(check=False)
         for t in tulips:
-            t.stop()
+            t.stop(check=False)

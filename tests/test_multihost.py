@@ -38,13 +38,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, free_port, http_status
+from conftest import ROOT, Child, free_port, http_status, tulip_requests
 
 from tests.sentences import SENTENCES
 from tulip.client import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
@@ -105,36 +104,6 @@ def free_subnet() -> str:
     return f"10.77.{random.choice(free)}"
 
 
-class Child:
-    """A child process (any argv) with its output in a file."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict | None = None):
-        self.log = log
-        e = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **(env or {}))
-        self.p = subprocess.Popen(argv, cwd=ROOT, env=e, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, check, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{self.p.args} exited {self.p.returncode}:\n{self.output()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(self.output()[-3000:])
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-
-
 class Net:
     """A bridge in the root namespace and hosts (namespaces with a veth onto it), all removed by close()."""
 
@@ -173,16 +142,6 @@ class Net:
         for ns in self.hosts:  # deleting a namespace deletes its veth end, and with it the pair
             sh("ip", "netns", "del", ns, check=False)
         sh("ip", "link", "del", self.bridge, check=False)
-
-
-def served(ip: str) -> float:
-    """Requests a Tulip has finished (any status), from its metrics; -1 when it cannot be asked."""
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=1) as r:
-            text = r.read().decode()
-    except OSError:
-        return -1
-    return sum(float(v) for v in re.findall(r'^tulip_requests_total\{[^}]*\} (\S+)$', text, re.MULTILINE))
 
 
 class Load:
@@ -293,7 +252,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
 
         def phase(name: str) -> None:
             load.phase = name
-            counts[name] = {i: served(ip[i]) for i in ip}
+            counts[name] = {i: tulip_requests(ip[i], METRICS_PORT, 1) for i in ip}
             began[name] = time.time()  # wall clock, as Ivy's log lines are stamped
 
         t_start = time.monotonic()
@@ -311,7 +270,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
         during_cut = ivy.output()
         net.link(2, up=True)
         t_up = time.monotonic()
-        while served(ip[2]) < 0:  # the host answers again (its neighbour entry is relearnt first)
+        while tulip_requests(ip[2], METRICS_PORT, 1) < 0:  # the host answers again (its neighbour entry is relearnt first)
             assert time.monotonic() - t_up < 10, "host 2 does not answer after its link came back"
             time.sleep(0.05)
         t_back = time.monotonic() - t_up
@@ -324,9 +283,9 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
         time.sleep(PHASE_S)
 
         phase("added")
-        before = served(ip[4])
+        before = tulip_requests(ip[4], METRICS_PORT, 1)
         t0 = name_is(1, 2, 3, 4)
-        while served(ip[4]) <= before:
+        while tulip_requests(ip[4], METRICS_PORT, 1) <= before:
             assert time.monotonic() - t0 < 4 * INTERVAL + 2, "the added host got no load:\n" + ivy.output()[-3000:]
             time.sleep(0.05)
         took = time.monotonic() - t0
@@ -362,5 +321,5 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
             load.stop()
         for c in (ivy, proxy, *tulips.values()):
             if c is not None:
-                c.stop()
+                c.stop(timeout=10, check=False)
         net.close()

@@ -93,15 +93,16 @@ def _tile_override() -> Tile | None:
     return tuple(int(x) for x in env.split(",")) if env else None
 
 
-def tile(max_seqlen: int, head_dim: int, programs: int) -> Tile:
-    """The launch tile for `programs` (query blocks of 64 x sequences x heads), measured by
+def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
+    """The launch tile for `seqs` sequences of up to `max_seqlen` tokens and `heads` query heads (its
+    grid: query blocks of 64 x sequences x heads), measured by
     `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
     while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
     sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
     (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4)."""
     if override := _tile_override():
         return override
-    block_n = 128 if programs <= 2 * 132 else 64
+    block_n = 128 if triton.cdiv(max(max_seqlen, 1), 64) * seqs * heads <= 2 * 132 else 64
     return 32 if head_dim > 64 and max_seqlen <= 256 else 64, block_n, 4
 
 
@@ -116,7 +117,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError(f"{H} query heads do not group over {hk} kv heads")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
-    bm, bn, warps = config or tile(max_seqlen, D, triton.cdiv(max(max_seqlen, 1), 64) * n * H)
+    bm, bn, warps = config or tile(max_seqlen, D, n, H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
               BLOCK_N=bn, CAUSAL=causal, num_warps=warps)
