@@ -14,6 +14,7 @@ client keeps its event loop polling while a reply is due (for up to that long pe
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -30,20 +31,32 @@ KEEPALIVE_S = 4.0  # a ping after this long without hearing from the peer
 KEEPALIVE_TIMEOUT_S = 4.0  # unanswered this long: the connection is closed
 
 
+_I4 = np.dtype("<i4")
+_F4 = np.dtype("<f4")
+
+
 def pack(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[bytes, list[int]]:
     """Token-id sequences -> (int32 little-endian bytes, lengths)."""
+    if len(seqs) == 1:  # one sequence (an online request): its bytes, no concatenation
+        a = seqs[0]
+        if type(a) is not np.ndarray or a.dtype is not _I4:
+            a = np.asarray(a, dtype=_I4)
+        return a.tobytes(), [len(a)]
     lengths = [len(s) for s in seqs]
     if not seqs:
         return b"", lengths
-    return np.concatenate([np.asarray(s, dtype="<i4") for s in seqs]).tobytes(), lengths
+    return np.concatenate([np.asarray(s, dtype=_I4) for s in seqs]).tobytes(), lengths
 
 
 def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
     """EmbedReply -> float32 [n, dim], int8 [n, dim], or packed sign bits uint8 [n, ceil(dim / 8)]."""
-    n, dim = tuple(reply.shape)
-    if reply.encoding == tulip_pb2.ENCODING_INT8:
+    n, dim = reply.shape
+    encoding = reply.encoding
+    if encoding == tulip_pb2.ENCODING_FLOAT32:  # one numpy call: each costs on a reply that wakes a cold core
+        return np.ndarray((n, dim), _F4, reply.embeddings)
+    if encoding == tulip_pb2.ENCODING_INT8:
         return np.frombuffer(reply.embeddings, dtype=np.int8).reshape(n, dim)
-    if reply.encoding == tulip_pb2.ENCODING_BINARY:
+    if encoding == tulip_pb2.ENCODING_BINARY:
         return np.frombuffer(reply.embeddings, dtype=np.uint8).reshape(n, (dim + 7) // 8)
     return np.frombuffer(reply.embeddings, dtype="<f4").reshape(n, dim)
 
@@ -79,10 +92,21 @@ class EmbedOptions:
 
     def request(self, seqs) -> tulip_pb2.EmbedRequest:
         ids, lengths = pack(seqs)
-        return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths, dimensions=self.dimensions,
-                                      encoding=self.encoding, outputs=list(self.outputs),
-                                      pool_from=list(self.pool_from), segment_starts=list(self.segment_starts),
-                                      raw_scores=self.raw_scores, request_id=self.request_id)
+        req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
+        if self is _DEFAULT:
+            return req
+        req.dimensions, req.encoding, req.raw_scores, req.request_id = (
+            self.dimensions, self.encoding, self.raw_scores, self.request_id)
+        if self.outputs:  # the repeated fields only where set
+            req.outputs.extend(self.outputs)
+        if len(self.pool_from):
+            req.pool_from.extend(self.pool_from)
+        if len(self.segment_starts):
+            req.segment_starts.extend(self.segment_starts)
+        return req
+
+
+_DEFAULT = EmbedOptions()
 
 
 @dataclass
@@ -102,14 +126,17 @@ class EmbedResult:
 
 def unpack_result(reply: tulip_pb2.EmbedReply) -> EmbedResult:
     if reply.scores:
-        n, labels = tuple(reply.shape)
+        n, labels = reply.shape
         return EmbedResult(np.empty((n, 0), np.float32), scores=np.frombuffer(reply.scores, dtype="<f4").reshape(n, labels))
+    vectors = unpack(reply)
+    if not reply.sparse and not reply.colbert_lengths:  # dense vectors only
+        return EmbedResult(vectors)
     sparse = [(np.asarray(s.token_ids, dtype=np.int64), np.asarray(s.weights, dtype=np.float32)) for s in reply.sparse]
     colbert = []
     if reply.colbert_lengths:
         flat = np.frombuffer(reply.colbert, dtype="<f4").reshape(-1, reply.colbert_dim)
         colbert = np.split(flat, np.cumsum(list(reply.colbert_lengths))[:-1])
-    return EmbedResult(unpack(reply), sparse, colbert)
+    return EmbedResult(vectors, sparse, colbert)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -119,11 +146,24 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 def _started(coro) -> asyncio.Task:
     """`coro` as a task that has already run up to its first wait (Python >= 3.12: eager start, so a
-    write that completes at once costs no loop iteration); before 3.12 an ordinary task."""
+    write is handed to gRPC before this returns); before 3.12 an ordinary task (it starts on the next
+    loop iteration)."""
     loop = asyncio.get_running_loop()
     if sys.version_info >= (3, 12):
         return asyncio.Task(coro, loop=loop, eager_start=True)
     return loop.create_task(coro)
+
+
+class _Expired(Exception):
+    """A stream request's deadline passed (set on its future by the timer)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class TulipStream:
@@ -133,23 +173,35 @@ class TulipStream:
     of its own: the caller's request_id with "#n" added (n counts this stream's requests), or n.
 
     Opened on first use; if it breaks, the requests waiting on it fail with UNAVAILABLE (so a
-    balancer retries them elsewhere) and the next request opens a new one."""
+    balancer retries them elsewhere) and the next request opens a new one.
+
+    The reply path is one hop: the reader task sets the caller's future, which is all the caller
+    awaits (a deadline is a timer on the loop that fails that future, not `asyncio.wait_for`). Writes
+    go through an outbox that one writer task empties in order (started eagerly where Python has it,
+    so an idle stream's message is handed to gRPC before `request` first waits): grpc.aio cancels the
+    whole call when a write on it is cancelled, so no caller ever awaits a write; a caller that leaves
+    takes its message out of the outbox if it is not sent yet, and otherwise queues a cancel behind it."""
 
     def __init__(self, stub: tulip_pb2_grpc.TulipStub):
         self._stub = stub
         self._call = None
         self._pending: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._write_lock = asyncio.Lock()
-        self._cancels: set[asyncio.Task] = set()
+        self._outbox: collections.deque = collections.deque()  # (call, request, its future or None)
+        self._writing = False  # a writer task is emptying the outbox
+        self._writer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # a reference to each reader until it is done
 
     async def _read(self, call) -> None:
         err = rpc_error(grpc.StatusCode.UNAVAILABLE, "Tulip closed the stream")
+        pending = self._pending
         try:
             async for reply in call:
-                fut = self._pending.pop(reply.request_id, None)
+                fut = pending.pop(reply.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
+                    if not pending:  # its caller was the only one: let it run before the next read is armed
+                        await asyncio.sleep(0)
         except grpc.aio.AioRpcError as e:
             err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip broke: {e.details()}")
         except asyncio.CancelledError:
@@ -162,73 +214,81 @@ class TulipStream:
                 if not fut.done():
                     fut.set_exception(err)
 
+    def _background(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._tasks.discard)
+
+    def _send(self, call, req: tulip_pb2.EmbedRequest, fut: asyncio.Future | None) -> tuple:
+        entry = (call, req, fut)
+        self._outbox.append(entry)
+        if not self._writing:
+            self._writing = True
+            self._writer = _started(self._write())  # referenced until the next (the loop keeps a weak one)
+        return entry
+
+    async def _write(self) -> None:
+        outbox = self._outbox
+        try:
+            while outbox:
+                call, req, fut = outbox.popleft()
+                try:
+                    await call.write(req)
+                except asyncio.CancelledError:
+                    if not call.cancelled():
+                        raise  # this task is cancelled, not the call (close() cancels the call)
+                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, "stream to Tulip is closed: cancelled")
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip is closed: {e}")
+                except Exception as e:  # the message itself (its caller sees what went wrong)
+                    err = e
+                else:
+                    continue
+                if fut is not None and not fut.done():  # the reader may have failed it first
+                    fut.set_exception(err)
+        finally:
+            self._writing = False
+
     async def request(self, req: tulip_pb2.EmbedRequest, timeout: float | None) -> tulip_pb2.EmbedReply:
-        if self._call is None:
-            self._call = self._stub.EmbedStream()
-            asyncio.get_running_loop().create_task(self._read(self._call))
         call = self._call
+        if call is None:
+            call = self._call = self._stub.EmbedStream()
+            self._background(asyncio.get_running_loop().create_task(self._read(call)))
         n = next(self._ids)
         rid = req.request_id = f"{req.request_id}#{n}" if req.request_id else str(n)  # unique on the stream
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        timer = None
         if timeout is not None:
             req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        # The write runs as a task of its own: grpc.aio cancels the whole call when a write is
-        # cancelled, so a caller that left mid-write (a client gone, a sibling chunk failed) ended
-        # the stream for every request on it. It finishes instead, and then Tulip is told.
-        write = _started(self._write(call, req))
+            timer = loop.call_later(timeout, _expire, fut)
+        entry = self._send(call, req, fut)
         try:
-            await asyncio.shield(write)
-        except asyncio.CancelledError:
-            self._pending.pop(rid, None)
-            self._background(write)
-            write.add_done_callback(lambda w: self._written_then_cancel(w, call, rid))
-            raise
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            self._pending.pop(rid, None)
-            if fut.done():
-                fut.exception()  # the reader failed it first; mark it retrieved
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip is closed: {e}") from None
-        try:
-            reply = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            self._cancel(call, rid)
+            reply = await fut
+        except _Expired:
+            self._leave(call, rid, entry)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:  # our caller is gone: so is Tulip's queued work for it
-            self._cancel(call, rid)
+            self._leave(call, rid, entry)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(rid, None)
         if reply.error_code:
-            raise rpc_error(grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == reply.error_code)),
-                            reply.error_message)
+            raise rpc_error(_STATUS.get(reply.error_code, grpc.StatusCode.UNKNOWN), reply.error_message)
         return reply
 
-    async def _write(self, call, req: tulip_pb2.EmbedRequest) -> None:
-        async with self._write_lock:
-            await call.write(req)
-
-    def _background(self, task: asyncio.Task) -> None:
-        self._cancels.add(task)  # a reference until it is done (the loop keeps only a weak one)
-        task.add_done_callback(self._cancels.discard)
-
-    def _written_then_cancel(self, write: asyncio.Task, call, rid: str) -> None:
-        if not write.cancelled() and write.exception() is None:
-            self._cancel(call, rid)
-
-    def _cancel(self, call, rid: str) -> None:
-        """Tell Tulip (in the background) that request `rid` on `call` has no caller any more."""
-        if self._call is not call:
-            return  # that stream is gone, and its queued work with it
-
-        async def send():
-            try:
-                async with self._write_lock:
-                    await call.write(tulip_pb2.EmbedRequest(request_id=rid, cancel=True))
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass  # the stream closed meanwhile: nothing left to cancel
-
-        self._background(asyncio.get_running_loop().create_task(send()))
+    def _leave(self, call, rid: str, entry) -> None:
+        """The caller of request `rid` is gone: its message is taken back if still unsent, else Tulip
+        is told (behind it on the stream, so after it)."""
+        self._pending.pop(rid, None)
+        for i, e in enumerate(self._outbox):
+            if e is entry:
+                del self._outbox[i]
+                return  # never sent
+        if self._call is call:  # otherwise that stream is gone, and its queued work with it
+            self._send(call, tulip_pb2.EmbedRequest(request_id=rid, cancel=True), None)
 
     async def close(self) -> None:
         if self._call is not None:
@@ -245,6 +305,7 @@ class TulipClient:
         self.transport = transport
         self.outstanding = 0  # calls waiting for their reply
         self._spinner = Spinner(spin_ms / 1e3, lambda: self.outstanding > 0)
+        self._spin, self._stream = spin_ms > 0, transport == "stream"
         mb = max_message_mb << 20
         self.target = target
         self.channel = grpc.aio.insecure_channel(target, options=[
@@ -290,7 +351,8 @@ class TulipClient:
     async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
                     encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
         """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
-        return (await self.embed_result(seqs, dimensions, timeout, encoding)).vectors
+        opts = _DEFAULT if not dimensions and encoding == tulip_pb2.ENCODING_FLOAT32 else EmbedOptions(dimensions, encoding)
+        return (await self.call(seqs, opts, timeout)).vectors
 
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
                            encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
@@ -309,8 +371,9 @@ class TulipClient:
         req = opts.request(seqs)
         self.outstanding += 1
         try:
-            self._spinner.kick()
-            if self.transport == "stream":
+            if self._spin:
+                self._spinner.kick()
+            if self._stream:
                 return unpack_result(await self.stream.request(req, timeout))
             return unpack_result(await self.stub.Embed(req, timeout=timeout))
         finally:
