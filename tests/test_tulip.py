@@ -175,6 +175,75 @@ def test_stream_deadline_drops_a_queued_request(tulip_server):
         assert replies[rid].error_code == 0 and len(replies[rid].embeddings) > 0
 
 
+class _HoldingServicer(tulip_pb2_grpc.TulipServicer):
+    """A real gRPC EmbedStream peer: answers every message at once except those whose ids it is told
+    to hold, and records what arrived (request ids, cancels)."""
+
+    def __init__(self, hold: set):
+        self.hold, self.seen, self.cancels = hold, [], []
+
+    async def EmbedStream(self, request_iterator, context):
+        async for r in request_iterator:
+            if r.cancel:
+                self.cancels.append(r.request_id)
+                continue
+            self.seen.append(r.request_id)
+            if r.request_id not in self.hold:
+                yield tulip_pb2.EmbedReply(request_id=r.request_id, shape=[len(r.lengths), 2],
+                                           embeddings=bytes(8 * len(r.lengths)), prompt_tokens=sum(r.lengths))
+
+
+def test_stream_callers_that_leave_are_taken_back_or_cancelled_behind_their_message():
+    """TulipStream never lets a caller await a write (grpc.aio would cancel the whole call with it):
+    messages go out in order from an outbox. A caller cancelled while its message still waits there
+    takes it back (the peer never sees it); one whose message went out is cancelled on the stream
+    (behind it), also when its deadline passes (a timer, DEADLINE_EXCEEDED); the stream stays open."""
+    port = free_port()
+
+    async def main():
+        servicer = _HoldingServicer({"2", "3", "4"})
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            async with TulipClient(f"127.0.0.1:{port}") as c:
+                assert (await c.embed([[5, 6, 7]])).shape == (1, 2)  # "0": the stream is open
+                stream = c.stream._call
+                big = asyncio.create_task(c.embed([np.zeros(4_000_000, np.int32)], timeout=30))  # "1": 16 MB
+                small = asyncio.create_task(c.embed([[8, 9]], timeout=30))  # "2": queued behind it
+                for _ in range(100):
+                    await asyncio.sleep(0)
+                    if len(c.stream._outbox) == 1:
+                        break
+                assert len(c.stream._outbox) == 1, "the small message was not waiting behind the big one"
+                small.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await small
+                assert (await big).shape == (1, 2)
+                held = asyncio.create_task(c.embed([[1, 2]], timeout=30))  # "3": sent, never answered
+                await asyncio.sleep(0)  # it takes its id first
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await c.embed([[3, 4]], timeout=0.2)  # "4": sent, expires
+                held.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await held
+                after = await c.embed([[5]], timeout=5)  # "5"
+                for _ in range(100):  # the cancels reach the peer
+                    if len(servicer.cancels) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                return late.value, after, c.stream._call is stream, c.stream._pending, servicer
+        finally:
+            await server.stop(None)
+
+    late, after, same_stream, pending, servicer = run(main())
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED and after.shape == (1, 2) and same_stream
+    assert servicer.seen == ["0", "1", "3", "4", "5"]  # "2" was taken back before it was sent
+    assert servicer.cancels == ["4", "3"]  # each behind its own message; none for "2"
+    assert pending == {}
+
+
 def test_stream_to_a_dead_replica_is_unavailable():
     async def main():
         async with TulipClient(f"127.0.0.1:{free_port()}", transport="stream") as c:
