@@ -194,13 +194,12 @@ class TulipStream:
 
     async def _read(self, call) -> None:
         err = rpc_error(grpc.StatusCode.UNAVAILABLE, "Tulip closed the stream")
-        pending = self._pending
         try:
             async for reply in call:
-                fut = pending.pop(reply.request_id, None)
+                fut = self._pending.pop(reply.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
-                    if not pending:  # its caller was the only one: let it run before the next read is armed
+                    if not self._pending:  # its caller was the only one: let it run before the next read is armed
                         await asyncio.sleep(0)
         except grpc.aio.AioRpcError as e:
             err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip broke: {e.details()}")
