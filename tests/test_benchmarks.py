@@ -277,3 +277,19 @@ def test_hop_fails_fast_when_its_server_dies():
     with pytest.raises(RuntimeError, match="exited with code 3"):
         _wait_ready(p, q, 600)
     assert time.monotonic() - t0 < 30
+
+
+def test_clientab_pairs_two_trees_and_the_proto_client(tmp_path):
+    """benchmarks.clientab: one Tulip over the null engine, two trees' tulip.client and the proto-only
+    client taking turns in one process; a row per client and round, then the medians."""
+    out = tmp_path / "ab.jsonl"
+    subprocess.run([sys.executable, "-m", "benchmarks.clientab", "--trees", f"a={ROOT},b={ROOT}", "--n", "30",
+                    "--warmup", "5", "--rounds", "1", "--transports", "stream,unary", "--timeout", "10",
+                    "--out", str(out)], cwd=ROOT, check=True, timeout=300, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = [r for r in rows if r["bench"] == "clientab" and r.get("round") == 0]
+    assert sorted((r["client"], r["transport"]) for r in timed) == sorted(
+        (c, t) for c in ("a", "b", "proto") for t in ("stream", "unary"))
+    assert all(r["n"] == 30 and r["p50_ms"] > 0 and r["main_thread_cpu_us"] > 0 for r in timed)
+    summary = [r for r in rows if r["bench"] == "clientab-summary"]
+    assert len(summary) == 6 and all(r["median_p50_ms"] == r["p50s_ms"][0] for r in summary)
