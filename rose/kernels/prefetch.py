@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -35,17 +34,12 @@ CHUNK = 32 * 1024  # bytes per prefetch instruction (a multiple of 16, as the in
 
 
 @functools.cache
-def mode() -> str:
-    """"norm" (the add + norm kernels issue the prefetches), "side" (a small kernel per block on a
-    side stream, forked from the block's start), or "" (none): ROSE_PREFETCH_L2 (a knob for
-    measurements; default "norm"). Only on CUDA with compute capability >= 9 (the bulk prefetch
-    is Hopper's), never interpreted."""
-    m = os.environ.get("ROSE_PREFETCH_L2", "norm")
-    if interpreted() or m in ("", "0") or not torch.cuda.is_available():
-        return ""
-    if m not in ("norm", "side"):
-        raise ValueError(f"ROSE_PREFETCH_L2={m!r}: norm, side or 0")
-    return m if torch.cuda.get_device_capability()[0] >= 9 else ""
+def enabled() -> bool:
+    """On CUDA (compute capability >= 9: the bulk prefetch is Hopper's), not interpreted, unless
+    ROSE_PREFETCH_L2=0 (a knob for measurements)."""
+    if interpreted() or os.environ.get("ROSE_PREFETCH_L2", "1") == "0":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def table(tensors, device=None, chunk: int = CHUNK) -> torch.Tensor:
@@ -65,40 +59,21 @@ def table(tensors, device=None, chunk: int = CHUNK) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=dev).reshape(-1, 2)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The small step's prefetches (`plan`).
-
-    mode: "norm" or "side" (`mode()`).
-    first: the table asked for before the embeddings (the first block's q/k/v, out, up in "norm";
-           its q/k/v in "side").
-    points: "norm": per block, the tables of its two add + norm kernels (after out, after down).
-    side: "side": per block, the table its side kernel asks for at the block's start (its out, up,
-          down and the next block's q/k/v).
-    stream: "side": the side stream.
-    programs: "side": programs per side kernel (ROSE_PREFETCH_PROGRAMS, default 32)."""
-    mode: str
-    first: torch.Tensor
-    points: list = field(default_factory=list)
-    side: list = field(default_factory=list)
-    stream: object = None
-    programs: int = 32
-
-
-def plan(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Plan | None:
-    """The prefetch `Plan` for blocks' (qkv, out, up, down) weights in order; None without a `mode()`."""
-    m = mode()
-    if not m or not blocks:
+def plan(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """For blocks' (qkv, out, up, down) weights in order: the tables of the first block's start
+    (`prefetch`) and of each block's two add + norm kernels ([(after out, after down)]), as the
+    module docstring says; None where there is nothing to ask for. None if not `enabled()`."""
+    if not enabled() or not blocks:
         return None
     n = len(blocks)
-    nxt = lambda i: blocks[i + 1] if i + 1 < n else None  # noqa: E731
-    if m == "side":
-        side = [table([o, u, d] + ([nxt(i)[0]] if nxt(i) else [])) for i, (_, o, u, d) in enumerate(blocks)]
-        return Plan(m, table([blocks[0][0]]), side=side, stream=torch.cuda.Stream(blocks[0][0].device),
-                    programs=int(os.environ.get("ROSE_PREFETCH_PROGRAMS", "32")))
-    points = [(table([d] + ([nxt(i)[0]] if nxt(i) else [])), table([nxt(i)[1], nxt(i)[2]]) if nxt(i) else None)
-              for i, (_, _, _, d) in enumerate(blocks)]
-    return Plan(m, table(list(blocks[0][:3])), points=points)
+    first = table([blocks[0][0], blocks[0][1], blocks[0][2]])
+    points = []
+    for i, (_, _, _, down) in enumerate(blocks):
+        nxt = blocks[i + 1] if i + 1 < n else None
+        after_out = table([down] + ([nxt[0]] if nxt else []))
+        after_down = table([nxt[1], nxt[2]]) if nxt else None
+        points.append((after_out, after_down))
+    return first, points
 
 
 @triton.jit
@@ -109,8 +84,8 @@ def issue(pf_ptr, pf_n, BLOCK: tl.constexpr):
     pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0) + \
         tl.program_id(2) * tl.num_programs(0) * tl.num_programs(1)
     progs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    for c0 in range(0, pf_n, progs * BLOCK):  # chunk c goes to program c % progs
-        offs = c0 + tl.arange(0, BLOCK) * progs + pid
+    for c0 in range(pid * BLOCK, pf_n, progs * BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
         m = offs < pf_n
         addr = tl.load(pf_ptr + 2 * offs, mask=m, other=0)
         size = tl.load(pf_ptr + 2 * offs + 1, mask=m, other=0).to(tl.int32)
@@ -127,38 +102,8 @@ def _prefetch_kernel(pf_ptr, pf_n, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
         tl.extra.cuda.gdc_wait()  # done only after its predecessor: the chain's order holds
 
 
-def prefetch(tab: torch.Tensor | None, programs: int = 8, chained: bool = True) -> None:
-    """Launch the bulk prefetch of table `tab` (None: nothing) on the current stream; `chained`:
-    in the step's PDL chain (else a plain launch, as on a side stream)."""
+def prefetch(tab: torch.Tensor | None, programs: int = 8) -> None:
+    """Launch the bulk prefetch of table `tab` (None: nothing) on the current stream."""
     if tab is None or not tab.shape[0]:
         return
-    if chained:
-        launch(_prefetch_kernel, (programs,), tab, tab.shape[0], BLOCK=128, num_warps=4)
-    else:
-        _prefetch_kernel[(programs,)](tab, tab.shape[0], BLOCK=128, USE_GDC=False, num_warps=4)
-
-
-def at_block(p: Plan | None, i: int) -> tuple:
-    """At block i's start: in "side" mode fork the side stream from here and launch the block's
-    side kernel; returns block i's two add + norm tables ((None, None) unless "norm")."""
-    if p is None:
-        return None, None
-    if p.mode == "side":
-        p.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(p.stream):
-            prefetch(p.side[i], p.programs, chained=False)
-        return None, None
-    return p.points[i]
-
-
-def start(p: Plan | None) -> None:
-    """At a small step's start: the first table, in the chain."""
-    if p is not None:
-        prefetch(p.first)
-
-
-def join(p: Plan | None) -> None:
-    """At a small step's end: the current stream waits for the side stream (graph capture needs
-    every fork joined)."""
-    if p is not None and p.mode == "side":
-        torch.cuda.current_stream().wait_stream(p.stream)
+    launch(_prefetch_kernel, (programs,), tab, tab.shape[0], BLOCK=128, num_warps=4)

@@ -166,4 +166,13 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
 
         self.l2_plan = prefetch.plan([b.small_weights() for b in self.blocks])
 
+    def prefetch_first(self) -> None:
+        """At a small step's start: the first block's weights into L2 (nothing without a plan)."""
+        if self.l2_plan is not None:
+            from rose.kernels import prefetch
 
+            prefetch.prefetch(self.l2_plan[0])
+
+    def prefetch_at(self, i: int) -> tuple:
+        """Block i's two add + norm prefetch tables, (None, None) without a plan."""
+        return self.l2_plan[1][i] if self.l2_plan is not None else (None, None)

@@ -207,25 +207,12 @@ class BertModel(Family):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if input_ids.shape[0] <= self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
-            return self.small_forward(input_ids, positions, meta, attn, token_type_ids)
-        if self.offset:
-            positions = positions + self.offset
-        x = self.embeddings(input_ids, positions, token_type_ids)
-        for layer in self.encoder.layer:
-            x = layer(x, meta, attn)
-        return x
-
-    def small_forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                      token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` through `BertLayer.small_step`, with the L2 prefetches of `l2_plan`."""
-        from rose.kernels import prefetch
-
-        prefetch.start(self.l2_plan)
+        small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
+        if small:
+            self.prefetch_first()
         if self.offset:
             positions = positions + self.offset
         x = self.embeddings(input_ids, positions, token_type_ids)
         for i, layer in enumerate(self.encoder.layer):
-            x = layer.small_step(x, meta, attn, prefetch.at_block(self.l2_plan, i))
-        prefetch.join(self.l2_plan)
+            x = layer.small_step(x, meta, attn, self.prefetch_at(i)) if small else layer(x, meta, attn)
         return x

@@ -86,13 +86,10 @@ class Qwen3Model(LlamaModel):
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
             return super().forward(input_ids, positions, meta, attn)
-        from rose.kernels import prefetch
-
-        prefetch.start(self.l2_plan)
+        self.prefetch_first()
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt, prefetch.at_block(self.l2_plan, i))
-        prefetch.join(self.l2_plan)
+            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt, self.prefetch_at(i))
         return h
