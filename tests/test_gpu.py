@@ -245,25 +245,3 @@ def test_triton_kernels_equal_references_in_bf16():
         w, b = r(4096, 1024) / 32, r(4096)
         got = gemm.linear(x, w, b, "gelu").float()
         assert F.cosine_similarity(got, gemm.linear_reference(x, w, b, "gelu")).min().item() >= 0.9999
-
-
-@pytest.mark.parametrize("preset", ["bge-m3", "pplx-embed-1-0.6b"])
-def test_l2_prefetch_leaves_the_small_step_unchanged(preset, monkeypatch):
-    """The small step's bulk L2 prefetches (`rose.kernels.prefetch`) change no number: the same
-    engine's graphs with and without its plan give the same bits; the plan covers every block."""
-    from rose.kernels import prefetch
-
-    fast = Engine(EngineConfig(model=preset, device="cuda", attention="triton"))
-    assert fast.model.l2_plan is not None and len(fast.model.l2_plan[1]) == len(fast.model.blocks)
-    batches = [Batch.from_sequences(seqs_of(lens, vocab=1000)) for lens in [(128,), (100, 37, 5)]]
-    prefetch.prefetch(fast.model.l2_plan[0], programs=132)  # the standalone kernel at full width
-    want = [[fast.step(b).synchronize().clone() for _ in range(3)][-1] for b in batches]
-    plan, fast.model.l2_plan = fast.model.l2_plan, None
-    off = Engine(EngineConfig(model=preset, device="cuda", attention="triton"))
-    off.model.load_state_dict(fast.model.state_dict())
-    off.model.l2_plan = None
-    for b, w in zip(batches, want):
-        got = [off.step(b).synchronize().clone() for _ in range(3)][-1]
-        assert torch.equal(got, w)
-    assert plan[0].shape[1] == 2 and int(plan[0][:, 1].sum()) >= sum(
-        t.numel() * t.element_size() for t in fast.model.blocks[0].small_weights()[:3])

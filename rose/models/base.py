@@ -156,23 +156,3 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
-
-    l2_plan = None  # the small step's L2 prefetch tables (`plan_prefetch`), None: none
-
-    def plan_prefetch(self) -> None:
-        """Tables for the small step's L2 prefetches (`rose.kernels.prefetch.plan`) from each block's
-        `small_weights()`; a family's `use_kernels` calls it once its weights are on the device."""
-        from rose.kernels import prefetch
-
-        self.l2_plan = prefetch.plan([b.small_weights() for b in self.blocks])
-
-    def prefetch_first(self) -> None:
-        """At a small step's start: the first block's weights into L2 (nothing without a plan)."""
-        if self.l2_plan is not None:
-            from rose.kernels import prefetch
-
-            prefetch.prefetch(self.l2_plan[0])
-
-    def prefetch_at(self, i: int) -> tuple:
-        """Block i's two add + norm prefetch tables, (None, None) without a plan."""
-        return self.l2_plan[1][i] if self.l2_plan is not None else (None, None)
