@@ -35,8 +35,7 @@ ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, UP_OFFSET,
                    K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PRE: tl.constexpr,
-                   USE_GDC: tl.constexpr):
+                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -47,22 +46,12 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
     mask_n = offs_n[None, :] < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of w's rows
-    if PRE:  # the first K block of weights, which depend on nothing, read while the predecessor runs
-        w0 = tl.load(w_ptrs, mask=mask_n, other=0.0)
-        u0 = tl.load(w_ptrs + UP_OFFSET, mask=mask_n, other=0.0) if ACT == 2 else w0
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
-    if PRE:
-        a = tl.load(x_ptrs, mask=mask_m, other=0.0)
-        acc = tl.dot(a, w0, acc)
-        if ACT == 2:
-            acc_up = tl.dot(a, u0, acc_up)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    for _ in range(PRE * BLOCK_K, K_SPLIT, BLOCK_K):
+    for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(x_ptrs, mask=mask_m, other=0.0)
         acc = tl.dot(a, tl.load(w_ptrs, mask=mask_n, other=0.0), acc)
         if ACT == 2:
@@ -92,8 +81,7 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_o
 @triton.jit
 def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                       PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PRE: tl.constexpr,
-                       USE_GDC: tl.constexpr):
+                       PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
     """As `_linear_kernel`, with x and w read by the tensor-memory accelerator (TMA descriptors made
     on the host), so the K loop is pipelined `STAGES` deep whatever the compiler proves of pointers."""
     pid_n = tl.program_id(0)
@@ -102,20 +90,12 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     k0 = pid_k * K_SPLIT
-    if PRE:  # the first K block of weights before the wait, as `_linear_kernel`
-        w0 = w_desc.load([off_n, k0])
-        u0 = w_desc.load([off_n + N, k0]) if ACT == 2 else w0
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
-    if PRE:
-        a = x_desc.load([off_m, k0])
-        acc = tl.dot(a, w0.T, acc)
-        if ACT == 2:
-            acc_up = tl.dot(a, u0.T, acc_up)
-    for k in tl.range(PRE * BLOCK_K, K_SPLIT, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
         a = x_desc.load([off_m, k0 + k])
         acc = tl.dot(a, w_desc.load([off_n, k0 + k]).T, acc)
         if ACT == 2:
@@ -154,14 +134,6 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
         y = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)[:, None] * g + \
             tl.load(beta_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.cache
-def _pre() -> int:
-    """1: each linear program reads its first K block of weights before waiting on its predecessor
-    (under PDL the wait is where a program spends its start); ROSE_GEMM_PRE=0|1, a knob for
-    measurements."""
-    return int(os.environ.get("ROSE_GEMM_PRE", "0"))
 
 
 NormTile = tuple[int, int]  # rows per program, warps
@@ -246,7 +218,7 @@ def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | 
         raise ValueError(f"K {K} does not split {split} ways in blocks of {bk}")
     grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), split)
     kw = dict(K_SPLIT=K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, HAS_BIAS=b is not None,
-              ACT=ACTS[act], PRE=_pre(), num_warps=warps)
+              ACT=ACTS[act], num_warps=warps)
     bias = b if b is not None else w
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
