@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import interpreted, launch
+from rose.kernels import launch
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 
@@ -106,21 +106,20 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
 
 
 @triton.jit
-def _norm_rows(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, rows, M, N, eps, SPLIT: tl.constexpr,
-               BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-               CG: tl.constexpr):
-    """Rows `rows` of: the SPLIT partials summed, + bias + residual, normalised (see `add_norm`).
-    CG: read the partials from L2 only (other programs of this kernel wrote them)."""
+def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RMS: tl.constexpr, USE_GDC: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
     mask = (rows[:, None] < M) & mask_c
     at = rows[:, None] * N + cols[None, :]
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        if CG:
-            acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
+        acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
@@ -135,60 +134,6 @@ def _norm_rows(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, rows, M, 
         y = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)[:, None] * g + \
             tl.load(beta_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
-                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RMS: tl.constexpr, USE_GDC: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _norm_rows(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, rows, M, N, eps, SPLIT, BLOCK, ROWS,
-               HAS_BIAS, RMS, False)
-
-
-@triton.jit
-def _linear_norm_kernel(x_desc, w_desc, p_ptr, bar_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
-                        K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        STAGES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        RMS: tl.constexpr, SPIN_LIMIT: tl.constexpr, USE_GDC: tl.constexpr):
-    """`linear_partials` then `add_norm` in one kernel: every program writes its float32 partial
-    tile, all meet at a grid barrier (a counter that only grows: each launch adds exactly its program
-    count, so it needs no reset between graph replays), then each normalises rows program, program +
-    programs, ... The grid must fit the GPU at once (`linear_add_norm` keeps it to one program per
-    SM); SPIN_LIMIT bounds the wait so a broken promise gives wrong rows, not a hung GPU."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    k0 = pid_k * K_SPLIT
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
-        acc = tl.dot(x_desc.load([off_m, k0 + k]), w_desc.load([off_n, k0 + k]).T, acc)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    tl.store(p_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    me = pid_n + tl.num_programs(0) * (pid_m + tl.num_programs(1) * pid_k)
-    tl.debug_barrier()  # every thread's stores before the release
-    old = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
-    target = (old // programs + 1) * programs
-    seen = old + 1
-    spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    tl.debug_barrier()
-    for r in range(me, M, programs):
-        _norm_rows(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, r + tl.arange(0, 1), M, N, eps, SPLIT,
-                   BLOCK, 1, HAS_BIAS, RMS, True)
 
 
 NormTile = tuple[int, int]  # rows per program, warps
@@ -324,53 +269,6 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
            weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
            BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, num_warps=warps)
-    return (total, out) if rms else out
-
-
-@functools.cache
-def _barrier(device: torch.device) -> torch.Tensor:
-    """The fused kernels' grid-barrier counter on `device` (int64, only grows)."""
-    return torch.zeros(1, dtype=torch.int64, device=device)
-
-
-def _fused() -> bool:
-    """Whether `linear_add_norm` fuses (ROSE_FUSED_NORM=0|1, a knob for measurements): never
-    interpreted (its programs run one after another there, so a grid barrier cannot be met)."""
-    return not interpreted() and os.environ.get("ROSE_FUSED_NORM", "1") != "0"
-
-
-def fused_plan(m: int, n: int, k: int) -> tuple[Config, int] | None:
-    """(config, split) for `linear_add_norm`'s one kernel: the measured plan's tile and split, its N
-    tile widened until the grid is at most one program per SM; None where that cannot be."""
-    (bm, bn, bk, warps, stages), split, _ = plan(m, n, k)
-    while -(-m // bm) * -(-n // bn) * split > SMS and bn < 128:
-        bn *= 2
-    if -(-m // bm) * -(-n // bn) * split > SMS or (k // split) % bk:
-        return None
-    return (bm, bn, bk, warps, stages), split
-
-
-def linear_add_norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                    weight: torch.Tensor, norm_bias: torch.Tensor | None, eps: float, rms: bool = False):
-    """`add_norm(linear_partials(x, w), bias, residual, weight, norm_bias, eps, rms)` (same returns),
-    as one kernel where `fused_plan` finds a grid that fits (`_linear_norm_kernel`), else the two."""
-    M, K = x.shape
-    N = w.shape[0]
-    fp = fused_plan(M, N, K) if _fused() else None
-    if fp is None:
-        return add_norm(linear_partials(x, w), bias, residual, weight, norm_bias, eps, rms)
-    (bm, bn, bk, warps, stages), split = fp
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    parts = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    out = torch.empty_like(residual)
-    total = torch.empty_like(residual) if rms else out
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    launch(_linear_norm_kernel, grid, TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-           parts, _barrier(x.device), bias if bias is not None else weight, residual, weight,
-           norm_bias if norm_bias is not None else weight, out, total, M, N, eps, K_SPLIT=K // split, BLOCK_M=bm,
-           BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT=split, BLOCK=triton.next_power_of_2(N),
-           HAS_BIAS=bias is not None, RMS=rms, SPIN_LIMIT=1 << 22, num_warps=warps)
     return (total, out) if rms else out
 
 

@@ -119,12 +119,12 @@ class BertLayer(nn.Module):
         qkv = gemm.linear(x, sa.qkv.weight, sa.qkv.bias) if "qkv" in ops else sa.qkv(x)
         q, k, v = qkv.view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
         a = attn(q, k, v, meta).reshape(T, h)
-        x = gemm.linear_add_norm(a, so.dense.weight, so.dense.bias, x, so.LayerNorm.weight, so.LayerNorm.bias,
-                                 so.LayerNorm.eps)
+        x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight), so.dense.bias, x,
+                          so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps)
         f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu") if "up" in ops else \
             linear_gelu(x, up.dense.weight, up.dense.bias)
-        return gemm.linear_add_norm(f, down.dense.weight, down.dense.bias, x, down.LayerNorm.weight,
-                                    down.LayerNorm.bias, down.LayerNorm.eps)
+        return gemm.add_norm(gemm.linear_partials(f, down.dense.weight), down.dense.bias, x,
+                             down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +

@@ -41,14 +41,15 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
                                sa.h, sa.hk, sa.d)
         a = attn(q, k, v, meta).reshape(T, -1)
-        x, h = gemm.linear_add_norm(a, sa.o_proj.weight, sa.o_proj.bias, x, post.weight, None, post.eps, rms=True)
+        x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
+                             post.eps, rms=True)
         if "up" in ops:
             m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
         else:
             gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
             m = F.silu(gate) * up
-        return gemm.linear_add_norm(m, mlp.down_proj.weight, None, x, next_norm.weight, None, next_norm.eps,
-                                    rms=True)
+        return gemm.add_norm(gemm.linear_partials(m, mlp.down_proj.weight), None, x, next_norm.weight, None,
+                             next_norm.eps, rms=True)
 
 
 class Qwen3Model(LlamaModel):
