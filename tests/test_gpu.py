@@ -245,3 +245,26 @@ def test_triton_kernels_equal_references_in_bf16():
         w, b = r(4096, 1024) / 32, r(4096)
         got = gemm.linear(x, w, b, "gelu").float()
         assert F.cosine_similarity(got, gemm.linear_reference(x, w, b, "gelu")).min().item() >= 0.9999
+
+
+@pytest.mark.parametrize("preset", ["bge-m3", "pplx-embed-1-0.6b"])
+def test_l2_prefetch_leaves_the_small_step_unchanged(preset, monkeypatch):
+    """The small step's bulk L2 prefetches (`rose.kernels.prefetch`, both modes) change no number:
+    one engine's small path gives the same bits with and without its plan; a plan covers every block."""
+    from rose.kernels import prefetch
+
+    eng = Engine(EngineConfig(model=preset, device="cuda", attention="triton", graphs="off"))
+    batches = [Batch.from_sequences(seqs_of(lens, vocab=1000)) for lens in [(128,), (100, 37, 5)]]
+    eng.model.l2_plan = None
+    want = [eng.step(b).synchronize().clone() for b in batches]
+    for mode in ("norm", "side"):
+        monkeypatch.setenv("ROSE_PREFETCH_L2", mode)
+        prefetch.mode.cache_clear()
+        eng.model.plan_prefetch()
+        plan = eng.model.l2_plan
+        assert plan.mode == mode and len(plan.points or plan.side) == len(eng.model.blocks)
+        for b, w in zip(batches, want):
+            assert torch.equal(eng.step(b).synchronize(), w), mode
+        prefetch.prefetch(plan.first, programs=132)  # the standalone kernel at full width
+        torch.cuda.synchronize()
+    prefetch.mode.cache_clear()

@@ -192,3 +192,23 @@ def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
         assert model.use_kernels(1024) == Qwen3Model.MAX_KERNEL_TOKENS == 256
         got = model(ids, pos, meta, Interpreted())[:40]
     assert rel(got, want) < TOL
+
+
+def test_prefetch_tables_cover_each_tensor_in_aligned_chunks():
+    """`rose.kernels.prefetch.table`: (address, bytes) rows covering every byte of each tensor, sizes
+    multiples of 16, in chunks of at most CHUNK; the plan asks for each block's weights once, the
+    first block's q/k/v, out and up at the start (off under the interpreter: no PTX there)."""
+    from rose.kernels import prefetch
+
+    ts = [torch.empty(1000, dtype=torch.float16), torch.empty(40000, dtype=torch.float32)]
+    tab = prefetch.table(ts, chunk=4096)
+    assert tab.dtype == torch.int64 and tab.shape[1] == 2
+    assert (tab[:, 1] % 16 == 0).all() and (tab[:, 1] <= 4096).all()
+    for t in ts:
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        rows = tab[(tab[:, 0] >= a) & (tab[:, 0] < a + n)]
+        assert rows[0, 0] == a and int(rows[:, 1].sum()) == -(-n // 16) * 16
+        assert (rows[1:, 0] - rows[:-1, 0] == 4096).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        prefetch.table([torch.empty(8, 8).t()])
+    assert prefetch.mode() == "" and prefetch.plan([tuple(ts * 2)]) is None  # the interpreter / CPU: no plan

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from rose.kernels import launch
+from rose.kernels.prefetch import issue as prefetch_issue
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2}
 
@@ -106,9 +107,11 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
 
 
 @triton.jit
-def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
+def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps, pf_ptr, pf_n,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RMS: tl.constexpr, USE_GDC: tl.constexpr):
+                     RMS: tl.constexpr, HAS_PF: tl.constexpr, PF_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if HAS_PF:  # later kernels' weights into L2 (rose.kernels.prefetch); depends on nothing
+        prefetch_issue(pf_ptr, pf_n, PF_BLOCK)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
@@ -255,9 +258,11 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, 
 
 
 def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-             norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None):
+             norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None,
+             prefetch_table: torch.Tensor | None = None):
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
-    warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`).
+    warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`). With
+    `prefetch_table` (`rose.kernels.prefetch.table`) its programs also ask for those weights in L2.
 
     LayerNorm (rms False, post-norm as BERT): returns LayerNorm(sum) in residual's dtype.
     RMSNorm (rms True, pre-norm as Qwen3): returns (sum, RMSNorm(sum)), the sum rounded to
@@ -266,9 +271,12 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     out = torch.empty_like(residual)
     total = torch.empty_like(residual) if rms else out
     rows, warps = config or _norm_override() or (1, 8)  # measured: 2.4 us against 3.3 with 4 warps (1024 wide)
+    pf = prefetch_table is not None and prefetch_table.shape[0] > 0
     launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
-           weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
-           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, num_warps=warps)
+           weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps,
+           prefetch_table if pf else partials, prefetch_table.shape[0] if pf else 0, SPLIT=split,
+           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, HAS_PF=pf,
+           PF_BLOCK=32 * warps, num_warps=warps)
     return (total, out) if rms else out
 
 

@@ -156,3 +156,14 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
+
+    l2_plan = None  # the small step's L2 prefetch tables (`plan_prefetch`), None: none
+
+    def plan_prefetch(self) -> None:
+        """Tables for the small step's L2 prefetches (`rose.kernels.prefetch.plan`) from each block's
+        `small_weights()`; a family's `use_kernels` calls it once its weights are on the device."""
+        from rose.kernels import prefetch
+
+        self.l2_plan = prefetch.plan([b.small_weights() for b in self.blocks])
+
+

@@ -105,12 +105,18 @@ class BertLayer(nn.Module):
     def forward(self, x, meta, attn):
         return self.feed_forward(self.attention.self(x, meta, attn), x)
 
-    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def small_weights(self) -> tuple[torch.Tensor, ...]:
+        """The small step's projection weights in the order it reads them (q/k/v, out, up, down)."""
+        return (self.attention.self.qkv.weight, self.attention.output.dense.weight, self.intermediate.dense.weight,
+                self.output.dense.weight)
+
+    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend,
+                   l2=(None, None)) -> torch.Tensor:
         """The same layer for small steps, in fewer kernels (`rose.kernels.gemm`): the output and FFN
         down projections run split over K in Triton, their float32 partial sums reduced by the kernel
         that adds bias and residual and applies LayerNorm. The q/k/v and up projections stay in
         cuBLAS / cuBLASLt unless `TRITON_OPS` names them (GELU in the epilogue, tanh form, as
-        `linear_gelu`)."""
+        `linear_gelu`). `l2`: the two add + norm kernels' prefetch tables (`rose.kernels.prefetch`)."""
         from rose.kernels import gemm
 
         sa, so, up, down = self.attention.self, self.attention.output, self.intermediate, self.output
@@ -120,11 +126,11 @@ class BertLayer(nn.Module):
         q, k, v = qkv.view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
         a = attn(q, k, v, meta).reshape(T, h)
         x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight), so.dense.bias, x,
-                          so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps)
+                          so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps, prefetch_table=l2[0])
         f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu") if "up" in ops else \
             linear_gelu(x, up.dense.weight, up.dense.bias)
         return gemm.add_norm(gemm.linear_partials(f, down.dense.weight), down.dense.bias, x,
-                             down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
+                             down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps, prefetch_table=l2[1])
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
@@ -196,14 +202,30 @@ class BertModel(Family):
         if not self.blocks[0].intermediate.gelu:
             return 0
         self.kernel_tokens = max_tokens
+        self.plan_prefetch()
         return max_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.shape[0] <= self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
+            return self.small_forward(input_ids, positions, meta, attn, token_type_ids)
         if self.offset:
             positions = positions + self.offset
         x = self.embeddings(input_ids, positions, token_type_ids)
-        small = x.shape[0] <= self.kernel_tokens  # host-side: x's rows are the graph's token bucket
         for layer in self.encoder.layer:
-            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
+            x = layer(x, meta, attn)
+        return x
+
+    def small_forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                      token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` through `BertLayer.small_step`, with the L2 prefetches of `l2_plan`."""
+        from rose.kernels import prefetch
+
+        prefetch.start(self.l2_plan)
+        if self.offset:
+            positions = positions + self.offset
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for i, layer in enumerate(self.encoder.layer):
+            x = layer.small_step(x, meta, attn, prefetch.at_block(self.l2_plan, i))
+        prefetch.join(self.l2_plan)
         return x

@@ -23,14 +23,15 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, qkv_bias, o_bias, qk_norm=True)
 
     def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
-                   attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                   attn: AttentionBackend, next_norm: RMSNorm, l2=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block for small steps, in fewer kernels: x is the residual stream and h its
         `input_layernorm`; returns the new stream and `next_norm` of it (the next block's input
         norm, or the model's final one), each residual add fused with the norm that follows it
         (`rose.kernels.gemm.add_norm`), q/k norm and rotary in one kernel (`rose.kernels.rope`), the
         output and down projections split-K in Triton, the SwiGLU inside the gate/up GEMM's epilogue
         (`TRITON_OPS`; measured on an H200, pplx-embed-1-0.6b step 1x128 in graphs: 1.285 ms with the
-        gate/up in Triton, 1.459 with it in cuBLAS then silu * up)."""
+        gate/up in Triton, 1.459 with it in cuBLAS then silu * up). `l2`: the two add + norm kernels'
+        prefetch tables (`rose.kernels.prefetch`)."""
         from rose.kernels import gemm
         from rose.kernels.rope import qk_norm_rope
 
@@ -42,14 +43,19 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
                                sa.h, sa.hk, sa.d)
         a = attn(q, k, v, meta).reshape(T, -1)
         x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
-                             post.eps, rms=True)
+                             post.eps, rms=True, prefetch_table=l2[0])
         if "up" in ops:
             m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
         else:
             gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
             m = F.silu(gate) * up
         return gemm.add_norm(gemm.linear_partials(m, mlp.down_proj.weight), None, x, next_norm.weight, None,
-                             next_norm.eps, rms=True)
+                             next_norm.eps, rms=True, prefetch_table=l2[1])
+
+    def small_weights(self) -> tuple[torch.Tensor, ...]:
+        """The small step's projection weights in the order it reads them (q/k/v, out, gate/up, down)."""
+        return self.self_attn.qkv_proj.weight, self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight, \
+            self.mlp.down_proj.weight
 
 
 class Qwen3Model(LlamaModel):
@@ -74,14 +80,19 @@ class Qwen3Model(LlamaModel):
         """Run steps of up to `max_tokens` (at most MAX_KERNEL_TOKENS) tokens through
         `Qwen3DecoderLayer.small_step`; returns that largest token count."""
         self.kernel_tokens = min(max_tokens, self.MAX_KERNEL_TOKENS)
+        self.plan_prefetch()
         return self.kernel_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
             return super().forward(input_ids, positions, meta, attn)
+        from rose.kernels import prefetch
+
+        prefetch.start(self.l2_plan)
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt)
+            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt, prefetch.at_block(self.l2_plan, i))
+        prefetch.join(self.l2_plan)
         return h
