@@ -128,6 +128,8 @@ class Balancer:
         return any(checks)
 
     async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, stamp=None) -> EmbedResult:
+        """One chunk: to the picked replica, then the next where one is full or unavailable (with
+        --otlp-endpoint, ivy.tracing wraps this and `pick` on the instance: a span per chunk)."""
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
