@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ivy.front import CALL, REQUEST_ID
+from ivy.front import CALL, REQUEST_ID, StatusWatch
 from trellis import logs
 
 log = logging.getLogger("ivy.access")
@@ -34,19 +34,12 @@ class AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        status = 0
-
-        async def watching_send(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        watch = StatusWatch(send)
         try:
-            await self.app(scope, receive, watching_send)
+            await self.app(scope, receive, watch)
         finally:  # Front set the request id and the model in this task's context
             call = CALL.get()
-            status = status or 499
+            status = watch.status or 499
             ms = round((time.perf_counter() - t0) * 1e3, 3)
             log.info("%s %s %d %.3f ms", scope["method"], scope["path"], status, ms,
                      extra={"method": scope["method"], "path": scope["path"], "status": status, "duration_ms": ms,

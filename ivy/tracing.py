@@ -23,7 +23,7 @@ import functools
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from ivy.front import CALL, REQUEST_ID
+from ivy.front import CALL, REQUEST_ID, StatusWatch
 from trellis import tracing
 
 __all__ = ["Tracing"]
@@ -48,22 +48,16 @@ class Tracing:
             method, path = scope["method"], scope["path"]
             template = route(path)
             caller = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"traceparent"), "")
-            status = 0
-
-            async def watching_send(message):
-                nonlocal status
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                await send(message)
-
+            watch = StatusWatch(send)
             with tracer.start_as_current_span(
                     method if template == "other" else f"{method} {template}", context=tracing.parent(caller),
                     kind=SpanKind.SERVER, attributes={"http.request.method": method, "http.route": template,
                                                       "url.path": path}) as span:
                 try:
-                    await app(scope, receive, watching_send)
+                    await app(scope, receive, watch)
                 finally:  # Front set the request id and the model in this task's context
                     call = CALL.get()
+                    status = watch.status
                     span.set_attributes({"http.response.status_code": status or 499,
                                          "trellis.request_id": REQUEST_ID.get(),
                                          "trellis.model": call.model if call is not None else ""})
