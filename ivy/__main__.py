@@ -1,17 +1,18 @@
 """python -m ivy --port 8000 --tulip HOST:PORT [--tulip ...] --model PATH: serve the HTTP API
 under uvicorn (httptools, uvloop) or Granian (`--server`)."""
 
-import logging
 import os
 import signal
 import sys
 
+from ivy.accesslog import JsonFormatter
 from ivy.config import IvyConfig
+from trellis import logs
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = IvyConfig.from_args(argv)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(cfg.log_level, cfg.log_format, JsonFormatter)
     # The servers shut down gracefully on SIGTERM/SIGINT, then uvicorn re-raises the signal under the
     # handler that was installed before it: make that one a clean exit, as a supervisor expects.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -36,9 +37,13 @@ def _uvicorn(cfg: IvyConfig) -> int:
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)  # its workers log by this config too
     log_config["filters"] = {"redact_query": {"()": "ivy.front.RedactQuery"}}
     log_config["handlers"]["access"]["filters"] = ["redact_query"]
+    if cfg.log_format == "json":  # every logger, Ivy's own (the root's) too, one JSON object per line
+        log_config["formatters"] = {name: {"()": "ivy.accesslog.JsonFormatter"} for name in ("default", "access")}
+        log_config["root"] = {"handlers": ["default"], "level": cfg.log_level.upper()}
     http = functools.partial(ReadLimitedProtocol, read_timeout=cfg.read_timeout_s)
     kw = dict(host=cfg.host, port=cfg.port, log_level=cfg.log_level, loop="uvloop", http=http,
-              timeout_keep_alive=cfg.keep_alive_s, timeout_graceful_shutdown=10, access_log=cfg.access_log,
+              timeout_keep_alive=cfg.keep_alive_s, timeout_graceful_shutdown=10,
+              access_log=cfg.access_log and cfg.log_format == "text",  # json: Ivy's own (ivy.accesslog)
               log_config=log_config)
     if cfg.workers == 1:
         from ivy.app import create_app
@@ -56,10 +61,19 @@ def _granian(cfg: IvyConfig) -> int:
     from granian.server import Server
 
     os.environ["IVY_CONFIG_JSON"] = cfg.to_json()  # every worker (a process, even for one) builds the app
+    log = {}
+    if cfg.log_format == "json":  # Granian's loggers and Ivy's (the root's) as JSON; access lines: Ivy's own
+        from granian.log import LOGGING_CONFIG
+
+        log = {"log_dictconfig": {
+            "formatters": {"json": {"()": "ivy.accesslog.JsonFormatter"}},
+            "handlers": {"console": {"formatter": "json", "class": "logging.StreamHandler", "stream": "ext://sys.stderr"}},
+            "loggers": {**LOGGING_CONFIG["loggers"], "granian.access": {"handlers": [], "propagate": False}},
+            "root": {"handlers": ["console"], "level": cfg.log_level.upper()}}}
     Server("ivy.app:create_app_from_env", factory=True, address=cfg.host, port=cfg.port, interface=Interfaces.ASGI,
-           workers=cfg.workers, loop=Loops.uvloop, log_level=cfg.log_level, log_access=cfg.access_log,
-           websockets=False, workers_kill_timeout=10,
-           http1_settings=HTTP1Settings(header_read_timeout=int(cfg.read_timeout_s * 1000))).serve()
+           workers=cfg.workers, loop=Loops.uvloop, log_level=cfg.log_level,
+           log_access=cfg.access_log and cfg.log_format == "text", websockets=False, workers_kill_timeout=10,
+           http1_settings=HTTP1Settings(header_read_timeout=int(cfg.read_timeout_s * 1000)), **log).serve()
     return 0
 
 

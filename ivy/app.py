@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ivy import errors
+from ivy.accesslog import AccessLog
 from ivy.config import IvyConfig
 from ivy.front import Front
 from ivy.metrics import Metrics
@@ -30,27 +31,38 @@ ROUTE_MODULES = (embeddings, scores, tokens, service)
 
 
 class IvyAPI(FastAPI):
-    """FastAPI with `front` (ivy.front.Front) in front of its middleware stack."""
+    """FastAPI with `front` (ivy.front.Front) in front of its middleware stack; `entry` is what the
+    server calls: `front`, inside the tracing and access-log layers where those are on."""
 
     front: Front | None = None
+    entry = None
 
     async def __call__(self, scope, receive, send):
-        if self.front is None:
+        if self.entry is None:
             return await super().__call__(scope, receive, send)
-        await self.front(scope, receive, send)
+        await self.entry(scope, receive, send)
 
 
 def create_app(cfg: IvyConfig) -> FastAPI:
     models = Models(cfg)
     metrics = Metrics()
+    tracing = None
+    if cfg.otlp_endpoint:  # imported only then: without it no OpenTelemetry SDK module is loaded
+        from ivy.tracing import Tracing
+
+        tracing = Tracing(cfg.otlp_endpoint)
 
     @asynccontextmanager
     async def lifespan(app):
         models.start()  # gRPC channels must be made on the server's event loop
+        if tracing is not None:
+            tracing.instrument(models)
         gc.collect()
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
         await models.close()
+        if tracing is not None:
+            tracing.shutdown()
 
     app = IvyAPI(title="Trellis Ivy", version="0.1.0", lifespan=lifespan)
     app.state.models = models
@@ -62,8 +74,12 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         app.include_router(r.router)
         fast.update(r.fast)
         paths += [route.path for route in r.router.routes]
-    app.front = Front(functools.partial(FastAPI.__call__, app), fast, paths, cfg.max_request_mb << 20,
-                      metrics.requests, cfg.api_keys)
+    app.front = app.entry = Front(functools.partial(FastAPI.__call__, app), fast, paths, cfg.max_request_mb << 20,
+                                  metrics.requests, cfg.api_keys)
+    if tracing is not None:
+        app.entry = tracing.asgi(app.entry, app.front.route)
+    if cfg.access_log and cfg.log_format == "json":
+        app.entry = AccessLog(app.entry)
     app.state.route_paths = paths
     return app
 

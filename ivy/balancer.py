@@ -127,7 +127,9 @@ class Balancer:
         checks = await asyncio.gather(*(r.client.healthy() for r in self.pool.replicas))
         return any(checks)
 
-    async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, deadline: float, stamp=None) -> EmbedResult:
+    async def _send(self, seqs: list[np.ndarray], opts: EmbedOptions, stamp=None) -> EmbedResult:
+        """One chunk: to the picked replica, then the next where one is full or unavailable (with
+        --otlp-endpoint, ivy.tracing wraps this and `pick` on the instance: a span per chunk)."""
         tokens = sum(len(s) for s in seqs)
         tried: set[Replica] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -137,7 +139,7 @@ class Balancer:
             if stamp is not None:
                 stamp("balancer")
             try:
-                out = await r.client.call(seqs, opts, max(deadline - time.monotonic(), 0.001))
+                out = await r.client.call(seqs, opts)  # within what is left of opts.deadline
                 r.down_until = 0.0
                 self.pool.succeeded(r)
                 return out
@@ -161,17 +163,16 @@ class Balancer:
                                f"none found yet for {', '.join(t.given for t in self.pool.targets)}"))
         raise last
 
-    async def embed(self, seqs: list[np.ndarray], opts: EmbedOptions, timeout: float, stamp=None) -> EmbedResult:
+    async def embed(self, seqs: list[np.ndarray], opts: EmbedOptions, stamp=None) -> EmbedResult:
         """Embed all `seqs` (chunked over replicas) as `opts` asks; results per sequence, in input
-        order, within `timeout` seconds (retries included). A chunk's options are `opts.part`'s (its
+        order, by `opts.deadline` (retries included). A chunk's options are `opts.part`'s (its
         sequences' pool_from / segment_starts, the request id with "-k" added). `stamp` (ivy.front's
         per-stage timing): called with "balancer" once a one-chunk request's replica is picked. A
         cross-encoder's pairs: the result's `scores`."""
-        deadline = time.monotonic() + timeout
         runs = chunk(seqs, self.max_chunk_tokens)
         if len(runs) == 1:
-            return await self._send(seqs, opts, deadline, stamp)
-        tasks = [asyncio.ensure_future(self._send(seqs[a:b], opts.part(a, b, k), deadline))
+            return await self._send(seqs, opts, stamp)
+        tasks = [asyncio.ensure_future(self._send(seqs[a:b], opts.part(a, b, k)))
                  for k, (a, b) in enumerate(runs)]
         try:
             parts = await asyncio.gather(*tasks)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from ivy.discovery import parse_target
 from trellis.cli import field, parse
+from trellis.logs import FORMATS
+from trellis.tracing import require as require_tracing
 
 
 def check_targets(targets: tuple[str, ...], where: str = "") -> None:
@@ -118,8 +120,14 @@ class IvyConfig:
                                       "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
                                       "no authentication")
     access_log: bool = field(False, "log one line per HTTP request (the server's access log; under uvicorn it "
-                             "cost ~0.1 ms of CPU per request, 10-15 %% of a worker's throughput, benchmarks.gateway)")
+                             "cost ~0.1 ms of CPU per request, 10-15 %% of a worker's throughput, benchmarks.gateway); "
+                             "with --log-format json, Ivy's own: method, path, status, duration_ms, request_id, model")
     log_level: str = field("info", "the server's log level", choices=("critical", "error", "warning", "info", "debug"))
+    log_format: str = field("text", "log lines as text (TIME LEVEL LOGGER: MESSAGE) or json: one JSON object per "
+                            "line (time, level, logger, message, request_id; trellis.logs)", choices=FORMATS)
+    otlp_endpoint: str = field("", "send OpenTelemetry traces (spans of each HTTP request, its tokenization and "
+                               "each chunk's Tulip call) to this OTLP/gRPC collector, e.g. http://otel-collector:4317; "
+                               "needs pip install 'trellis[tracing]'; empty: no tracing (ivy.tracing)")
 
     def __post_init__(self):
         if not self.tulip and not self.model_config:
@@ -141,6 +149,10 @@ class IvyConfig:
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format {self.log_format!r} is not one of {', '.join(FORMATS)}")
+        if self.otlp_endpoint:
+            require_tracing("--otlp-endpoint")
 
     @property
     def models(self) -> tuple[ModelConfig, ...]:

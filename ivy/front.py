@@ -247,6 +247,22 @@ class Front:
         return wrapped
 
 
+class StatusWatch:
+    """An ASGI `send` that remembers the response's status (0 until one is sent): what the access
+    log and the tracing span of a request (`ivy.accesslog`, `ivy.tracing`) record."""
+
+    __slots__ = ("send", "status")
+
+    def __init__(self, send):
+        self.send = send
+        self.status = 0
+
+    async def __call__(self, message):
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class RedactQuery(logging.Filter):
     """uvicorn's access log writes a request's whole target; an API key passed as a query parameter
     (e.g. `?api_key=...`, which Ivy does not accept but callers send) would land in the log. This

@@ -80,7 +80,8 @@ def test_the_images_hold_their_packages_and_no_more():
     assert copied["tulip"] == {"trellis", "rose", "tulip"}
     assert copied["gateway"] == {"trellis", "tulip", "ivy"}  # ivy uses tulip.client; no rose, so no torch
     installs = [c for rest in values(DOCKERFILES["gateway"], "RUN") for c in re.split(r"&&|;", rest) if "pip install" in c]
-    assert any('".[gateway]"' in c for c in installs) and not any("torch" in c for c in installs)
+    assert any('".[${EXTRAS}]"' in c for c in installs) and not any("torch" in c for c in installs)
+    assert args(DOCKERFILES["gateway"])["EXTRAS"] == "gateway"  # (a build arg: gateway,tracing adds traces)
 
 
 def test_image_commands_and_health_checks_match():

@@ -168,7 +168,7 @@ def test_mixed_workload_balances_tokens_over_four_replicas():
             async def client(k: int):
                 for j in range(3 * len(workload)):
                     n, length = workload[(j + k) % len(workload)]
-                    out = await b.embed(seqs(n, length), EmbedOptions(), timeout=30)
+                    out = await b.embed(seqs(n, length), EmbedOptions(deadline=time.monotonic() + 30))
                     assert out.vectors.shape == (n, 8)
 
             await asyncio.gather(*(client(k) for k in range(4)))
@@ -192,17 +192,17 @@ def test_not_serving_stops_new_requests_at_once_and_serving_brings_it_back():
         bal.start()
         try:
             await until(lambda: all(r.health == SERVING for r in bal.replicas))
-            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(), timeout=10) for _ in range(20)))
+            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(20)))
             assert a.requests > 0 and b.requests > 0
             await b.health.set("", NOT_SERVING)  # a draining Tulip says this first
             await until(lambda: bal.replicas[1].health == NOT_SERVING)
             seen = b.requests
-            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(), timeout=10) for _ in range(40)))
+            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(40)))
             assert b.requests == seen  # nothing new once the watch said NOT_SERVING
             stream_closed = bal.replicas[1].client.stream._call is None  # idle: let it drain and go
             await b.health.set("", SERVING)  # found by the Check probe
             await until(lambda: bal.replicas[1].health == SERVING, timeout=5)
-            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(), timeout=10) for _ in range(20)))
+            await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(20)))
             return seen, b.requests, stream_closed
         finally:
             await bal.close()
@@ -223,13 +223,13 @@ def test_failures_eject_a_replica_and_a_probe_brings_it_back():
             await until(lambda: all(r.health == SERVING for r in bal.replicas))
             await b.server.stop(0)  # gone: its watch and requests fail
             for _ in range(30):  # every request still answered (retried on a)
-                await bal.embed(seqs(1, 8), EmbedOptions(), timeout=10)
+                await bal.embed(seqs(1, 8), EmbedOptions(deadline=time.monotonic() + 10))
             await until(lambda: bal.replicas[1].ejected, timeout=10)
             served_by_a = a.requests
             b2 = await serve(port)  # back on the same address
             try:
                 await until(lambda: not bal.replicas[1].ejected and bal.replicas[1].health == SERVING, timeout=10)
-                await asyncio.gather(*(bal.embed(seqs(1, 8), EmbedOptions(), timeout=10) for _ in range(20)))
+                await asyncio.gather(*(bal.embed(seqs(1, 8), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(20)))
                 return served_by_a, b2.requests
             finally:
                 await b2.server.stop(0)
@@ -248,7 +248,7 @@ def test_no_replica_yet_is_503_material():
         bal.start()
         try:
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await bal.embed(seqs(1, 8), EmbedOptions(), timeout=5)
+                await bal.embed(seqs(1, 8), EmbedOptions(deadline=time.monotonic() + 5))
             return e.value
         finally:
             await bal.close()

@@ -3,6 +3,7 @@ Tulip's RPCs, a request larger than a replica's whole queue, a reply over the me
 replica whose full queue rejects fast, and 429 / 503 carrying Retry-After."""
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -109,7 +110,7 @@ def test_a_replica_with_a_full_queue_passes_work_to_one_with_room(tulip_server, 
         async def main():
             b = Balancer((small, target), max_chunk_tokens=4096)
             try:
-                results = await asyncio.gather(*(b.embed(seqs(200, 200), EmbedOptions(), timeout=60) for _ in range(12)),
+                results = await asyncio.gather(*(b.embed(seqs(200, 200), EmbedOptions(deadline=time.monotonic() + 60)) for _ in range(12)),
                                                return_exceptions=True)
                 return results, b.replicas[0].busy_until > 0
             finally:

@@ -213,12 +213,15 @@ def test_linear_gelu_is_the_tanh_gelu_of_the_linear_on_cuda():
         assert F.cosine_similarity(got, want).min().item() >= 0.9999
 
 
-@pytest.mark.parametrize("preset", ["bge-m3", "pplx-embed-1-0.6b"])
-def test_small_step_path_on_real_shapes_equals_torch_eager(preset):
+@pytest.mark.parametrize("preset,attention", [("bge-m3", "triton"), ("pplx-embed-1-0.6b", "triton"),
+                                               ("msmarco-distilbert", "triton"), ("all-mpnet-base-v2", "padded")])
+def test_small_step_path_on_real_shapes_equals_torch_eager(preset, attention):
     """Real-shape random weights: the small-batch step (Triton attention, projections, add + norm, and
-    Qwen3's q/k norm + rotary) through graphs against torch's eager bf16 path."""
-    fast = Engine(EngineConfig(model=preset, device="cuda", attention="triton"))
-    ref = Engine(EngineConfig(model=preset, device="cuda", attention="varlen", graphs="off", kernel_tokens=0))
+    Qwen3's q/k norm + rotary; MPNet's biased attention padded) through graphs against torch's eager
+    bf16 path."""
+    fast = Engine(EngineConfig(model=preset, device="cuda", attention=attention))
+    ref = Engine(EngineConfig(model=preset, device="cuda", attention="varlen" if attention == "triton" else "sdpa",
+                              graphs="off", kernel_tokens=0))
     assert fast.kernels
     for lens in [(128,), (512,), (100, 37, 5), (64,) * 8]:
         batch = Batch.from_sequences(seqs_of(lens, vocab=1000))

@@ -135,6 +135,41 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     assert rel(got, want) < TOL
 
 
+@pytest.mark.parametrize("family", ["distilbert", "mpnet"])
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
+def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, monkeypatch):
+    """DistilBERT and MPNet take BERT's small step (`rose.layers.small_step.post_norm_block`) under
+    their own names; MPNet's attention (with its position bias) stays the step's backend."""
+    import transformers
+
+    from rose.models.distilbert import DistilBertModel
+    from rose.models.mpnet import MPNetModel
+
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
+    torch.manual_seed(1)
+    act = "gelu_new" if ops or DEV.type == "cuda" else "gelu"
+    if family == "distilbert":
+        cfg = transformers.DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=2, hidden_dim=128,
+                                            activation=act).to_dict()
+        model = DistilBertModel(DistilBertModel.standard_config(cfg))
+    else:
+        cfg = transformers.MPNetConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=128, hidden_act=act).to_dict()
+        model = MPNetModel(cfg)
+    model = model.to(DEV, DT).eval()
+    ids, pos, meta = ragged_batch(causal=False)
+    sdpa = select_backend("sdpa", DEV, DT)
+    calls = []
+    monkeypatch.setattr(gemm, "add_norm", lambda *a, f=gemm.add_norm, **kw: calls.append(1) or f(*a, **kw))
+    with torch.inference_mode():
+        want = model(ids, pos, meta, sdpa)[:40]
+        assert model.use_kernels(1024) == 1024 and not calls
+        got = model(ids, pos, meta, Interpreted() if family == "distilbert" else sdpa)[:40]
+    assert len(calls) == 4  # two add + norm kernels per block: the small step ran
+    assert rel(got, want) < TOL
+
+
 def test_use_kernels_needs_a_gelu():
     assert not BertModel({**BERT, "hidden_act": "relu"}).use_kernels(1024)
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -294,7 +295,7 @@ def test_balancer_retries_on_another_replica_and_keeps_order(tulip_server, engin
     async def main():
         b = Balancer((dead, target), max_chunk_tokens=200)
         try:
-            return (await b.embed(seqs, EmbedOptions(), timeout=30)).vectors, b.replicas[0].down_until > 0
+            return (await b.embed(seqs, EmbedOptions(deadline=time.monotonic() + 30))).vectors, b.replicas[0].down_until > 0
         finally:
             await b.close()
 

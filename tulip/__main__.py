@@ -4,13 +4,14 @@ import asyncio
 import logging
 import sys
 
+from trellis import logs
 from tulip.config import TulipConfig
 from tulip.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = TulipConfig.from_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(logging.INFO, cfg.log_format)
     try:
         import uvloop
 

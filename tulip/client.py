@@ -17,6 +17,7 @@ import asyncio
 import collections
 import itertools
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -74,6 +75,10 @@ class EmbedOptions:
     segment_starts: a cross-encoder's pairs: per sequence where its second segment starts (0: none).
     raw_scores:     a cross-encoder's logits, not activated.
     request_id:     the caller's id (a chunk's: "-k" added by `part`; the stream adds "#n").
+    deadline:       time.monotonic() by which the whole request (every chunk, retries included) must
+                    be answered; 0: none. Each call is given what is left of it as its timeout.
+    traceparent:    W3C trace context of the caller's span (ivy.tracing sets it per chunk): sent in the
+                    stream message's `traceparent` field, as gRPC metadata on a unary call; "": none.
     """
 
     dimensions: int = 0
@@ -83,12 +88,18 @@ class EmbedOptions:
     segment_starts: Sequence[int] = ()
     raw_scores: bool = False
     request_id: str = ""
+    deadline: float = 0.0
+    traceparent: str = ""
 
     def part(self, a: int, b: int, k: int) -> "EmbedOptions":
         """The options of sequences [a, b), chunk k of a request split over replicas."""
         return EmbedOptions(self.dimensions, self.encoding, self.outputs, self.pool_from[a:b],
                             self.segment_starts[a:b], self.raw_scores,
-                            f"{self.request_id}-{k}" if self.request_id else "")
+                            f"{self.request_id}-{k}" if self.request_id else "", self.deadline, self.traceparent)
+
+    def timeout(self) -> float | None:
+        """Seconds left until the deadline (at least 1 ms), or None without one."""
+        return max(self.deadline - time.monotonic(), 0.001) if self.deadline else None
 
     def request(self, seqs) -> tulip_pb2.EmbedRequest:
         ids, lengths = pack(seqs)
@@ -350,8 +361,10 @@ class TulipClient:
     async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
                     encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
         """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
-        opts = _DEFAULT if not dimensions and encoding == tulip_pb2.ENCODING_FLOAT32 else EmbedOptions(dimensions, encoding)
-        return (await self.call(seqs, opts, timeout)).vectors
+        if timeout is None and not dimensions and encoding == tulip_pb2.ENCODING_FLOAT32:
+            return (await self.call(seqs, _DEFAULT)).vectors
+        deadline = time.monotonic() + timeout if timeout is not None else 0.0
+        return (await self.call(seqs, EmbedOptions(dimensions, encoding, deadline=deadline))).vectors
 
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
                            encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
@@ -362,19 +375,25 @@ class TulipClient:
         result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
         `raw_scores`: the head's logits, not activated. `request_id`: the caller's id for the request
         (the stream adds "#n" to keep its messages apart, see TulipStream)."""
+        deadline = time.monotonic() + timeout if timeout is not None else 0.0
         return await self.call(seqs, EmbedOptions(dimensions, encoding, tuple(outputs), pool_from, segment_starts,
-                                                  raw_scores, request_id), timeout)
+                                                  raw_scores, request_id, deadline))
 
-    async def call(self, seqs, opts: EmbedOptions, timeout: float | None = None) -> EmbedResult:
-        """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object)."""
+    async def call(self, seqs, opts: EmbedOptions) -> EmbedResult:
+        """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object), within
+        what is left of its deadline."""
         req = opts.request(seqs)
+        timeout = opts.timeout()
         self.outstanding += 1
         try:
             if self._spin:
                 self._spinner.kick()
             if self._stream:
+                if opts.traceparent:  # one stream carries many requests: the context rides in each message
+                    req.traceparent = opts.traceparent
                 return unpack_result(await self.stream.request(req, timeout))
-            return unpack_result(await self.stub.Embed(req, timeout=timeout))
+            metadata = (("traceparent", opts.traceparent),) if opts.traceparent else None
+            return unpack_result(await self.stub.Embed(req, timeout=timeout, metadata=metadata))
         finally:
             self.outstanding -= 1
 

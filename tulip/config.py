@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from rose.layers.attention import BACKENDS
 from rose.layers.heads import Extra
 from trellis.cli import field, parse
+from trellis.logs import FORMATS
+from trellis.tracing import require as require_tracing
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class TulipConfig:
     stage_samples: int = field(0, "record per-stage timestamps (receipt, decode, validate, schedule, batch, launch, "
                                "wait, copy, deliver, reply, encode, write) of the last N requests and log their p50 "
                                "at shutdown (tulip.stages); 0: off")
+    log_format: str = field("text", "log lines as text (TIME LEVEL LOGGER: MESSAGE) or json: one JSON object per "
+                            "line (time, level, logger, message; trellis.logs); TULIP_READY stays a plain line on "
+                            "stdout", choices=FORMATS)
+    otlp_endpoint: str = field("", "send OpenTelemetry traces (a span per request, with its queue wait and engine step "
+                               "as child spans, joined to the caller's trace) to this OTLP/gRPC collector, e.g. "
+                               "http://otel-collector:4317; needs pip install 'trellis[tracing]'; empty: no tracing "
+                               "(tulip.tracing)")
 
     def __post_init__(self):
         for name in ("port", "metrics_port"):
@@ -71,6 +80,10 @@ class TulipConfig:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0 (0: torch's path)")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format {self.log_format!r} is not one of {', '.join(FORMATS)}")
+        if self.otlp_endpoint:
+            require_tracing("--otlp-endpoint")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "TulipConfig":

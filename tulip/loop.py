@@ -43,10 +43,11 @@ class Request(Entry):
     outputs named in `extras` in `sparse` / `colbert`); `pending` counts sequences still
     missing. `on_done(request, rows, error)` is called once, by the engine loop, when it
     completes or fails. `deadline` (monotonic, 0: none) drops its still-queued sequences.
+    `trace`: its tulip.tracing.RequestTrace where tracing is on (None: not traced).
     """
 
     __slots__ = ("ids", "extras", "on_done", "pool_from", "segments", "offsets", "rows", "sparse", "colbert", "pending",
-                 "queued_at", "deadline", "timer", "future", "stamps", "tag")
+                 "queued_at", "deadline", "timer", "future", "stamps", "tag", "trace")
 
     def __init__(self, ids: np.ndarray, lengths: Sequence[int], extras: frozenset = _NO_EXTRAS,
                  on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None,
@@ -66,8 +67,8 @@ class Request(Entry):
         else:
             self.sparse = self.colbert = None
         self.queued_at = self.deadline = 0.0  # monotonic: when it was queued; after which it is dropped (0: never)
-        # the deadline's handle; submit()'s future; tulip.stages stamps; the owner's own (the gRPC message)
-        self.timer = self.future = self.stamps = self.tag = None
+        # the deadline's handle; submit()'s future; tulip.stages stamps; the owner's own (the gRPC message); tracing
+        self.timer = self.future = self.stamps = self.tag = self.trace = None
 
     def seq(self, i: int) -> np.ndarray:
         if self.offsets is None:
@@ -106,6 +107,8 @@ def _deliver(req: Request, rows, error) -> None:
         req.on_done(req, rows, error)
     except Exception:
         log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
+    if req.trace is not None:
+        req.trace.end(error)
 
 
 def _stamp(slots, point: int) -> None:
@@ -184,6 +187,8 @@ class EngineLoop:
         self._idle = Spinner(self._spin_s)
         # --stage-samples: per-request stage timestamps (tulip.stages); None: off
         self.stages = StageRecorder(cfg.stage_samples) if cfg.stage_samples else None
+        # --otlp-endpoint: each step tells its traced requests (Request.trace) when it ran (tulip.tracing)
+        self.tracing = None
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -207,15 +212,18 @@ class EngineLoop:
         req.cancelled = True
         if req.timer is not None:
             req.timer.cancel()
+        if req.trace is not None:
+            req.trace.end("CANCELLED")
 
     def submit_nowait(self, req: Request) -> None:
         """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
         when the queue is full. Launches a step at once if a slot is free."""
         if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
-            raise OverflowError(
-                f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds {req.num_tokens}, "
-                f"limit {self.cfg.max_queued_tokens}"
-            )
+            error = OverflowError(f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds "
+                                  f"{req.num_tokens}, limit {self.cfg.max_queued_tokens}")
+            if req.trace is not None:
+                req.trace.end(error)
+            raise error
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
         if req.stamps is not None:
@@ -287,7 +295,9 @@ class EngineLoop:
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
                 continue
-            self._inflight.append(_Step(slots, lazy, launched, batch.num_tokens))
+            self._inflight.append(step := _Step(slots, lazy, launched, batch.num_tokens))
+            if self.tracing is not None:
+                self.tracing.launched(step)
         if self._inflight and not self._watching:
             self._watching = True
             self._aloop.call_soon(self._watch)
@@ -328,6 +338,8 @@ class EngineLoop:
         self._inflight.popleft()
         if self.stages is not None:
             _stamp(step.slots, 7)
+        if self.tracing is not None:
+            self.tracing.completed(step, time.monotonic())
         try:
             result = step.lazy.synchronize()
             # Copy before the next launch: the host buffers belong to the engine's ring, which the
@@ -369,8 +381,8 @@ class EngineLoop:
         """Fail the (not yet answered) requests of these slots; their queued sequences are dropped."""
         for r, _ in slots:
             if not r.cancelled and r.pending > 0:
+                _deliver(r, None, RuntimeError(f"engine step failed: {e}"))  # first: a trace ends as failed
                 self.cancel(r)
-                _deliver(r, None, RuntimeError(f"engine step failed: {e}"))
 
     def _scatter_extras(self, slots, weights: np.ndarray, vectors: np.ndarray) -> None:
         start = 0

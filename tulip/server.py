@@ -180,6 +180,7 @@ class RpcFailure(Exception):
 class TulipServicer(tulip_pb2_grpc.TulipServicer):
     def __init__(self, loop: EngineLoop, served_name: str):
         self.loop = loop
+        self.tracing = loop.tracing  # tulip.tracing.Tracing with --otlp-endpoint, else None
         e = loop.engine
         self.scores = e.num_labels > 0  # a cross-encoder: replies carry scores
         self.info = tulip_pb2.InfoReply(
@@ -232,6 +233,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
             if stamps is not None:
                 stamps[3] = perf_counter_ns()
                 req.stamps = stamps
+            if self.tracing is not None:
+                self.tracing.start(req, request, context)
             try:
                 vectors = await self.loop.submit(req)
             except (OverflowError, TimeoutError, RuntimeError) as e:
@@ -317,6 +320,8 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
                         if stamps is not None:
                             stamps[3] = perf_counter_ns()
                             req.stamps = stamps
+                        if self.tracing is not None:
+                            self.tracing.start(req, request)
                         if request.timeout_ms:
                             req.deadline = time.monotonic() + request.timeout_ms / 1e3
                         outstanding.add(req)
@@ -506,6 +511,11 @@ async def serve(cfg: TulipConfig) -> int:
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.host)
     loop = EngineLoop(engine, cfg, metrics)
+    served_name = cfg.served_model_name or default_served_name(cfg.model, engine.spec.path)
+    if cfg.otlp_endpoint:  # imported only then: without it no OpenTelemetry SDK module is loaded
+        from tulip.tracing import Tracing
+
+        loop.tracing = Tracing(cfg.otlp_endpoint, served_name, f"{cfg.host}:{cfg.port}")
     loop.start()
     mb = cfg.max_message_mb << 20
     server = grpc.aio.server(options=[
@@ -520,7 +530,7 @@ async def serve(cfg: TulipConfig) -> int:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
-    servicer = TulipServicer(loop, cfg.served_model_name or default_served_name(cfg.model, engine.spec.path))
+    servicer = TulipServicer(loop, served_name)
     add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -549,6 +559,8 @@ async def serve(cfg: TulipConfig) -> int:
     servicer.drain()
     await server.stop(grace=cfg.drain_seconds)
     await loop.stop(cfg.drain_seconds)
+    if loop.tracing is not None:
+        loop.tracing.shutdown()
     log_stages(loop.stages)
     log.info("tulip: stopped")
     return 0

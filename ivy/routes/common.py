@@ -4,6 +4,7 @@ and the request checks and error mapping more than one route uses."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,10 +14,11 @@ from starlette.responses import Response
 from ivy import errors
 from ivy.config import IvyConfig
 from ivy.errors import APIError
-from ivy.front import Handler, _no_stamp
+from ivy.front import REQUEST_ID, Handler, _no_stamp
 from ivy.metrics import Metrics
 from ivy.schemas import schema
 from ivy.served import Models
+from tulip.client import EmbedOptions
 
 
 @dataclass
@@ -26,6 +28,12 @@ class Context:
     cfg: IvyConfig
     models: Models
     metrics: Metrics
+
+    def options(self, **fields) -> EmbedOptions:
+        """The request's EmbedOptions: `fields`, its request id, and its deadline (--request-timeout-s
+        from now: every chunk and retry must be answered by then)."""
+        return EmbedOptions(**fields, request_id=REQUEST_ID.get(),
+                            deadline=time.monotonic() + self.cfg.request_timeout_s)
 
     def check_count(self, n: int, param: str) -> None:
         if n > self.cfg.max_inputs:

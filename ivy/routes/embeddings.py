@@ -12,11 +12,10 @@ import orjson
 
 from ivy import errors
 from ivy.errors import APIError
-from ivy.front import REQUEST_ID, Stamp
+from ivy.front import Stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.schemas import EmbeddingRequest
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedOptions
 
 ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
              "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
@@ -41,7 +40,7 @@ def pool_windows(vectors: np.ndarray, seqs: list[np.ndarray], windows: list[int]
 
 
 def routes(ctx: Context) -> Routes:
-    cfg, models = ctx.cfg, ctx.models
+    models = ctx.models
     latency, prompt_tokens = ctx.metrics.latency, ctx.metrics.tokens
     out = Routes()
 
@@ -79,8 +78,8 @@ def routes(ctx: Context) -> Routes:
         stamp("checks")  # accumulates with the one above
         seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
         # chunked windows come back whole: pooled, then Matryoshka-cut here
-        opts = EmbedOptions(0 if chunked else dims, encoding, outputs, pool_from, request_id=REQUEST_ID.get())
-        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s, stamp))
+        opts = ctx.options(dimensions=0 if chunked else dims, encoding=encoding, outputs=outputs, pool_from=pool_from)
+        result = await tulip_call(model.balancer.embed(seqs, opts, stamp))
         stamp("grpc")
         if chunked:
             result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)

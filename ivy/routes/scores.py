@@ -12,16 +12,15 @@ import orjson
 
 from ivy import errors
 from ivy.errors import APIError
-from ivy.front import REQUEST_ID, Stamp
+from ivy.front import Stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.schemas import RerankRequest, ScoreRequest
 from ivy.served import ServedModel
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedOptions
 
 
 def routes(ctx: Context) -> Routes:
-    cfg, models, prompt_tokens = ctx.cfg, ctx.models, ctx.metrics.tokens
+    models, prompt_tokens = ctx.models, ctx.metrics.tokens
     out = Routes()
 
     async def rerank(body: bytes, stamp: Stamp) -> bytes:
@@ -112,8 +111,7 @@ def routes(ctx: Context) -> Routes:
         d, d_pool = await model.text_sequences(documents, "document", None, truncate, *document_names)
         pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
-        opts = EmbedOptions(pool_from=pool_from, request_id=REQUEST_ID.get())
-        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
+        result = await tulip_call(model.balancer.embed(seqs, ctx.options(pool_from=pool_from)))
         v = result.vectors.astype(np.float64)
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
         return seqs, (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
@@ -130,9 +128,8 @@ def routes(ctx: Context) -> Routes:
             raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
                            "the query and each document together, without one", "instruction")
         seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
-        opts = EmbedOptions(segment_starts=starts if any(starts) else (), raw_scores=raw_scores,
-                            request_id=REQUEST_ID.get())
-        result = await tulip_call(model.balancer.embed(seqs, opts, cfg.request_timeout_s))
+        opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
+        result = await tulip_call(model.balancer.embed(seqs, opts))
         return seqs, result.scores[:, 0].astype(np.float64)
 
     out.post("/v1/rerank", rerank, RerankRequest)

@@ -16,6 +16,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.small_step import PostNormKernels, post_norm_block
 from rose.models.base import Family
 
 
@@ -98,33 +99,14 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
 
-    # Projections the small step runs in Triton. Measured on an H200 (bge-m3, engine step 1x128, graphs):
-    # out + down 0.830 ms, all four 0.922 (cuBLAS's q/k/v and GELU up GEMMs were faster at these rows).
-    TRITON_OPS = frozenset({"out", "down"})
-
     def forward(self, x, meta, attn):
         return self.feed_forward(self.attention.self(x, meta, attn), x)
 
     def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """The same layer for small steps, in fewer kernels (`rose.kernels.gemm`): the output and FFN
-        down projections run split over K in Triton, their float32 partial sums reduced by the kernel
-        that adds bias and residual and applies LayerNorm. The q/k/v and up projections stay in
-        cuBLAS / cuBLASLt unless `TRITON_OPS` names them (GELU in the epilogue, tanh form, as
-        `linear_gelu`)."""
-        from rose.kernels import gemm
-
-        sa, so, up, down = self.attention.self, self.attention.output, self.intermediate, self.output
-        T, h = x.shape
-        ops = gemm.triton_ops(self.TRITON_OPS)
-        qkv = gemm.linear(x, sa.qkv.weight, sa.qkv.bias) if "qkv" in ops else sa.qkv(x)
-        q, k, v = qkv.view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
-        a = attn(q, k, v, meta).reshape(T, h)
-        x = gemm.add_norm(gemm.linear_partials(a, so.dense.weight), so.dense.bias, x,
-                          so.LayerNorm.weight, so.LayerNorm.bias, so.LayerNorm.eps)
-        f = gemm.linear(x, up.dense.weight, up.dense.bias, act="gelu") if "up" in ops else \
-            linear_gelu(x, up.dense.weight, up.dense.bias)
-        return gemm.add_norm(gemm.linear_partials(f, down.dense.weight), down.dense.bias, x,
-                             down.LayerNorm.weight, down.LayerNorm.bias, down.LayerNorm.eps)
+        """The same layer for small steps, in fewer kernels (`rose.layers.small_step`)."""
+        sa, so = self.attention.self, self.attention.output
+        return post_norm_block(x, meta, attn, sa.num_heads, sa.qkv, so.dense, so.LayerNorm, self.intermediate.dense,
+                               self.output.dense, self.output.LayerNorm)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
@@ -153,7 +135,7 @@ class BertPooler(nn.Module):
 POSITION_IDS = re.compile(r"(^|\.)position_ids$")
 
 
-class BertModel(Family):
+class BertModel(PostNormKernels, Family):
     # Checkpoint names -> ours (`Family`): strip these prefixes, skip what matches `ignored`,
     # and stack q/k/v into qkv (shard index along dim 0).
     strip_prefixes = ("bert.", "model.")
@@ -190,13 +172,9 @@ class BertModel(Family):
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
 
-    def use_kernels(self, max_tokens: int) -> int:
-        """Run steps of up to `max_tokens` tokens through `BertLayer.small_step`; only GELU models
-        (the epilogue's activation) can. Returns the largest token count that takes it (0: none)."""
-        if not self.blocks[0].intermediate.gelu:
-            return 0
-        self.kernel_tokens = max_tokens
-        return max_tokens
+    @property
+    def ffn_gelu(self) -> bool:
+        return self.blocks[0].intermediate.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

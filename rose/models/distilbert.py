@@ -15,8 +15,9 @@ import re
 import torch
 from torch import nn
 
-from rose.layers.activation import get_activation
+from rose.layers.activation import GELUS, get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.small_step import PostNormKernels, post_norm_block
 from rose.models.base import Family
 
 
@@ -73,6 +74,12 @@ class DistilBertLayer(nn.Module):
         x = self.sa_layer_norm(a + x)
         return self.output_layer_norm(self.ffn(x) + x)
 
+    def small_step(self, x, meta, attn):
+        """The same layer for small steps, in fewer kernels (`rose.layers.small_step`)."""
+        a, f = self.attention, self.ffn
+        return post_norm_block(x, meta, attn, a.num_heads, a.qkv, a.out_lin, self.sa_layer_norm, f.lin1, f.lin2,
+                               self.output_layer_norm)
+
 
 class DistilBertTransformer(nn.Module):
     def __init__(self, cfg: dict):
@@ -80,7 +87,7 @@ class DistilBertTransformer(nn.Module):
         self.layer = nn.ModuleList(DistilBertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
-class DistilBertModel(Family):
+class DistilBertModel(PostNormKernels, Family):
     strip_prefixes = ("distilbert.",)
     ignored = re.compile(r"(^|\.)position_ids$|^(vocab_transform|vocab_layer_norm|vocab_projector)\.")
     stacked_params = {
@@ -105,13 +112,19 @@ class DistilBertModel(Family):
         super().__init__()
         self.embeddings = DistilBertEmbeddings(cfg)
         self.transformer = DistilBertTransformer(cfg)
+        self.gelu = cfg.get("hidden_act", "gelu") in GELUS
 
     @property
     def blocks(self) -> nn.ModuleList:
         return self.transformer.layer
 
+    @property
+    def ffn_gelu(self) -> bool:
+        return self.gelu
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         x = self.embeddings(input_ids, positions)
         for layer in self.transformer.layer:
-            x = layer(x, meta, attn)
+            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
         return x

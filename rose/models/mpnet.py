@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.small_step import PostNormKernels, post_norm_block
 from rose.models.base import Family
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
 
@@ -75,6 +76,13 @@ class MPNetLayer(nn.Module):
         x = self.attention.LayerNorm(a + x)
         return self.output(self.intermediate(x), x)
 
+    def small_step(self, x, meta, attn):
+        """The same layer for small steps, in fewer kernels (`rose.layers.small_step`; attention with
+        the position bias is the step's backend)."""
+        sa = self.attention.attn
+        return post_norm_block(x, meta, attn, sa.num_heads, sa.qkv, sa.o, self.attention.LayerNorm,
+                               self.intermediate.dense, self.output.dense, self.output.LayerNorm)
+
 
 class MPNetEmbeddings(nn.Module):
     def __init__(self, cfg: dict):
@@ -101,7 +109,7 @@ class MPNetEncoder(nn.Module):
         return self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None])).permute(2, 0, 1).to(dtype)
 
 
-class MPNetModel(Family):
+class MPNetModel(PostNormKernels, Family):
     strip_prefixes = ("mpnet.",)
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^lm_head\.")
     stacked_params = {
@@ -129,9 +137,14 @@ class MPNetModel(Family):
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
 
+    @property
+    def ffn_gelu(self) -> bool:
+        return self.blocks[0].intermediate.gelu
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embeddings(input_ids, positions + 2)
         meta = dataclasses.replace(meta, bias=self.encoder.position_bias(meta.max_seqlen, x.dtype))
+        small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         for layer in self.encoder.layer:
-            x = layer(x, meta, attn)
+            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
         return x

@@ -38,7 +38,7 @@ class SparseVector(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel", "segment_starts", "raw_scores")
+    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel", "segment_starts", "raw_scores", "traceparent")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class EmbedRequest(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_STARTS_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
@@ -61,7 +62,8 @@ class EmbedRequest(_message.Message):
     cancel: bool
     segment_starts: _containers.RepeatedScalarFieldContainer[int]
     raw_scores: bool
-    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ..., segment_starts: _Optional[_Iterable[int]] = ..., raw_scores: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ..., segment_starts: _Optional[_Iterable[int]] = ..., raw_scores: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
     __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message", "scores")
