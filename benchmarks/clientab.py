@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                                           "--clients", json.dumps(clients)]
                                    + (["--timeout", str(args.timeout)] if args.timeout else []),
                                    cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                   env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))))
                 if r.returncode:
                     raise RuntimeError(f"client ({loop}, {transport}) exited {r.returncode}: {r.stderr[-2000:]}")
                 for name, stats in json.loads(r.stdout.strip().splitlines()[-1]).items():
