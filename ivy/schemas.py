@@ -107,6 +107,31 @@ class EmbeddingRequest(Body):
         return "end" if self.truncate is True else self.truncate or None
 
 
+class ScoreWeights(msgspec.Struct, forbid_unknown_fields=True):
+    """`weights` of a rerank or score request: BGE-M3's hybrid score, as FlagEmbedding's
+    `BGEM3FlagModel.compute_score` defines it (its `weights_for_different_modes`, [dense, sparse,
+    colbert], may be sent as that array): (dense * d + sparse * s + colbert * c) / (dense + sparse +
+    colbert), where d is the dot of the normalised dense vectors (the cosine), s the lexical match (the
+    sum over token ids in both texts of the query's weight times the document's) and c ColBERT's
+    max-sim (the mean over the query's vectors of the largest dot with one of the document's, all
+    normalised). A mode left out weighs 0; each weight is >= 0 and one at least > 0; a positive sparse
+    or colbert weight needs the model's head for it (ivy/routes/scores.py)."""
+
+    dense: float = 0.0
+    sparse: float = 0.0
+    colbert: float = 0.0
+
+
+WEIGHTS_DOC = ("BGE-M3's hybrid score: {dense, sparse, colbert} weights (or FlagEmbedding's "
+               "weights_for_different_modes [dense, sparse, colbert]); the score is the weighted mean of the "
+               "dense cosine, the lexical match and ColBERT's max-sim. Absent: the cosine.")
+_WEIGHTS_SCHEMA = {"anyOf": [
+    {"type": "object", "additionalProperties": False,
+     "properties": {m: {"type": "number", "minimum": 0, "default": 0} for m in ("dense", "sparse", "colbert")}},
+    {"type": "array", "items": {"type": "number", "minimum": 0}, "minItems": 3, "maxItems": 3},
+    {"type": "null"}], "default": None, "description": WEIGHTS_DOC}
+
+
 class RerankRequest(Body):
     """POST /v1/rerank, in the shape Jina's and Cohere's rerank APIs take: the documents ordered by
     a cross-encoder's score of each (query, document) pair (a `*ForSequenceClassification` model, as
@@ -123,6 +148,8 @@ class RerankRequest(Body):
                       label, unless the model saved another activation), as TEI's and Infinity's flag.
     max_tokens_per_doc: Cohere's: cut each document after its first this many tokens (tokenized
                       alone) before it is scored.
+    weights:          BGE-M3's hybrid of dense, sparse and ColBERT scores (`ScoreWeights`); absent: the
+                      cosine (an embedding model) or the pair score (a cross-encoder).
     """
 
     bools: ClassVar = ("return_documents", "truncate", "raw_scores")
@@ -136,6 +163,7 @@ class RerankRequest(Body):
     instruction: Union[str, None] = None
     raw_scores: LaxBool = False
     max_tokens_per_doc: Union[int, None] = None
+    weights: Union[ScoreWeights, list[float], None] = None
 
 
 class ScoreRequest(Body):
@@ -147,6 +175,7 @@ class ScoreRequest(Body):
     length are scored pairwise (N:N).
     truncate:   cut texts (a pair: longest side first) longer than the model's maximum instead of 400.
     raw_scores: a cross-encoder's raw logits instead of its activated scores (as /v1/rerank).
+    weights:    BGE-M3's hybrid of dense, sparse and ColBERT scores (as /v1/rerank, `ScoreWeights`).
     """
 
     bools: ClassVar = ("truncate", "raw_scores")
@@ -156,6 +185,7 @@ class ScoreRequest(Body):
     model: Union[str, None] = None
     truncate: LaxBool = False
     raw_scores: LaxBool = False
+    weights: Union[ScoreWeights, list[float], None] = None
 
 
 class TokenizeRequest(Body):
@@ -187,4 +217,6 @@ def schema(model: type[Body]) -> dict:
     if model is EmbeddingRequest:
         s["properties"]["input"] = _EMBEDDING_INPUT
         s["properties"]["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
+    if "weights" in s["properties"]:
+        s["properties"]["weights"] = _WEIGHTS_SCHEMA  # inline: the document has no ScoreWeights component
     return s

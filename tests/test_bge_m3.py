@@ -95,3 +95,127 @@ def test_text_input_sparse_tokens_and_base64_colbert(m3):
 def test_models_without_heads_refuse_extras(stack_default):
     r = httpx.post(stack_default + "/v1/embeddings", json={"input": "hi", "return_colbert": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_colbert"
+
+
+# BGE-M3's hybrid score on the score routes (`weights`), against FlagEmbedding's formulas over the
+# same server's /v1/embeddings outputs. Byte-level tokens: texts sharing letters share token ids;
+# "2026 / 42" shares none with the query.
+QUERY = "tulip bulbs"
+DOCS = ["tulips are spring bulbs", "a gRPC server", "2026 / 42", "bulbous tulip fields in spring", "ivy"]
+LEFT, RIGHT = ["tulip", "ivy leaves", "rose"], ["a tulip bulb", "evergreen ivy", "1234"]  # N:N pairs
+
+
+def outputs(url, name, texts):
+    """Per text: (unit dense vector, {token id: weight}, unit ColBERT vectors) from /v1/embeddings."""
+    r = httpx.post(url + "/v1/embeddings", timeout=60, json={
+        "model": name, "input": texts, "return_sparse": True, "return_colbert": True})
+    assert r.status_code == 200, r.text
+    out = []
+    for item in r.json()["data"]:
+        v = np.array(item["embedding"], dtype=np.float64)
+        c = np.array(item["colbert_embedding"], dtype=np.float64)
+        out.append((v / np.linalg.norm(v), {int(k): w for k, w in item["sparse_embedding"].items()},
+                    c / np.linalg.norm(c, axis=1, keepdims=True)))
+    return out
+
+
+def mode_scores(q, d):
+    """FlagEmbedding's three scores of a (query, document) pair: dense dot, lexical match, max-sim."""
+    return np.array([float(q[0] @ d[0]), lexical_match(q[1], d[1]), float((q[2] @ d[2].T).max(1).mean())])
+
+
+def hybrid(modes, w):
+    return modes @ np.asarray(w, dtype=np.float64) / sum(w)
+
+
+def score(url, body):
+    r = httpx.post(url + "/v1/score", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return np.array([d["score"] for d in r.json()["data"]])
+
+
+def rerank(url, path, body):
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert [x["relevance_score"] for x in res] == sorted((x["relevance_score"] for x in res), reverse=True)
+    return np.array([s for _, s in sorted((x["index"], x["relevance_score"]) for x in res)])
+
+
+WEIGHTS = [(0.4, 0.2, 0.4), (1.0, 0.3, 1.0), (1, 0, 2)]
+
+
+def test_hybrid_scores_against_the_embeddings(m3):
+    url, name, *_ = m3
+    q, *docs = outputs(url, name, [QUERY, *DOCS])
+    modes = np.array([mode_scores(q, d) for d in docs])  # [documents, (dense, sparse, colbert)]
+    assert modes[2, 1] == 0 and (modes[[0, 3], 1] > 0).all()  # no shared token; shared ones with weight
+    for a in range(3):  # the three modes rank the documents apart: a mixed-up mode would show
+        for b in range(a + 1, 3):
+            assert np.abs(modes[:, a] - modes[:, b]).max() > 0.02
+    cosine = score(url, {"model": name, "text_1": QUERY, "text_2": DOCS})  # no weights: unchanged
+    np.testing.assert_allclose(cosine, modes[:, 0], atol=1e-5)
+    for w in WEIGHTS:
+        ref = hybrid(modes, w)
+        body = {"model": name, "text_1": QUERY, "text_2": DOCS, "weights": dict(zip(("dense", "sparse", "colbert"), w))}
+        np.testing.assert_allclose(score(url, body), ref, atol=1e-5)
+        np.testing.assert_allclose(score(url, {**body, "weights": list(w)}), ref, atol=1e-5)  # FlagEmbedding's list
+        for path in ("/v1/rerank", "/v2/rerank"):
+            got = rerank(url, path, {"model": name, "query": QUERY, "documents": DOCS, "weights": body["weights"]})
+            np.testing.assert_allclose(got, ref, atol=1e-5)
+    for i, mode in enumerate(("dense", "sparse", "colbert")):  # one mode alone is that mode's score
+        np.testing.assert_allclose(score(url, {"model": name, "text_1": [QUERY], "text_2": DOCS,
+                                               "weights": {mode: 0.7}}), modes[:, i], atol=1e-5)
+    top = httpx.post(url + "/v1/rerank", timeout=60, json={
+        "model": name, "query": QUERY, "documents": DOCS, "top_n": 2, "weights": {"sparse": 1}}).json()["results"]
+    assert [x["index"] for x in top] == list(np.argsort(-modes[:, 1], kind="stable")[:2])
+
+
+def test_hybrid_scores_n_to_n(m3):
+    url, name, *_ = m3
+    outs = outputs(url, name, LEFT + RIGHT)
+    modes = np.array([mode_scores(outs[i], outs[len(LEFT) + i]) for i in range(len(LEFT))])
+    assert modes[2, 1] == 0 and (modes[:2, 1] > 0).all()
+    for w in WEIGHTS:
+        got = score(url, {"model": name, "text_1": LEFT, "text_2": RIGHT, "weights": list(w)})
+        np.testing.assert_allclose(got, hybrid(modes, w), atol=1e-5)
+    for i, mode in enumerate(("dense", "sparse", "colbert")):
+        got = score(url, {"model": name, "text_1": LEFT, "text_2": RIGHT, "weights": {mode: 3}})
+        np.testing.assert_allclose(got, modes[:, i], atol=1e-5)
+
+
+@pytest.mark.parametrize("weights,fragment", [
+    ({"dense": 1, "lexical": 1}, "unknown field `lexical`"),
+    ({"dense": 1, "sparse": -0.5}, "weights.sparse must be a finite number >= 0, got -0.5"),
+    ({"dense": 0, "sparse": 0, "colbert": 0}, "'weights' are all zero"),
+    ({}, "'weights' are all zero"),
+    ([0.4, 0.6], "3 numbers, got 2"),
+    ({"dense": "1"}, "invalid value for 'weights.dense'"),
+    ({"colbert": True}, "invalid value for 'weights.colbert'"),
+    ("dense", "invalid value for 'weights'"),
+])
+def test_hybrid_weight_errors(m3, weights, fragment):
+    url, name, *_ = m3
+    for path, body in (("/v1/score", {"text_1": QUERY, "text_2": DOCS}), ("/v1/rerank", {"query": QUERY, "documents": DOCS})):
+        r = httpx.post(url + path, json={"model": name, **body, "weights": weights}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["param"] == "weights", err
+    r = httpx.post(url + "/v1/score", timeout=30, content=b'{"text_1": "a", "text_2": ["b"], "weights": {"dense": 1e999}}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weights", r.text
+
+
+def test_hybrid_weights_need_the_heads(stack_default):
+    for weights, missing in (({"sparse": 1}, "sparse"), ({"dense": 1, "colbert": 0.5}, "colbert"),
+                             ([1, 1, 1], "sparse and colbert")):
+        for path, body in (("/v1/score", {"text_1": "a", "text_2": ["b"]}), ("/v2/rerank", {"query": "a", "documents": ["b"]})):
+            r = httpx.post(stack_default + path, json={**body, "weights": weights}, timeout=30)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert f"give {missing} a weight" in err["message"] and err["param"] == "weights", err
+    # dense alone needs no head: the cosine, as without weights
+    body = {"text_1": "what is a tulip", "text_2": ["a spring flower", "a gRPC server"]}
+    plain, dense = (httpx.post(stack_default + "/v1/score", json=b, timeout=30).json()["data"]
+                    for b in (body, {**body, "weights": {"dense": 2}}))
+    assert [d["score"] for d in dense] == pytest.approx([d["score"] for d in plain], abs=1e-9)

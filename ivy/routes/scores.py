@@ -1,9 +1,11 @@
 """POST /v1/rerank and Cohere's /v2/rerank (documents by a cross-encoder's score of each (query,
-document) pair, or by cosine similarity to the query's embedding) and vLLM's POST /v1/score (the
-same scores, 1:N or N:N), each routed by `model`."""
+document) pair, or by cosine similarity to the query's embedding, or with `weights` by BGE-M3's
+hybrid of dense, sparse and ColBERT scores) and vLLM's POST /v1/score (the same scores, 1:N or
+N:N), each routed by `model`."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -14,9 +16,58 @@ from ivy import errors
 from ivy.errors import APIError
 from ivy.front import Stamp
 from ivy.routes.common import Context, Routes, tulip_call
-from ivy.schemas import RerankRequest, ScoreRequest
+from ivy.schemas import RerankRequest, ScoreRequest, ScoreWeights
 from ivy.served import ServedModel
 from trellis.tulip.v1 import tulip_pb2
+
+MODES = ("dense", "sparse", "colbert")  # the order of FlagEmbedding's weights_for_different_modes
+MODE_OUTPUTS = {"sparse": tulip_pb2.OUTPUT_SPARSE, "colbert": tulip_pb2.OUTPUT_COLBERT}
+
+
+def hybrid_weights(w: ScoreWeights | list[float] | None) -> tuple[float, float, float] | None:
+    """A request's `weights` as (dense, sparse, colbert), checked: each finite and >= 0, one > 0."""
+    if w is None:
+        return None
+    if isinstance(w, list):
+        if len(w) != 3:
+            raise APIError(400, f"'weights' as an array is [dense, sparse, colbert] (FlagEmbedding's "
+                           f"weights_for_different_modes): 3 numbers, got {len(w)}", "weights")
+        vals = tuple(w)
+    else:
+        vals = (w.dense, w.sparse, w.colbert)
+    for mode, v in zip(MODES, vals):
+        if not math.isfinite(v) or v < 0:
+            raise APIError(400, f"weights.{mode} must be a finite number >= 0, got {v}", "weights")
+    if not any(vals):
+        raise APIError(400, "'weights' are all zero: give at least one of dense, sparse, colbert a positive weight",
+                       "weights")
+    return vals
+
+
+def lexical_match(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
+    """BGE-M3's sparse score of two texts' lexical weights ((token ids, weights), one weight per id):
+    the sum over the token ids both hold of the product of their weights."""
+    _, ia, ib = np.intersect1d(a[0], b[0], assume_unique=True, return_indices=True)
+    return float(np.dot(a[1][ia].astype(np.float64), b[1][ib].astype(np.float64)))
+
+
+def maxsim(q: np.ndarray, docs: list[np.ndarray]) -> np.ndarray:
+    """ColBERT's score of a query's vectors against each document's (all L2-normalised here): the
+    mean over the query's vectors of the largest dot product with one of the document's vectors."""
+    out = np.zeros(len(docs))
+    keep = [i for i, d in enumerate(docs) if len(d)]
+    if not len(q) or not keep:
+        return out
+    flat = _unit(np.concatenate([docs[i] for i in keep]))
+    starts = np.cumsum([0] + [len(docs[i]) for i in keep[:-1]])
+    sims = _unit(q) @ flat.T  # [query vectors, every document's vectors]
+    out[keep] = np.maximum.reduceat(sims, starts, axis=1).mean(0)
+    return out
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.float64)
+    return v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
 
 
 def routes(ctx: Context) -> Routes:
@@ -25,6 +76,7 @@ def routes(ctx: Context) -> Routes:
 
     async def rerank(body: bytes, stamp: Stamp) -> bytes:
         req = errors.parse_body(RerankRequest, body)
+        weights = hybrid_weights(req.weights)
         model = models.get(req.model)
         model.check_room()
         if not req.documents:
@@ -43,7 +95,8 @@ def routes(ctx: Context) -> Routes:
         if req.max_tokens_per_doc is not None:
             docs = await model.offload(sum(map(len, docs)), model.tokenizer.cut, docs, req.max_tokens_per_doc)
         seqs, scores = await _scores(model, req.query, docs, req.truncate, req.raw_scores, req.instruction,
-                                     ("query", None), ("documents", "document"), "document {} with the query")
+                                     weights, ("query", None), ("documents", "document"),
+                                     "document {} with the query")
         order = np.argsort(-scores, kind="stable")[: req.top_n]
         tokens = int(sum(len(s) for s in seqs))
         prompt_tokens.labels(model.name).inc(tokens)
@@ -57,6 +110,7 @@ def routes(ctx: Context) -> Routes:
     async def score(body: bytes, stamp: Stamp) -> bytes:
         """vLLM's score API: 1:N (text_1 one text) or N:N (pairwise) relevance scores."""
         req = errors.parse_body(ScoreRequest, body)
+        weights = hybrid_weights(req.weights)
         model = models.get(req.model)
         model.check_room()
         t1, t2 = ([t] if isinstance(t, str) else t for t in (req.text_1, req.text_2))
@@ -74,7 +128,7 @@ def routes(ctx: Context) -> Routes:
         ctx.check_count(len(t1) + len(t2), "text_2")
         one = t1[0] if len(t1) == 1 else t1
         seqs, scores = await _scores(
-            model, one, t2, req.truncate, req.raw_scores, None,
+            model, one, t2, req.truncate, req.raw_scores, None, weights,
             ("text_1", None if isinstance(req.text_1, str) else "text_1 item"),
             ("text_2", None if isinstance(req.text_2, str) else "text_2 item"),
             "pair {} (text_1, text_2)" if len(t1) > 1 else "text_2 item {} with text_1")
@@ -86,35 +140,63 @@ def routes(ctx: Context) -> Routes:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def _scores(model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
-                      raw_scores: bool, instruction: str | None, query_names: tuple[str, str | None],
-                      document_names: tuple[str, str | None], pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+                      raw_scores: bool, instruction: str | None, weights: tuple[float, float, float] | None,
+                      query_names: tuple[str, str | None], document_names: tuple[str, str | None],
+                      pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
         """Per document its score against the query (one for all, or one per document): a
-        cross-encoder's score of the pair, or the cosine of a bi-encoder's embeddings. `*_names`:
-        the request field and item label (None: one text) that length errors name."""
+        cross-encoder's score of the pair, or the cosine of a bi-encoder's embeddings, or with
+        `weights` BGE-M3's hybrid. `*_names`: the request field and item label (None: one text) that
+        length errors name."""
         info = await model.info()
         if info.num_labels:
+            if weights is not None:
+                raise APIError(400, "'weights' mix an embedding model's dense, sparse and ColBERT scores (BGE-M3); "
+                               f"'{model.name}' is a cross-encoder: it gives one score per pair", "weights")
             return await _pair_scores(model, queries, documents, truncate, raw_scores, instruction, info,
                                       document_names[0], pair_item)
         if raw_scores:
             raise APIError(400, "'raw_scores' applies to cross-encoders; this model scores by cosine similarity",
                            "raw_scores")
-        return await _cosine_scores(model, [queries] if isinstance(queries, str) else queries, documents,
-                                    instruction, truncate, query_names, document_names)
+        outputs = ()
+        if weights is not None:
+            missing = [m for m, w in zip(MODES, weights) if w and m in MODE_OUTPUTS
+                       and MODE_OUTPUTS[m] not in info.outputs]
+            if missing:
+                raise APIError(400, f"'weights' give {' and '.join(missing)} a weight, but '{model.name}' has no "
+                               f"{' or '.join(missing)} head (BGE-M3's sparse_linear.pt / colbert_linear.pt)",
+                               "weights")
+            outputs = tuple(MODE_OUTPUTS[m] for m, w in zip(MODES, weights) if w and m in MODE_OUTPUTS)
+        return await _embedding_scores(model, [queries] if isinstance(queries, str) else queries, documents,
+                                       instruction, truncate, weights, outputs, query_names, document_names)
 
-    async def _cosine_scores(model: ServedModel, queries: list[str], documents: list[str], instruction: str | None,
-                             truncate: bool, query_names: tuple[str, str | None],
-                             document_names: tuple[str, str | None]) -> tuple[list[np.ndarray], np.ndarray]:
+    async def _embedding_scores(model: ServedModel, queries: list[str], documents: list[str],
+                                instruction: str | None, truncate: bool, weights: tuple[float, float, float] | None,
+                                outputs: tuple[int, ...], query_names: tuple[str, str | None],
+                                document_names: tuple[str, str | None]) -> tuple[list[np.ndarray], np.ndarray]:
         """A bi-encoder's scores: each document's cosine similarity to its query (or the one query),
-        the queries with the model's query prompt, the documents with its document prompt, all in one
-        request to Tulip."""
+        or with `weights` the weighted mean of that, the lexical match and ColBERT's max-sim (the
+        `outputs` those need asked of Tulip); the queries with the model's query prompt, the
+        documents with its document prompt, every text once in one request to Tulip."""
         q, q_pool = await model.text_sequences(queries, "query", instruction, truncate, *query_names)
         d, d_pool = await model.text_sequences(documents, "document", None, truncate, *document_names)
         pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
         seqs = q + d
-        result = await tulip_call(model.balancer.embed(seqs, ctx.options(pool_from=pool_from)))
-        v = result.vectors.astype(np.float64)
-        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        return seqs, (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
+        result = await tulip_call(model.balancer.embed(seqs, ctx.options(pool_from=pool_from, outputs=outputs)))
+        v = _unit(result.vectors)
+        dense = (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
+        if weights is None:
+            return seqs, dense
+        w_dense, w_sparse, w_colbert = weights
+        nq, nd = len(q), len(d)
+        total = w_dense * dense
+        if w_sparse:
+            sp = result.sparse
+            total += w_sparse * np.array([lexical_match(sp[0 if nq == 1 else i], sp[nq + i]) for i in range(nd)])
+        if w_colbert:
+            cb = result.colbert
+            total += w_colbert * (maxsim(cb[0], cb[nq:]) if nq == 1 else
+                                  np.array([maxsim(cb[i], [cb[nq + i]])[0] for i in range(nd)]))
+        return seqs, total / sum(weights)
 
     async def _pair_scores(model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
                            raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
