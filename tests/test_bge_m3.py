@@ -1,6 +1,8 @@
 """BGE-M3's three outputs in one call (dense + sparse lexical weights + ColBERT vectors) through
 the whole stack, against an independent reference written here from the formulas, on a small
-random XLM-RoBERTa saved by transformers with random sparse/colbert heads."""
+random XLM-RoBERTa saved by transformers with random sparse/colbert heads; the score routes'
+hybrid `weights` (FlagEmbedding's dense / lexical-match / max-sim mix) against those formulas over
+the same server's /v1/embeddings outputs, and their 400s."""
 
 import base64
 

@@ -1,7 +1,7 @@
 """vLLM's `POST /v1/score` (1:N and N:N) and Cohere's `POST /v2/rerank` through a real Tulip + Ivy:
 a cross-encoder's pair scores against sentence-transformers' `CrossEncoder.predict`, the default
 bi-encoder's against the cosine of `SentenceTransformer.encode`; /v2/rerank against /v1/rerank;
-`max_tokens_per_doc`; the 400s; API keys, metrics and the OpenAPI document for both routes."""
+`max_tokens_per_doc`; the 400s (`weights` on a cross-encoder); API keys, metrics and the OpenAPI document for both routes."""
 
 
 import httpx
@@ -166,6 +166,10 @@ def test_max_tokens_per_doc_cuts_each_document(servers, ce):
     (0, "/v2/rerank", {"query": QUERY, "documents": DOCS, "max_tokens_per_doc": 0}, "max_tokens_per_doc must be",
      "max_tokens_per_doc"),
     (2, "/v2/rerank", {"query": QUERY, "documents": []}, "'documents' must not be empty", "documents"),
+    (0, "/v1/score", {"text_1": QUERY, "text_2": DOCS, "weights": {"dense": 1}}, "is a cross-encoder", "weights"),
+    (0, "/v2/rerank", {"query": QUERY, "documents": DOCS, "weights": [1, 0, 0]}, "is a cross-encoder", "weights"),
+    (2, "/v1/rerank", {"query": QUERY, "documents": DOCS, "weights": {"dense": -1}}, "weights.dense must be",
+     "weights"),
 ])
 def test_errors(servers, which, path, body, fragment, param):
     r = httpx.post(servers[which] + path, json=body, headers=AUTH, timeout=30)
@@ -188,7 +192,9 @@ def test_keys_metrics_and_openapi(servers):
         assert metric(text, "ivy_requests_total", route=route, status="401", model="") >= 1
     paths = httpx.get(url + "/openapi.json").json()["paths"]
     score = paths["/v1/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert {"text_1", "text_2", "truncate", "raw_scores"} <= set(score["properties"])
+    assert {"text_1", "text_2", "truncate", "raw_scores", "weights"} <= set(score["properties"])
+    assert set(score["properties"]["weights"]["anyOf"][0]["properties"]) == {"dense", "sparse", "colbert"}
     assert set(score["required"]) == {"text_1", "text_2"}
     rerank = paths["/v2/rerank"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert {"query", "documents", "top_n", "max_tokens_per_doc"} <= set(rerank["properties"])
+    assert {"query", "documents", "top_n", "max_tokens_per_doc", "weights"} <= set(rerank["properties"])
+    assert "$ref" not in str(score) + str(rerank)  # every schema inline
