@@ -375,7 +375,7 @@ def from_schema(schema: dict):
         return st.lists(from_schema(schema.get("items", {})), max_size=6)
     simple = {"string": st.text(max_size=30), "boolean": st.booleans(), "null": st.none(),
               "integer": st.integers(-2**70, 2**70) | st.integers(-3, 600),
-              "number": st.floats() | st.integers(-3, 600)}
+              "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(-3, 600)}  # JSON has no nan / inf
     return simple[kind] if kind in simple else st.none() | st.booleans() | st.integers() | st.text(max_size=10)
 
 
