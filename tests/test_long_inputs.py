@@ -34,17 +34,19 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def doc(model_path):
-    """A ~2,000-token document, its whole token ids ([CLS] ... [SEP]) and the model's tokenizer."""
+    """An 8,192-token document (the issue's long input; MiniLM's windows are 256), its whole token ids
+    ([CLS] ... [SEP]) and the model's tokenizer."""
     tok = Tokenizer.from_file(str(model_path / "tokenizer.json"))
     tok.no_truncation()
     tok.no_padding()
     text, ids = "", [101, 102]
-    for k in range(1000):
-        if len(ids) >= 2000:
+    for k in range(5000):
+        if len(ids) >= 8192:
             break
         text += SENTENCES[k % len(SENTENCES)] + " "
-        ids = tok.encode(text).ids
-    assert 2000 <= len(ids) < 2300 and ids[0] == 101 and ids[-1] == 102
+        if k % 16 == 15 or len(ids) > 8000:  # re-encode now and then: the text only grows
+            ids = tok.encode(text).ids
+    assert 8192 <= len(ids) < 8400 and ids[0] == 101 and ids[-1] == 102
     return text, ids, tok
 
 
@@ -66,7 +68,7 @@ def test_chunk_is_the_token_weighted_mean_of_its_windows(stack, doc):
     text, ids, _ = doc
     content = ids[1:-1]
     windows = [[101, *content[i: i + MAX - 2], 102] for i in range(0, len(content), MAX - 2)]
-    assert len(windows) >= 8 and len(windows[-1]) < MAX and all(len(w) == MAX for w in windows[:-1])
+    assert len(windows) >= 32 and len(windows[-1]) < MAX and all(len(w) == MAX for w in windows[:-1])
     r = embed(url, input=[SENTENCES[4], text], truncate="chunk")
     got = vectors(r)
     short = embed(url, input=SENTENCES[4]).json()["usage"]["prompt_tokens"]
@@ -76,7 +78,8 @@ def test_chunk_is_the_token_weighted_mean_of_its_windows(stack, doc):
     want = (one_by_one * weights[:, None]).sum(0) / weights.sum()
     want /= np.linalg.norm(want)  # MiniLM normalises
     assert cos(got[1], want) >= 0.9999
-    assert cos(got[1], one_by_one.mean(0)) < 0.9999  # the weights matter here: the last window is short
+    # the weights matter: the short last window pulls the plain mean away (by little over 33 windows)
+    assert 1 - cos(got[1], want) < 0.1 * (1 - cos(got[1], one_by_one.mean(0)))
     assert abs(np.linalg.norm(got[1]) - 1) < 1e-5
     assert cos(got[0], vectors(embed(url, input=SENTENCES[4]))[0]) >= 0.9999  # a short input: one window
     assert cos(got[1], one_by_one[0]) < 0.99  # the mean, not the first window
