@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ivy.discovery import parse_target
 from trellis.cli import field, parse
-from trellis.logs import FORMATS
+from trellis.logs import FORMATS, check_format
 from trellis.tracing import require as require_tracing
 
 
@@ -149,8 +149,7 @@ class IvyConfig:
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
-        if self.log_format not in FORMATS:
-            raise ValueError(f"log_format {self.log_format!r} is not one of {', '.join(FORMATS)}")
+        check_format(self.log_format)
         if self.otlp_endpoint:
             require_tracing("--otlp-endpoint")
 

@@ -71,6 +71,24 @@ class Proc(Child):
         super().__init__([sys.executable, *args], tmp / f"{args[1].replace('.', '_')}-{time.monotonic_ns()}.log", env)
 
 
+class HostsFile:
+    """A copy of /etc/hosts at `path` for a child to bind-mount over its own (`mount --bind PATH
+    /etc/hosts` in a private mount namespace), whose names the test sets while the child runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.base = Path("/etc/hosts").read_text()
+        path.touch()
+
+    def name(self, name: str, *addrs: str) -> float:
+        """`name` resolves to `addrs` from now on (the file is rewritten in place: the bind mount
+        follows the inode); returns when, as time.monotonic()."""
+        with self.path.open("r+") as f:
+            f.truncate(0)
+            f.write(self.base + "".join(f"{a} {name}\n" for a in addrs))
+        return time.monotonic()
+
+
 def tulip_requests(ip: str, metrics_port: int, timeout: float = 2.0) -> float:
     """Requests a Tulip has finished (any status), from its metrics; -1 when it cannot be asked."""
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import Child, free_port, http_status, tulip_requests
+from conftest import Child, HostsFile, free_port, http_status, tulip_requests
 from grpc_health.v1 import health, health_pb2_grpc
 
 from ivy.balancer import Balancer
@@ -301,15 +301,10 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
 
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     ips = ["127.0.0.2", "127.0.0.3"]
-    base = Path("/etc/hosts").read_text()
-    hosts = tmp_path / "hosts"
-    hosts.touch()
+    hosts = HostsFile(tmp_path / "hosts")
 
     def name_is(*addrs: str) -> float:
-        with hosts.open("r+") as f:  # in place: the bind mount follows the inode
-            f.truncate(0)
-            f.write(base + "".join(f"{a} tulips.trellis.test\n" for a in addrs))
-        return time.monotonic()
+        return hosts.name("tulips.trellis.test", *addrs)
 
     name_is(ips[0])
     tulips = [Child([sys.executable, "-m", "tulip", "--device", "cpu", "--host", ip, "--port", str(port),
@@ -321,7 +316,7 @@ def test_a_name_with_several_addresses_grows_shrinks_and_drains(tmp_path):
     try:
         for t in tulips:
             t.wait_for(lambda t=t: "TULIP_READY" in t.output(), timeout=150)
-        ivy_cmd = (f"mount --bind {hosts} /etc/hosts && exec {sys.executable} -m ivy "
+        ivy_cmd = (f"mount --bind {hosts.path} /etc/hosts && exec {sys.executable} -m ivy "
                    f"--tulip tulips.trellis.test:{port} --resolve-interval {INTERVAL} --port {http_port}")
         ivy = Child(["unshare", "-m", "sh", "-c", ivy_cmd], tmp_path / "ivy.log")
         url = f"http://127.0.0.1:{http_port}"

@@ -39,11 +39,10 @@ import sys
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, Child, free_port, http_status, tulip_requests
+from conftest import ROOT, Child, HostsFile, free_port, http_status, tulip_requests
 
 from tests.sentences import SENTENCES
 from tulip.client import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
@@ -215,15 +214,10 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
     ip = {i: f"{net.subnet}.{10 + i}" for i in range(1, 5)}
     proxy_ip = f"{net.subnet}.23"  # host 3's second address: the delay proxy's
     name_ip = {1: ip[1], 2: ip[2], 3: proxy_ip, 4: ip[4]}  # what the name gives for each host
-    base = Path("/etc/hosts").read_text()
-    hosts = tmp_path / "hosts"
-    hosts.touch()
+    hosts = HostsFile(tmp_path / "hosts")
 
     def name_is(*which: int) -> float:
-        with hosts.open("r+") as f:  # in place: the bind mount follows the inode
-            f.truncate(0)
-            f.write(base + "".join(f"{name_ip[i]} {NAME}\n" for i in which))
-        return time.monotonic()
+        return hosts.name(NAME, *(name_ip[i] for i in which))
 
     tulips: dict[int, Child] = {}
     t_setup = time.monotonic()
@@ -240,7 +234,7 @@ def test_ivy_over_hosts_in_network_namespaces_under_faults(tmp_path, st_model):
         for t in (*tulips.values(), proxy):
             t.wait_for(lambda t=t: "TULIP_READY" in t.output() or "PROXY_READY" in t.output(), timeout=150)
         http_port = free_port()
-        ivy_cmd = (f"mount --bind {hosts} /etc/hosts && exec {sys.executable} -m ivy --tulip {NAME}:{PORT} "
+        ivy_cmd = (f"mount --bind {hosts.path} /etc/hosts && exec {sys.executable} -m ivy --tulip {NAME}:{PORT} "
                    f"--resolve-interval {INTERVAL} --request-timeout-s {REQUEST_TIMEOUT_S} --port {http_port}")
         ivy = Child(["unshare", "-m", "sh", "-c", ivy_cmd], tmp_path / "ivy.log")
         url = f"http://127.0.0.1:{http_port}"

@@ -43,14 +43,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def check_format(log_format: str) -> None:
+    """A ValueError unless `log_format` is one of FORMATS (the configs' check, and `setup`'s)."""
+    if log_format not in FORMATS:
+        raise ValueError(f"log_format {log_format!r} is not one of {', '.join(FORMATS)}")
+
+
 def formatter(log_format: str, json_class: type[JsonFormatter] = JsonFormatter) -> logging.Formatter:
     return json_class() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
 
 
 def setup(level: str | int, log_format: str = "text", json_class: type[JsonFormatter] = JsonFormatter) -> None:
     """The root logger: one stderr handler in `log_format` at `level` (a name or a number)."""
-    if log_format not in FORMATS:
-        raise ValueError(f"log format {log_format!r} is not one of {FORMATS}")
+    check_format(log_format)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(log_format, json_class))
     logging.basicConfig(level=level.upper() if isinstance(level, str) else level, handlers=[handler], force=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from rose.layers.attention import BACKENDS
 from rose.layers.heads import Extra
 from trellis.cli import field, parse
-from trellis.logs import FORMATS
+from trellis.logs import FORMATS, check_format
 from trellis.tracing import require as require_tracing
 
 
@@ -80,8 +80,7 @@ class TulipConfig:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0 (0: torch's path)")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
-        if self.log_format not in FORMATS:
-            raise ValueError(f"log_format {self.log_format!r} is not one of {', '.join(FORMATS)}")
+        check_format(self.log_format)
         if self.otlp_endpoint:
             require_tracing("--otlp-endpoint")
 
