@@ -3,6 +3,7 @@
     python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
     python -m benchmarks.hop --model bge-m3 --compile      # the real engine instead of the null one
     python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
+    python -m benchmarks.hop --device-ms 1 --tail-only     # only the stamping Tulip: where the slow requests went
 
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
@@ -21,6 +22,12 @@ third server, Tulip with stage recording on (`tulip.stages`), measured again wit
 stream client, whose per-stage p50 / p99 are `bench: "hop-stages"` rows (one per stage, receipt to
 write; stamping costs a little, so the timing rows come from the server without it).
 `--profile DIR` also writes a cProfile of that server (pstats and its top functions as text).
+With that server the client also keeps each request's (start, end) and both processes log their garbage
+collections (`GcLog`; `perf_counter_ns` is one clock across the host's processes), so each request is
+split into segments that add up to the client's time (`TAIL_SEGMENTS`: `send`, client to Tulip's
+deserializer; Tulip's stages; `back`, gRPC's core to the client's code): `bench: "hop-tail"` rows say
+which segments the slow requests (over the client's p99) lost their time in, and whether a collection
+overlapped them (also printed to stderr). `--tail-only` serves only that server (no echo, no proto, no floors).
 `--sync-floors` (on by default with the null engine) adds the other server arrangement's echo floors, timed with
 `benchmarks.protoclient`: grpc's sync server, and that server bridging unary replies through an
 asyncio loop in another thread, idle or spinning (`benchmarks.syncserver`; `hop-proto` rows).
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -43,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
+from tulip.stages import POINTS
 
 
 class TimedEvent:
@@ -97,6 +106,32 @@ class NullEngine:
         return LazyTensor(out, TimedEvent(time.monotonic() + self.device_ms / 1e3) if self.device_ms else None)
 
 
+class GcLog:
+    """This process's garbage collections, (start, end, generation) in `perf_counter_ns`
+    (CLOCK_MONOTONIC: comparable across the processes of one host), from its first `get()` on."""
+
+    _one: "GcLog | None" = None
+
+    def __init__(self, size: int = 65536):
+        from collections import deque
+
+        self.events = deque(maxlen=size)
+        self._start = 0
+        gc.callbacks.append(self._callback)
+
+    @classmethod
+    def get(cls) -> "GcLog":
+        if cls._one is None:
+            cls._one = cls()
+        return cls._one
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter_ns()
+        else:
+            self.events.append((self._start, time.perf_counter_ns(), info["generation"]))
+
+
 async def _in_process(loop, n: int) -> dict:
     """Submit -> result through the engine loop in this process (no gRPC)."""
     from tulip.loop import Request
@@ -149,6 +184,8 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
                 rep.request_id = r.request_id
                 yield rep
 
+    gc_log = GcLog.get()
+
     async def main():
         info = {}
         if kind == "echo":
@@ -182,17 +219,23 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
 
             prof = cProfile.Profile()
             prof.enable()
+        gc.collect()  # as tulip.server.serve does before serving: what is loaded stays out of the collector's scans
+        gc.freeze()
         ready.put(info)
         aloop = asyncio.get_running_loop()
         while True:  # the parent's requests: "stages" (and "reset") until it terminates this process
             what = await aloop.run_in_executor(None, cmd.get)
             if what == "reset" and kind == "tulip-stages":
                 loop.stages.ring.clear()
+                gc_log.events.clear()
             elif what == "stages":
                 if prof is not None:
                     prof.disable()
                     _write_profile(prof, Path(args["profile"]))
-                ready.put(loop.stages.summary() if kind == "tulip-stages" else {})
+                if kind == "tulip-stages":  # the summary, and each request's stamps and the collections for hop-tail
+                    ready.put((loop.stages.summary(), list(loop.stages.ring), list(gc_log.events)))
+                else:
+                    ready.put(({}, [], []))
 
     uvloop.install()
     asyncio.run(main())
@@ -251,19 +294,116 @@ def _proto_client(target: str, n: int) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
-async def _measure(target: str, transport: str, n: int, spin_ms: float = 0.0) -> dict:
+async def _measure(target: str, transport: str, n: int, spin_ms: float = 0.0, spans: list | None = None) -> dict:
+    """p50 / p99 of `n` sequential 1 x 128 requests (after 200 of warm-up); `spans` (a list) also gets
+    each timed request's (start, end) in `perf_counter_ns` for `tail_rows`."""
     from tulip.client import TulipClient
 
     seq = [np.arange(5, 133, dtype=np.int32)]
+    clock = time.perf_counter_ns
     async with TulipClient(target, transport=transport, spin_ms=spin_ms) as c:
         for _ in range(200):
             await c.embed(seq)
         ts = []
         for _ in range(n):
-            t0 = time.perf_counter()
+            t0 = clock()
             await c.embed(seq)
-            ts.append((time.perf_counter() - t0) * 1e3)
+            t1 = clock()
+            ts.append((t1 - t0) / 1e6)
+            if spans is not None:
+                spans.append((t0, t1))
     return percentiles(ts)
+
+
+# A request's time as the client saw it, in segments that add up to it: the client's send and the way in
+# to Tulip's deserializer, Tulip's stages (tulip.stages.POINTS) up to the encoded reply, its hand-off to
+# gRPC's core (`write`, cut at the client's end where a done callback came later), and the rest
+# (`back`: gRPC's core to the client's awaiting code).
+TAIL_SEGMENTS = ("send", *POINTS[1:], "back")
+
+
+def _segments(spans: list, stamps: list) -> tuple[np.ndarray, np.ndarray]:
+    """Match each server stamp list to the client request whose span holds its receipt (the requests
+    are sequential) -> ([requests, segments] ns, the matched spans [requests, 2])."""
+    spans_a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    rows = np.asarray(stamps, dtype=np.int64).reshape(-1, len(TAIL_SEGMENTS) - 1)
+    rows = rows[(rows > 0).all(axis=1)]
+    i = np.searchsorted(spans_a[:, 0], rows[:, 0], side="right") - 1
+    ok = (i >= 0) & (rows[:, 0] <= spans_a[np.maximum(i, 0), 1])
+    rows, sp = rows[ok], spans_a[i[ok]]
+    points = np.concatenate([sp[:, :1], rows[:, :-1], np.minimum(rows[:, -1:], sp[:, 1:]), sp[:, 1:]], axis=1)
+    return np.diff(points, axis=1), sp
+
+
+def _overlaps(sp: np.ndarray, events: list) -> np.ndarray:
+    """[requests, 3]: the generation-0/1/2 collections (of one process's `GcLog`) that overlap each span."""
+    out = np.zeros((len(sp), 3), dtype=np.int64)
+    for a, b, gen in events:
+        out[(sp[:, 0] < b) & (sp[:, 1] > a), gen] += 1
+    return out
+
+
+def tail_rows(spans: list, stamps: list, client_gcs: list, server_gcs: list, q: float = 99.0) -> list[dict]:
+    """Where the slow requests' time went: `spans` the client's (start, end) per request, `stamps`
+    Tulip's stage stamps over the same requests, `*_gcs` each process's collections (GcLog).
+    A request is slow above the `q` percentile of the client's times; each slow request's time over
+    the median is split by segment (each segment's excess over its own median), and the segment with
+    the most excess is its `worst`. One row per segment (`bench: "hop-tail"`, ms) and one "all" row:
+    the slow count and how many of them (and of all requests) a collection overlapped."""
+    seg, sp = _segments(spans, stamps)
+    if not len(seg):
+        return []
+    total = seg.sum(axis=1)
+    slow = total > np.percentile(total, q)
+    med = np.median(seg, axis=0)
+    excess = np.maximum(seg[slow] - med, 0)
+    worst = np.bincount(excess.argmax(axis=1), minlength=seg.shape[1]) if slow.any() else np.zeros(seg.shape[1], int)
+    out = []
+    for k, name in enumerate(TAIL_SEGMENTS):
+        out.append(dict(segment=name, p50_ms=round(float(med[k]) / 1e6, 4),
+                        p99_ms=round(float(np.percentile(seg[:, k], 99)) / 1e6, 4),
+                        slow_excess_ms=round(float(excess[:, k].mean()) / 1e6 if slow.any() else 0.0, 4),
+                        slow_worst=int(worst[k])))
+    cg, sg = _overlaps(sp, client_gcs), _overlaps(sp, server_gcs)
+    anyc, anys = cg.sum(axis=1) > 0, sg.sum(axis=1) > 0
+    out.append(dict(segment="all", n=int(len(seg)), slow=int(slow.sum()),
+                    p50_ms=round(float(np.median(total)) / 1e6, 4),
+                    p99_ms=round(float(np.percentile(total, q)) / 1e6, 4),
+                    slow_excess_ms=round(float((total[slow] - np.median(total)).mean()) / 1e6 if slow.any() else 0.0, 4),
+                    gc_client_slow=int(anyc[slow].sum()), gc_server_slow=int(anys[slow].sum()),
+                    gc_client_all=int(anyc.sum()), gc_server_all=int(anys.sum()),
+                    gc_gens_slow=[int(x) for x in (cg[slow] + sg[slow]).sum(axis=0)],
+                    gc_server=_gc_stats(server_gcs, sp), gc_client=_gc_stats(client_gcs, sp)))
+    return out
+
+
+def _gc_stats(events: list, sp: np.ndarray) -> dict:
+    """Per generation: how many collections ran while the requests were timed, and their p50 / max ms."""
+    lo, hi = int(sp[:, 0].min()), int(sp[:, 1].max())
+    out = {}
+    for gen in range(3):
+        d = np.array([b - a for a, b, g in events if g == gen and lo <= a <= hi], dtype=np.float64) / 1e6
+        out[gen] = dict(n=int(d.size), p50_ms=round(float(np.median(d)), 4) if d.size else 0.0,
+                        max_ms=round(float(d.max()), 4) if d.size else 0.0)
+    return out
+
+
+def print_tail(transport: str, rows: list[dict]) -> None:
+    """hop-tail rows as a few lines of text (stderr)."""
+    if not rows:
+        return
+    a = rows[-1]
+    print(f"tail, {transport}: {a['n']} requests, p50 {a['p50_ms']:.3f} p99 {a['p99_ms']:.3f} ms; {a['slow']} slow, "
+          f"{a['slow_excess_ms']:.3f} ms over the median on average; a collection in {a['gc_server_slow']} (server) / "
+          f"{a['gc_client_slow']} (client) of them, against {a['gc_server_all']} / {a['gc_client_all']} of all "
+          f"(generations in the slow ones {a['gc_gens_slow']})", file=sys.stderr)
+    for who in ("server", "client"):
+        print(f"  {who} collections: " + ", ".join(f"gen {g}: {v['n']} x {v['p50_ms']:.3f} (max {v['max_ms']:.3f}) ms"
+                                                   for g, v in a[f"gc_{who}"].items()), file=sys.stderr)
+    print("  segment    p50    p99  slow: excess worst", file=sys.stderr)
+    for r in rows[:-1]:
+        print(f"  {r['segment']:<9} {r['p50_ms']:.3f}  {r['p99_ms']:.3f}  {r['slow_excess_ms']:12.3f} {r['slow_worst']:5d}",
+              file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -284,6 +424,9 @@ def main(argv=None) -> int:
                     help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows); "
                          "default: on with the null engine, off with --model (they do not depend on it)")
     ap.add_argument("--profile", default="", help="with --stages: write a cProfile of that Tulip to this directory")
+    ap.add_argument("--tail-only", action="store_true",
+                    help="serve only the stage-recording Tulip (hop-stages and hop-tail rows; no echo, no proto, "
+                         "no sync floors): the shortest run that says where the slow requests' time goes")
     args = ap.parse_args(argv)
 
     rec = Recorder(args.out, f"hop_{Path(args.model).name if args.model else f'null-{args.device_ms:g}ms'}")
@@ -291,7 +434,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
             else "tulip + null engine")
-    for kind in ("echo", "tulip") + (("tulip-stages",) if args.stages else ()):
+    kinds = ("tulip-stages",) if args.tail_only else ("echo", "tulip") + (("tulip-stages",) if args.stages else ())
+    for kind in kinds:
         port, uds, ready, cmd = free_port(), tmp / f"{kind}.sock", ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready, cmd), daemon=True)
         p.start()
@@ -303,13 +447,22 @@ def main(argv=None) -> int:
             if tulip:
                 common.update(device_ms=None if args.model else args.device_ms, spin_ms=args.spin_ms)
             if kind == "tulip-stages":
+                client_gc = GcLog.get()
                 for transport in ("unary", "stream"):
                     cmd.put("reset")
-                    run_client(_measure(f"127.0.0.1:{port}", transport, args.n, args.client_spin_ms))
+                    spans: list = []
+                    client_gc.events.clear()
+                    run_client(_measure(f"127.0.0.1:{port}", transport, args.n, args.client_spin_ms, spans))
                     cmd.put("stages")
-                    for stage, r in ready.get(timeout=60).items():
+                    summary, stamps, server_gcs = ready.get(timeout=60)
+                    for stage, r in summary.items():
                         rec.emit(**{**common, "bench": "hop-stages"}, transport=transport, socket="tcp",
                                  client="tulip.client", stage=stage, **r)
+                    tail = tail_rows(spans, stamps, list(client_gc.events), server_gcs)
+                    for r in tail:
+                        rec.emit(**{**common, "bench": "hop-tail"}, transport=transport, socket="tcp",
+                                 client="tulip.client", **r)
+                    print_tail(transport, tail)
                 continue
             if tulip:
                 rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
@@ -323,7 +476,7 @@ def main(argv=None) -> int:
         finally:
             p.terminate()
             p.join(10)
-    floors = args.sync_floors if args.sync_floors is not None else not args.model
+    floors = args.sync_floors if args.sync_floors is not None else not (args.model or args.tail_only)
     for kind in ("sync", "bridge", "bridge-spin") if floors else ():
         port = free_port()
         root = Path(__file__).resolve().parent.parent
