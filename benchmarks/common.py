@@ -43,7 +43,7 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "git": git_rev(),
-        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),  # trellis.grpcio: which I/O path gRPC took
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),  # e.g. benchmarks.tailab's after+io: gRPC's I/O path
     }
     from importlib import metadata
 

@@ -7,17 +7,21 @@ then one compact table (p50, p99, p99 - p50 per transport, and where the slow re
 
 Variants, in this order: `before` (with `--before DIR`: a source tree, e.g. `git archive main | tar -x -C
 DIR`; it is copied and this tree's `benchmarks/` laid over it, so both sides are measured by the same
-harness and only Tulip / ROSE / trellis differ), `after` (this tree), `after-ee` (this tree with
-`GRPC_EXPERIMENTS=` empty: grpc's own EventEngine I/O threads, see `trellis.grpcio`) and `after+cspin`
-(this tree, the client's loop polling while a reply is due: `--client-spin-ms 2`; it tells whether
-the client's wake-up is the tail); `--variants` picks (default: all four with the null engine,
-`before,after` with `--model`). Each variant is one `benchmarks.hop` process with
+harness and only Tulip / ROSE / trellis differ), `after` (this tree), `after+io` (this tree with
+`GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener` in every process: gRPC's completion-queue
+thread reads the sockets itself instead of EventEngine threads handing each message on to it, one
+thread wake-up fewer per message each way; grpc reads the variable at import) and `after+cspin` (this
+tree, the client's loop polling while a reply is due: `--client-spin-ms 2`; it tells whether the
+client's wake-up is the tail); `--variants` picks (default: all four with the null engine,
+`before,after,after+io` with `--model`). Each variant is one `benchmarks.hop` process with
 `--device-ms 1` (or `--model`), `--stages`, and `--proto` with the null engine; with `--model` only the
 stage-recording server is served (`--tail-only`: one model load and compile per variant, not two).
 JSON lines per variant go to `--out` (default: a temporary directory), the table to stdout.
 
 The table's `tulip.client` rows come from the server without stamps where it ran (`hop` rows), else
-from the stamping one (`hop-tail`'s client-side times); `slow` is the requests over the client's p99,
+from the stamping one (`hop-tail`'s client-side times); the stamping Tulip's column has the client's
+times against it and its own receipt-to-write total (which for the stream ends when gRPC reports the
+send done, so it can exceed what the client saw); `slow` is the requests over the client's p99,
 `worst` the segments most often the largest excess over their own median in them (`send`: client to
 Tulip's deserializer; Tulip's stages; `back`: gRPC's core to the client's awaiting code), and `gc`
 how many slow requests a collection overlapped (server / client).
@@ -35,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+INLINE_IO = "-event_engine_client,-event_engine_listener"  # gRPC's iomgr: sockets read on the completion-queue thread
 
 
 def _tree(before: Path, work: Path) -> Path:
@@ -48,7 +53,7 @@ def _tree(before: Path, work: Path) -> Path:
     return dst
 
 
-def _run(name: str, tree: Path, hop_args: list[str], out: Path, extra_env: dict) -> Path:
+def _run(name: str, tree: Path, hop_args: list[str], extra_env: dict, out: Path) -> Path:
     path = out / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "benchmarks.hop", *hop_args]
     print(f"== {name}: {' '.join(cmd[1:])} (in {tree}{', ' if extra_env else ''}"
@@ -74,7 +79,7 @@ def _rows(path: Path) -> list[dict]:
 def table(paths: list[Path]) -> str:
     """The before / after table of hop runs (one JSON-lines file per variant, named by the variant)."""
     head = ("| variant | transport | tulip.client p50 / p99 | p99 - p50 | proto aio p50 / p99 | in-process p50 "
-            "| Tulip inside p50 / p99 | slow: worst segments (of n) | slow: mean excess of the top 3 (ms) | gc in slow (srv / cli) "
+            "| stamping Tulip: client p50 / p99, inside p50 / p99 | slow: worst segments (of n) | slow: mean excess of the top 3 (ms) | gc in slow (srv / cli) "
             "| server collections gen0/1/2 |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for path in paths:
@@ -106,6 +111,7 @@ def table(paths: list[Path]) -> str:
                 f"{timed['p99_ms'] - timed['p50_ms']:.3f} | "
                 + (f"{proto['p50_ms']:.3f} / {proto['p99_ms']:.3f}" if proto else "") + " | "
                 + (f"{inproc['p50_ms']:.3f}" if inproc else "") + " | "
+                + (f"{total['p50_ms']:.3f} / {total['p99_ms']:.3f}, " if total else "")
                 + (f"{inside['p50_ms']:.3f} / {inside['p99_ms']:.3f}" if inside else "") + " | "
                 + ", ".join(f"{r['segment']} {r['slow_worst']}" for r in worst if r["slow_worst"])
                 + (f" (of {total['slow']})" if total else "") + " | "
@@ -120,13 +126,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="with --model")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--variants", default="",
-                    help="comma-separated, of before (needs --before), after, after-ee, after+cspin; default: all "
-                         "with the null engine, before,after with --model")
+                    help="comma-separated, of before (needs --before), after, after+io, after+cspin; default: all "
+                         "with the null engine, before,after,after+io with --model")
     ap.add_argument("--out", type=Path, default=None, help="directory for each variant's JSON lines")
     ap.add_argument("--table", type=Path, default=None, help="only print the table of the *.jsonl in this directory")
     args = ap.parse_args(argv)
     if args.table is not None:
-        order = {"before": 0, "after": 1, "after-ee": 2, "after+cspin": 3}
+        order = {"before": 0, "after": 1, "after+io": 2, "after+cspin": 3}
         print(table(sorted(args.table.glob("*.jsonl"), key=lambda p: (order.get(p.stem, 9), p.stem))))
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="tailab-"))
@@ -135,13 +141,13 @@ def main(argv=None) -> int:
     hop += (["--model", args.model, "--tail-only"] + (["--compile"] if args.compile else [])) if args.model else \
         ["--device-ms", "1", "--proto", "--no-sync-floors"]
     wanted = args.variants.split(",") if args.variants else (
-        ["before", "after"] if args.model else ["before", "after", "after-ee", "after+cspin"])
+        ["before", "after", "after+io"] if args.model else ["before", "after", "after+io", "after+cspin"])
     if args.before is None:
         wanted = [v for v in wanted if v != "before"]
     known = {
         "before": lambda: (_tree(args.before.resolve(), out), hop, {}),
         "after": lambda: (ROOT, hop, {}),
-        "after-ee": lambda: (ROOT, hop, {"GRPC_EXPERIMENTS": ""}),  # grpc's own EventEngine I/O (trellis.grpcio)
+        "after+io": lambda: (ROOT, hop, {"GRPC_EXPERIMENTS": INLINE_IO}),
         "after+cspin": lambda: (ROOT, hop + ["--client-spin-ms", "2"], {}),
     }
     if unknown := set(wanted) - set(known):
