@@ -107,57 +107,6 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
         del parts
 
 
-PROJECT_TILES = [(bm, bn, per, keys, 4) for bm in (32, 64) for bn in (32, 64, 128) for per in (1, 2, 4)
-                 for keys in (64, 128)] + [(64, 64, 4, 128, 8), (64, 128, 2, 64, 8), (64, 128, 4, 64, 8)]
-
-
-def sweep_project(args, cfg, heads, causal, rms, eps, emit) -> None:
-    """Attention + output projection + add + norm on the `--project` cells: ROSE's attention kernel,
-    then the projection's split-K partials (its measured plan), against `attention_project` (one
-    kernel) over launch tiles; rows `attention+o` (impl `separate` / `project`)."""
-    from rose.kernels import attention as kattn
-    from rose.kernels import gemm
-
-    dev, dt, L = torch.device("cuda"), torch.bfloat16, args.layers
-    set_mode("pdl")
-    h = cfg["hidden_size"]
-    H, Hk, D = heads
-    g, beta = torch.ones(h, device=dev, dtype=dt), torch.zeros(h, device=dev, dtype=dt)
-    bias = None if rms else torch.randn(h, device=dev, dtype=dt)
-    for cell in args.project.split(","):
-        n, length = map(int, cell.split("x"))
-        T = n * length
-        cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
-        qkv = [torch.randn(T, H + 2 * Hk, D, device=dev, dtype=dt) for _ in range(L)]
-        w = [torch.randn(h, H * D, device=dev, dtype=dt) * (H * D) ** -0.5 for _ in range(L)]
-        res = torch.randn(T, h, device=dev, dtype=dt)
-
-        def split(i):
-            return qkv[i].split([H, Hk, Hk], dim=1)
-
-        def separate(i):
-            q, k, v = split(i)
-            a = kattn.attention(q, k, v, cu, length, causal).reshape(T, -1)
-            return gemm.add_norm(gemm.linear_partials(a, w[i]), bias, res, g, None if rms else beta, eps, rms=rms)
-        emit("attention+o", T, "separate", time_graph(separate, L, args.iters), seqs=n, length=length, mode="pdl")
-        for t in PROJECT_TILES:
-            if H % t[2]:
-                continue
-
-            def fused(i, t=t):
-                q, k, v = split(i)
-                p = kattn.attention_project(q, k, v, cu, w[i], causal, config=t)
-                return gemm.add_norm(p, bias, res, g, None if rms else beta, eps, rms=rms)
-            try:
-                us = time_graph(fused, L, args.iters)
-            except Exception as e:  # a tile that does not fit
-                print(f"attention_project tile {t} at {cell}: {str(e)[:120]}")
-                continue
-            emit("attention+o", T, "project", us, seqs=n, length=length, config=list(t), mode="pdl",
-                 default=t == kattn.project_tile(T, H, D, h))
-        del qkv, w
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
@@ -166,9 +115,6 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--configs", type=int, default=len(CONFIGS), help="try the first N tile configs")
     ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
-    ap.add_argument("--project", default="1x128,4x32,1x256,1x512",
-                    help="cells (seqs x length) for attention + output projection, separate and in one kernel")
-    ap.add_argument("--only-project", action="store_true", help="time only the --project cells")
     ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="also sweep the launch tiles of ROSE's attention and add + norm kernels (PDL on)")
     ap.add_argument("--out", type=Path, default=None)
@@ -186,17 +132,10 @@ def main(argv=None) -> int:
 
     def emit(op, tokens, impl, us, **kw):
         rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, impl=impl, us=round(us, 2), **kw)
-        if impl.startswith(("triton", "project")) and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
+        if impl.startswith("triton") and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
             best[(op, tokens)] = (us, {**kw, "impl": impl})
 
-    heads = (cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    causal = rms and cfg.get("is_causal", True) is not False
-    if args.project:
-        sweep_project(args, cfg, heads, causal, rms, eps, emit)
-    if args.only_project:
-        args.tokens, args.attention, args.tiles = "", "", False
-    for tokens in progress([int(t) for t in args.tokens.split(",") if t], "token counts"):
+    for tokens in progress([int(t) for t in args.tokens.split(",")], "token counts"):
         for op, (n, k) in shapes(cfg).items():
             w = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(L)]
             b = [torch.randn(n, device=dev, dtype=dt) for _ in range(L)] if not rms else [None] * L
@@ -247,7 +186,10 @@ def main(argv=None) -> int:
             set_mode(MODES[-1])
             del w, b
     # attention on short sequences
-    for cell in [c for c in args.attention.split(",") if c]:
+    heads = (cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+             cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    causal = rms and cfg.get("is_causal", True) is not False
+    for cell in args.attention.split(","):
         n, length = map(int, cell.split("x"))
         T = n * length
         cu_host = np.arange(0, T + 1, length, dtype=np.int32)

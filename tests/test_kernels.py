@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from rose.kernels import attention as kattn  # noqa: E402
 from rose.kernels import gemm  # noqa: E402
-from rose.layers.attention import AttentionMetadata, TritonBackend, select_backend  # noqa: E402
+from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend  # noqa: E402
 from rose.models.bert import BertModel  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,57 +96,13 @@ def test_attention_reads_strided_qkv_without_a_copy():
     assert rel(out, kattn.attention_reference(q, k, v, cu)) < TOL
 
 
-@pytest.mark.parametrize("lens,heads,kv_heads,dim,causal", [
-    ([5, 100, 37], 4, 4, 32, False), ([70, 1, 0, 9], 4, 2, 64, True), ([64], 2, 2, 16, False),
-    ([130], 2, 1, 32, True)])
-@pytest.mark.parametrize("tile", [None, (32, 32, 2, 32, 4), (64, 16, 1, 64, 2)], ids=["default", "t1", "t2"])
-def test_attention_project_matches_attention_then_projection(lens, heads, kv_heads, dim, causal, tile):
-    """Rows of a block belonging to different sequences (and an empty one), a bucket's padding rows,
-    a block of outputs past N, every head group: the partials sum to attention then the projection."""
-    torch.manual_seed(len(lens) + dim)
-    T, N = sum(lens) + 7, 48
-    q, k, v = rand(T, heads, dim), rand(T, kv_heads, dim), rand(T, kv_heads, dim)
-    w = rand(N, heads * dim, scale=dim ** -0.5)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [sum(lens)] * 2, dtype=torch.int32)
-    want = kattn.attention_project_reference(q, k, v, cu, w, causal)
-    parts = kattn.attention_project(q, k, v, cu.to(DEV), w, causal, config=tile)
-    per = (tile or kattn.project_tile(T, heads, dim, N))[2]
-    assert parts.shape == (heads // per, T, N) and parts.dtype == torch.float32
-    got = parts.sum(0)
-    assert rel(got[:sum(lens)], want[:sum(lens)]) < TOL
-    assert (got[sum(lens):] == 0).all()
+class Interpreted(AttentionBackend):
+    """The triton backend's call, which select_backend offers on CUDA only."""
 
+    name = "triton"
 
-def test_attention_project_rejects_a_weight_of_the_wrong_width():
-    q = rand(8, 2, 16)
-    with pytest.raises(ValueError, match="not \\[N, 32\\]"):
-        kattn.attention_project(q, q, q, torch.tensor([0, 8], dtype=torch.int32, device=DEV), rand(8, 16))
-
-
-class Interpreted(TritonBackend):
-    """The triton backend (attention, and attention + projection), which select_backend offers on
-    CUDA only."""
-
-    def __init__(self):
-        self._fn = kattn.attention
-
-
-def test_triton_backend_projects_in_one_kernel_up_to_its_bucket(monkeypatch):
-    """Buckets up to project_max_seqlen() take `attention_project`; longer ones attention then
-    `linear_partials`: both equal the reference."""
-    torch.manual_seed(3)
-    T, H, D = 40, 2, 32
-    q, k, v = rand(T, H, D), rand(T, H, D), rand(T, H, D)
-    w = rand(24, H * D, scale=D ** -0.5)
-    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
-    want = kattn.attention_project_reference(q, k, v, cu, w)
-    calls = []
-    monkeypatch.setattr(kattn, "attention_project", lambda *a, f=kattn.attention_project, **kw: calls.append(1) or f(*a, **kw))
-    for bucket, fused in ((64, True), (kattn.project_max_seqlen() * 2, False)):
-        calls.clear()
-        got = Interpreted().attend_project(q, k, v, AttentionMetadata(cu.to(DEV), bucket, None), w).sum(0)
-        assert bool(calls) == fused
-        assert rel(got, want) < TOL
+    def __call__(self, q, k, v, meta):
+        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
 
 
 def ragged_batch(causal: bool, lens=(9, 30, 1), bucket: int = 48):

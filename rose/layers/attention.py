@@ -98,14 +98,6 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
-    def attend_project(self, q, k, v, meta: AttentionMetadata, weight: torch.Tensor) -> torch.Tensor:
-        """This attention, then the output projection (x @ weight.T), as float32 partial sums
-        [split, T, N], the form `rose.kernels.gemm.add_norm` reduces (the small-batch step's blocks):
-        here the attention, then `gemm.linear_partials`; a backend may do both in one kernel."""
-        from rose.kernels import gemm
-
-        return gemm.linear_partials(self(q, k, v, meta).reshape(q.shape[0], -1), weight)
-
 
 class SdpaBackend(AttentionBackend):
     """One SDPA call per sequence; handles GQA by letting SDPA broadcast kv heads, a local window
@@ -330,15 +322,6 @@ class TritonBackend(AttentionBackend):
 
     def __call__(self, q, k, v, meta):
         return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
-
-    def attend_project(self, q, k, v, meta, weight):
-        """Length buckets up to `rose.kernels.attention.project_max_seqlen()`: attention and the
-        projection in one kernel (`attention_project`); longer ones as every backend."""
-        from rose.kernels import attention as kattn
-
-        if meta.max_seqlen <= kattn.project_max_seqlen():
-            return kattn.attention_project(q, k, v, meta.cu_seqlens, weight, meta.causal)
-        return super().attend_project(q, k, v, meta, weight)
 
 
 class WindowFallback(AttentionBackend):

@@ -56,9 +56,6 @@ class TableBackend(AttentionBackend):
     def __call__(self, q, k, v, meta):
         return self._current(q, k, v, meta)
 
-    def attend_project(self, q, k, v, meta, weight):
-        return self._current.attend_project(q, k, v, meta, weight)
-
 
 def table_file(heads: tuple[int, int, int]) -> str:
     """The file name the kernel sweep gives the table of a head shape (q heads, kv heads, head dim)."""

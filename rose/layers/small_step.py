@@ -5,9 +5,8 @@ residual + LayerNorm, whatever its checkpoint names (each family passes its own 
 In ROSE's kernels (`rose.kernels.gemm`): the output and down projections run split over K in
 Triton, their float32 partial sums reduced by the kernel that adds bias and residual and applies
 LayerNorm; the q/k/v and up projections stay in cuBLAS / cuBLASLt unless `ops` names them (GELU in
-the epilogue, tanh form, as `linear_gelu`). Attention and the output projection are the step's
-backend's `attend_project` (Triton's does both in one kernel on short sequences; `padded` for
-MPNet's position bias). Measured on an H200 (bge-m3, engine step 1 x 128, graphs): out + down in
+the epilogue, tanh form, as `linear_gelu`). Attention is the step's backend (Triton, or `padded`
+for MPNet's position bias). Measured on an H200 (bge-m3, engine step 1 x 128, graphs): out + down in
 Triton 0.830 ms, all four 0.922 (cuBLAS's q/k/v and GELU up GEMMs were faster at these rows).
 """
 
@@ -30,8 +29,8 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
     ops = gemm.triton_ops(TRITON_OPS)
     y = gemm.linear(x, qkv.weight, qkv.bias) if "qkv" in ops else qkv(x)
     q, k, v = y.view(T, 3, heads, h // heads).unbind(1)
-    x = gemm.add_norm(attn.attend_project(q, k, v, meta, out.weight), out.bias, x, norm1.weight, norm1.bias,
-                      norm1.eps)
+    a = attn(q, k, v, meta).reshape(T, h)
+    x = gemm.add_norm(gemm.linear_partials(a, out.weight), out.bias, x, norm1.weight, norm1.bias, norm1.eps)
     f = gemm.linear(x, up.weight, up.bias, act="gelu") if "up" in ops else linear_gelu(x, up.weight, up.bias)
     return gemm.add_norm(gemm.linear_partials(f, down.weight), down.bias, x, norm2.weight, norm2.bias, norm2.eps)
 

@@ -35,12 +35,14 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         from rose.kernels.rope import qk_norm_rope
 
         sa, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        T = x.shape[0]
         ops = gemm.triton_ops(self.TRITON_OPS)
         qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in ops else sa.qkv_proj(h)
         q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
                                sa.h, sa.hk, sa.d)
-        x, h = gemm.add_norm(attn.attend_project(q, k, v, meta, sa.o_proj.weight), sa.o_proj.bias, x, post.weight,
-                             None, post.eps, rms=True)
+        a = attn(q, k, v, meta).reshape(T, -1)
+        x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
+                             post.eps, rms=True)
         if "up" in ops:
             m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
         else:
