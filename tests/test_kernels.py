@@ -86,6 +86,27 @@ def test_short_attention_matches_sdpa(lens, heads, kv_heads, dim, causal):
         assert (out[sum(lens):] == 0).all()  # padding rows are written, as zeros
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_attention_adds_a_score_bias_by_position(causal):
+    """MPNet's relative position bias: [heads, L, L] for the length bucket L, a strided view (as the
+    model's permuted lookup is), each sequence reading its top-left [n, n]; padding rows stay zero."""
+    torch.manual_seed(5)
+    lens, H, D, L = [5, 70, 1, 0, 33], 2, 32, 128
+    T = sum(lens) + 9
+    q, k, v = rand(T, H, D), rand(T, H, D), rand(T, H, D)
+    bias = rand(L, L, H, scale=2.0).permute(2, 0, 1)
+    assert not bias.is_contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    want = kattn.attention_reference(q, k, v, cu, causal, bias)
+    assert rel(want, kattn.attention_reference(q, k, v, cu, causal)) > 0.05  # the bias matters
+    for tile in (None, (16, 32, 2)):
+        out = kattn.attention(q, k, v, cu.to(DEV), L, causal, config=tile, bias=bias)
+        assert rel(out, want) < TOL
+        assert (out[sum(lens):] == 0).all()
+    with pytest.raises(ValueError, match="score bias"):
+        kattn.attention(q, k, v, cu.to(DEV), L, causal, bias=bias[:, :64, :64])
+
+
 def test_attention_reads_strided_qkv_without_a_copy():
     T, H, D = 40, 2, 32
     qkv = rand(T, 3 * H * D)
@@ -102,7 +123,7 @@ class Interpreted(AttentionBackend):
     name = "triton"
 
     def __call__(self, q, k, v, meta):
-        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal, bias=meta.bias)
 
 
 def ragged_batch(causal: bool, lens=(9, 30, 1), bucket: int = 48):
@@ -139,7 +160,7 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
 @pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
 def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, monkeypatch):
     """DistilBERT and MPNet take BERT's small step (`rose.layers.small_step.post_norm_block`) under
-    their own names; MPNet's attention (with its position bias) stays the step's backend."""
+    their own names; MPNet's position bias goes into the Triton attention kernel."""
     import transformers
 
     from rose.models.distilbert import DistilBertModel
@@ -165,7 +186,7 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
     with torch.inference_mode():
         want = model(ids, pos, meta, sdpa)[:40]
         assert model.use_kernels(1024) == 1024 and not calls
-        got = model(ids, pos, meta, Interpreted() if family == "distilbert" else sdpa)[:40]
+        got = model(ids, pos, meta, Interpreted())[:40]
     assert len(calls) == 4  # two add + norm kernels per block: the small step ran
     assert rel(got, want) < TOL
 

@@ -7,7 +7,8 @@ sequences, plus a fill of the output. Graph-safe: the grid comes from the static
 the length bucket (`max_seqlen`), each program reads its sequence's bounds from `cu_seqlens` on the
 device; programs past a sequence's end return at once. Rows past the last sequence (a bucket's
 padding) are written as zeros. q, k, v may be strided views (BERT's stacked qkv, unbound without a
-copy); GQA reads kv head h // (q heads / kv heads).
+copy); GQA reads kv head h // (q heads / kv heads). An additive score bias by position within the
+sequence ([heads, L, L], MPNet's relative position bias) is read beside each score block.
 
 `attention_reference` is the same maths in torch, one sequence at a time (CPU-runnable).
 """
@@ -27,9 +28,10 @@ from rose.kernels import launch
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
-                      so_t, so_h, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_GDC: tl.constexpr):
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t,
+                      sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     h = tl.program_id(2)
@@ -65,6 +67,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_
         k = tl.load(k_ptr + (start + offs_n)[None, :] * sk_t + kh * sk_h + offs_d[:, None],
                     mask=valid_n[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         s = tl.dot(q, k) * qk_scale  # log2 domain
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
+                         mask=mask_m & valid_n[None, :], other=0.0).to(tl.float32) * 1.4426950408889634
         keep = valid_n[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
@@ -107,28 +112,33 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              causal: bool = False, config: Tile | None = None) -> torch.Tensor:
+              causal: bool = False, config: Tile | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hk, D] (last dim contiguous), cu_seqlens int32 [N+1] on the device,
     max_seqlen a host int >= every length (a graph's length bucket) -> out [T, H, D].
-    `config`: the launch tile (default `tile`)."""
+    `config`: the launch tile (default `tile`); `bias`: [H, L, L] (L >= max_seqlen, any strides)
+    added to query i's score of key j, i and j positions within their sequence."""
     T, H, D = q.shape
     hk = k.shape[1]
     if H % hk:
         raise ValueError(f"{H} query heads do not group over {hk} kv heads")
+    if bias is not None and (bias.shape[0] != H or min(bias.shape[1:]) < max_seqlen):
+        raise ValueError(f"score bias {tuple(bias.shape)} is not [{H}, L, L] with L >= {max_seqlen}")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
     bm, bn, warps = config or tile(max_seqlen, D, n, H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=bn, CAUSAL=causal, num_warps=warps)
-    args = (q, k, v, out, cu_seqlens, T, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(D))
+              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, num_warps=warps)
+    sb = bias.stride() if bias is not None else (0, 0, 0)
+    args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D))
     launch(_attention_kernel, grid, *args, **kw)
     return out
 
 
-def attention_reference(q, k, v, cu_seqlens, causal=False) -> torch.Tensor:
-    """The same in torch, float32, one SDPA per sequence; padding rows are zeros."""
+def attention_reference(q, k, v, cu_seqlens, causal=False, bias=None) -> torch.Tensor:
+    """The same in torch, float32, one SDPA per sequence (with `bias`'s top-left [n, n] added);
+    padding rows are zeros."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens.tolist()
     rep = q.shape[1] // k.shape[1]
@@ -136,7 +146,13 @@ def attention_reference(q, k, v, cu_seqlens, causal=False) -> torch.Tensor:
         if b > a:
             kk = k[a:b].float().repeat_interleave(rep, 1)
             vv = v[a:b].float().repeat_interleave(rep, 1)
+            mask = None
+            if bias is not None:
+                n = b - a
+                mask = bias[:, :n, :n].float().to(q.device)
+                if causal:
+                    mask = mask.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
             o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                               is_causal=causal)
+                                               attn_mask=mask, is_causal=causal and mask is None)
             out[a:b] = o.transpose(0, 1)
     return out

@@ -3,10 +3,11 @@ relative position bias, shared by every layer, added to the attention scores.
 
 The bias is `encoder.relative_attention_bias` (buckets x heads) looked up by T5-style buckets of
 j - i (key minus query position within a sequence); Hugging Face computes the buckets with 32
-whatever `relative_attention_num_buckets` says, and so does this. Fused attention kernels take no
-bias: the family declares `score_bias`, so the engine runs it on a backend that adds one: on CUDA
-`padded` (every sequence padded to the step's length bucket, one SDPA call with the bias and a
-key-padding mask: captured in CUDA graphs), elsewhere `sdpa` per sequence.
+whatever `relative_attention_num_buckets` says, and so does this. FlashAttention's and FlashInfer's
+kernels take no bias: the family declares `score_bias`, so the engine runs it on a backend that adds
+one: on CUDA ROSE's Triton kernel (`triton`: the bias read beside each block of scores, captured in
+CUDA graphs), or `padded` without Triton (every sequence padded to the step's length bucket, one SDPA
+call with the bias and a key-padding mask); elsewhere `sdpa` per sequence.
 
 Positions are numbered from padding_idx + 1 = 2, as XLM-RoBERTa's. Hugging Face parameter names;
 q/k/v are stacked into one `qkv` GEMM.
