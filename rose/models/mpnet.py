@@ -105,9 +105,11 @@ class MPNetEncoder(nn.Module):
                                                     cfg["num_attention_heads"])
 
     def position_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """[heads, length, length]: the bias of key j for query i, by bucket of j - i."""
+        """[heads, length, length], contiguous (the attention kernels read it along keys): the bias
+        of key j for query i, by bucket of j - i. Once per step, shared by every layer."""
         i = torch.arange(length, device=self.relative_attention_bias.weight.device)
-        return self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None])).permute(2, 0, 1).to(dtype)
+        bias = self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None]))
+        return bias.permute(2, 0, 1).to(dtype).contiguous()
 
 
 class MPNetModel(PostNormKernels, Family):
