@@ -156,15 +156,17 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     assert rel(got, want) < TOL
 
 
-@pytest.mark.parametrize("family", ["distilbert", "mpnet"])
+@pytest.mark.parametrize("family", ["distilbert", "mpnet", "nomic_bert"])
 @pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
 def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, monkeypatch):
-    """DistilBERT and MPNet take BERT's small step (`rose.layers.small_step.post_norm_block`) under
-    their own names; MPNet's position bias goes into the Triton attention kernel."""
+    """DistilBERT, MPNet and NomicBERT take BERT's small step (`rose.layers.small_step.post_norm_block`)
+    under their own names; MPNet's position bias goes into the Triton attention kernel, NomicBERT's
+    q/k are rotated in one kernel and its SwiGLU is the gate/up GEMM's epilogue."""
     import transformers
 
     from rose.models.distilbert import DistilBertModel
     from rose.models.mpnet import MPNetModel
+    from rose.models.nomic_bert import NomicBertModel
 
     if ops:
         monkeypatch.setenv("ROSE_TRITON_OPS", ops)
@@ -174,11 +176,15 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
         cfg = transformers.DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=2, hidden_dim=128,
                                             activation=act).to_dict()
         model = DistilBertModel(DistilBertModel.standard_config(cfg))
+    elif family == "nomic_bert":  # the published remote-code config's GPT-2 style keys
+        model = NomicBertModel(NomicBertModel.standard_config(dict(
+            vocab_size=100, n_embd=64, n_head=2, n_layer=2, n_inner=128, n_positions=128, layer_norm_epsilon=1e-12)))
     else:
         cfg = transformers.MPNetConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        intermediate_size=128, hidden_act=act).to_dict()
         model = MPNetModel(cfg)
     model = model.to(DEV, DT).eval()
+    model.materialize(DEV)  # NomicBERT's rotary table back in float32
     ids, pos, meta = ragged_batch(causal=False)
     sdpa = select_backend("sdpa", DEV, DT)
     calls = []
@@ -191,8 +197,13 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
     assert rel(got, want) < TOL
 
 
-def test_use_kernels_needs_a_gelu():
+def test_use_kernels_needs_an_ffn_the_epilogue_has():
+    from rose.models.nomic_bert import NomicBertModel
+
     assert not BertModel({**BERT, "hidden_act": "relu"}).use_kernels(1024)
+    cfg = dict(vocab_size=100, n_embd=64, n_head=2, n_layer=1, n_inner=128, n_positions=128)
+    assert NomicBertModel(NomicBertModel.standard_config(cfg)).use_kernels(1024) == 1024
+    assert not NomicBertModel(NomicBertModel.standard_config({**cfg, "mlp_fc1_bias": True})).use_kernels(1024)
 
 
 @pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
@@ -209,20 +220,26 @@ def test_tma_kernel_matches_pointer_kernel(act, split):
         assert rel(gemm.linear_partials(x, w, split, tma=True).sum(0), x.float() @ w.float().T) < TOL
 
 
-def test_qk_norm_rope_matches_reference():
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "rotary-only"])
+def test_qk_norm_rope_matches_reference(norm):
     from rose.kernels.rope import qk_norm_rope, qk_norm_rope_reference
-    from rose.layers.rotary import Rotary
+    from rose.layers.rotary import Rotary, apply_rotary
 
     torch.manual_seed(3)
     H, Hk, D, T = 4, 2, 64, 37
     qkv = rand(T, (H + 2 * Hk) * D)
     pos = torch.randint(0, 500, (T,)).to(DEV)
-    table = Rotary(D, 512, 1e6).cos_sin.to(DEV)
-    qw, kw = rand(D), rand(D)
+    rotary = Rotary(D, 512, 1e6)
+    table = rotary.cos_sin.to(DEV)
+    qw, kw = (rand(D), rand(D)) if norm else (None, None)
     got = qk_norm_rope(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
     want = qk_norm_rope_reference(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel(g, w) < TOL
+    if not norm:  # the models' own rotary (NomicBERT's torch path) agrees
+        q, k, _ = qkv.float().split([H * D, Hk * D, Hk * D], dim=-1)
+        rq, rk = apply_rotary(q.view(T, H, D), k.view(T, Hk, D), table[:, pos].unsqueeze(2))
+        assert rel(got[0], rq) < TOL and rel(got[1], rk) < TOL
 
 
 QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -173,7 +173,7 @@ class BertModel(PostNormKernels, Family):
         return self.encoder.layer
 
     @property
-    def ffn_gelu(self) -> bool:
+    def ffn_fits(self) -> bool:
         return self.blocks[0].intermediate.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,

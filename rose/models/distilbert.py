@@ -119,7 +119,7 @@ class DistilBertModel(PostNormKernels, Family):
         return self.transformer.layer
 
     @property
-    def ffn_gelu(self) -> bool:
+    def ffn_fits(self) -> bool:
         return self.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
