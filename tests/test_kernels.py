@@ -30,12 +30,12 @@ def rand(*shape, scale=1.0):
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 192, 256), (70, 96, 128), (64, 64, 384)])
-@pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu", "geglu"])
 def test_linear_matches_reference(m, n, k, act):
     torch.manual_seed(m + n + k)
     x, b = rand(m, k), rand(n)
-    w = rand(2 * n if act == "swiglu" else n, k, scale=k ** -0.5)
-    bias = None if act == "swiglu" else b
+    w = rand(2 * n if act in gemm.GATED else n, k, scale=k ** -0.5)
+    bias = None if act in gemm.GATED else b
     out = gemm.linear(x, w, bias, act)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert rel(out, gemm.linear_reference(x, w, bias, act)) < TOL
@@ -43,17 +43,18 @@ def test_linear_matches_reference(m, n, k, act):
 
 @pytest.mark.parametrize("m,n,k,split,tile", [(128, 128, 256, 1, None), (128, 128, 256, 4, None),
                                               (70, 96, 512, 2, None), (70, 96, 256, 2, (4, 2)), (128, 128, 256, 4, (8, 4))])
-@pytest.mark.parametrize("rms", [False, True])
-def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms):
+@pytest.mark.parametrize("rms,pre,beta", [(False, False, True), (True, True, False), (False, True, False),
+                                          (False, False, False)], ids=["bert", "qwen3", "modernbert", "ln-no-bias"])
+def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms, pre, beta):
     torch.manual_seed(split + m)
     x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
     parts = gemm.linear_partials(x, w, split)
     assert parts.shape == (split, m, n) and parts.dtype == torch.float32
     assert rel(parts.sum(0), x.float() @ w.float().T) < TOL
-    bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (None if rms else rand(n))
-    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms, config=tile)  # tile: rows per program, warps
-    want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms)
-    for a, b in zip(got if rms else (got,), want if rms else (want,)):
+    bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (rand(n) if beta else None)
+    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms, config=tile, pre=pre)  # tile: rows, warps
+    want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms, pre=pre)
+    for a, b in zip(got if pre else (got,), want if pre else (want,)):
         assert a.dtype == DT and rel(a, b) < TOL
 
 
@@ -240,6 +241,34 @@ def test_qk_norm_rope_matches_reference(norm):
         q, k, _ = qkv.float().split([H * D, Hk * D, Hk * D], dim=-1)
         rq, rk = apply_rotary(q.view(T, H, D), k.view(T, Hk, D), table[:, pos].unsqueeze(2))
         assert rel(got[0], rq) < TOL and rel(got[1], rk) < TOL
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
+def test_modernbert_small_step_equals_torch_path(act):
+    """Pre-norm LayerNorm without bias fused with each residual add, the GeGLU epilogue, both rotary
+    bases, the local layers' window (SDPA's band mask, lens past it): against the torch path; a tanh
+    GELU keeps torch's path."""
+    from rose.models.modernbert import ModernBertModel
+
+    torch.manual_seed(2)
+    cfg = dict(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, intermediate_size=96,
+               max_position_embeddings=128, global_attn_every_n_layers=3, local_attention=16, hidden_activation=act)
+    model = ModernBertModel(cfg).to(DEV, DT).eval()
+    model.materialize(DEV)
+    for p in model.parameters():  # norms away from 1, so a wrong weight shows
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    ids, pos, meta = ragged_batch(causal=False)
+    sdpa = select_backend("sdpa", DEV, DT)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, sdpa)[:40]
+        assert model.use_kernels(1024) == (1024 if act == "gelu" else 0)
+        got = model(ids, pos, meta, sdpa)[:40]
+    assert rel(got, want) < TOL
+    if act == "gelu":  # the window reached the local layers: without it the output moves
+        model.window = 10_000
+        with torch.inference_mode():
+            assert rel(got, model(ids, pos, meta, sdpa)[:40]) > 10 * TOL
 
 
 QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -50,10 +50,11 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
     return gemm.add_norm(gemm.linear_partials(f, down.weight), down.bias, x, norm2.weight, norm2.bias, norm2.eps)
 
 
-class PostNormKernels:
-    """For a `Family` whose blocks have `small_step` (`post_norm_block`) and which says whether its
-    FFN is one the up projection's epilogue has (`ffn_fits`: a GELU, or a SwiGLU without biases):
-    `use_kernels` routes steps of up to `max_tokens` tokens through the small step (0: none)."""
+class SmallStepKernels:
+    """For a `Family` whose blocks have a `small_step` (`post_norm_block`, or ModernBERT's own) and
+    which says whether its FFN is one the up projection's epilogue has (`ffn_fits`: a GELU, or a
+    SwiGLU / GeGLU without biases): `use_kernels` routes steps of up to `max_tokens` tokens through
+    the small step (0: none)."""
 
     ffn_fits: bool
 

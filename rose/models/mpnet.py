@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import PostNormKernels, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
 
@@ -112,7 +112,7 @@ class MPNetEncoder(nn.Module):
         return bias.permute(2, 0, 1).to(dtype).contiguous()
 
 
-class MPNetModel(PostNormKernels, Family):
+class MPNetModel(SmallStepKernels, Family):
     strip_prefixes = ("mpnet.",)
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^lm_head\.")
     stacked_params = {

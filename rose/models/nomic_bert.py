@@ -22,7 +22,7 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.rotary import Rotary, apply_rotary, rope_theta
-from rose.layers.small_step import PostNormKernels, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 _GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
@@ -93,7 +93,7 @@ class NomicBertEncoder(nn.Module):
         self.layers = nn.ModuleList(NomicBertBlock(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
-class NomicBertModel(PostNormKernels, Family):
+class NomicBertModel(SmallStepKernels, Family):
     strip_prefixes = ("nomic_bert.",)
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^cls\.|(^|\.)inv_freq$")
     stacked_params = {".mlp.fc12.": (".mlp.gate_up.", 0), ".mlp.fc11.": (".mlp.gate_up.", 1)}
