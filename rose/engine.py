@@ -172,7 +172,8 @@ class Engine:
 
     def _select_attention(self, family) -> AttentionBackend:
         """The backend `cfg.attention` names, or the best one here for "auto" (a swept table or the
-        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa` and `padded` take;
+        built-in cells), within what the family needs: a score bias (MPNet) only `sdpa`, `padded` and
+        `triton` take;
         sliding-window layers (Mistral, Gemma3, ModernBERT's local ones) over sequences that can exceed
         the window run on a backend that honours it (`with_window_support`)."""
         cfg, config = self.cfg, self.spec.config
@@ -180,12 +181,16 @@ class Engine:
         make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
                                  causal=self.causal)
         if family.score_bias:
-            if cfg.attention not in ("auto", "sdpa", "padded"):
+            if cfg.attention not in ("auto", "sdpa", "padded", "triton"):
                 raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: it adds a relative "
-                                 "position bias to the attention scores, which only 'sdpa' and 'padded' take (choose "
-                                 "auto, sdpa or padded)")
-            # auto: on CUDA the padded batch (one call, capturable: CUDA graphs), else SDPA per sequence
-            name = cfg.attention if cfg.attention != "auto" else "padded" if self.device.type == "cuda" else "sdpa"
+                                 "position bias to the attention scores, which only 'sdpa', 'padded' and 'triton' take "
+                                 "(choose auto, sdpa, padded or triton)")
+            # auto: on CUDA ROSE's Triton kernel (the bias read beside the scores; capturable), or the
+            # padded batch without Triton; else SDPA per sequence
+            from rose import kernels
+
+            name = cfg.attention if cfg.attention != "auto" else "sdpa" if self.device.type != "cuda" else \
+                "triton" if kernels.available() else "padded"
             log.info("engine: %s adds a position bias to attention scores: attention %s", self.spec.model_type, name)
             return make(name)
         attn = make(cfg.attention)

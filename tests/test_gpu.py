@@ -214,14 +214,17 @@ def test_linear_gelu_is_the_tanh_gelu_of_the_linear_on_cuda():
 
 
 @pytest.mark.parametrize("preset,attention", [("bge-m3", "triton"), ("pplx-embed-1-0.6b", "triton"),
-                                               ("msmarco-distilbert", "triton"), ("all-mpnet-base-v2", "padded")])
+                                               ("msmarco-distilbert", "triton"), ("all-mpnet-base-v2", "triton"),
+                                               ("all-mpnet-base-v2", "padded"), ("nomic-embed-text-v1.5", "triton"),
+                                               ("gte-modernbert-base", "triton")])
 def test_small_step_path_on_real_shapes_equals_torch_eager(preset, attention):
     """Real-shape random weights: the small-batch step (Triton attention, projections, add + norm, and
-    Qwen3's q/k norm + rotary; MPNet's biased attention padded) through graphs against torch's eager
-    bf16 path."""
+    Qwen3's q/k norm + rotary, NomicBERT's rotary and SwiGLU, ModernBERT's pre-norm LayerNorm, GeGLU
+    and windowed local layers; MPNet's position bias in the Triton kernel, or padded) through graphs
+    against torch's eager bf16 path (SDPA per sequence for MPNet's bias)."""
     fast = Engine(EngineConfig(model=preset, device="cuda", attention=attention))
-    ref = Engine(EngineConfig(model=preset, device="cuda", attention="varlen" if attention == "triton" else "sdpa",
-                              graphs="off", kernel_tokens=0))
+    ref = Engine(EngineConfig(model=preset, device="cuda", graphs="off", kernel_tokens=0,
+                              attention="varlen" if attention == "triton" and "mpnet" not in preset else "sdpa"))
     assert fast.kernels
     for lens in [(128,), (512,), (100, 37, 5), (64,) * 8]:
         batch = Batch.from_sequences(seqs_of(lens, vocab=1000))

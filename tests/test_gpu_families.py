@@ -1,7 +1,7 @@
 """CUDA only: each encoder family's real-shape preset (random weights) in bfloat16, CUDA-graph replay
 against the same engine's eager steps (cosine >= 0.999), and the attention each one runs: MPNet on
-the padded batch in graphs (against SDPA per sequence), ModernBERT's local layers on a windowed backend;
-the cross-encoder presets' logits replayed against eager."""
+its biased Triton attention in graphs (against SDPA per sequence and the padded batch), ModernBERT's
+local layers on a windowed backend; the cross-encoder presets' logits replayed against eager."""
 
 import pytest
 import torch
@@ -23,10 +23,11 @@ def test_graph_replay_matches_eager(preset):
     batch = Batch.from_sequences(seqs)
     eager = Engine(EngineConfig(model=preset, graphs="off")).step(batch).synchronize()
     e = Engine(EngineConfig(model=preset, graphs="eager-all"))
-    if preset == "all-mpnet-base-v2":  # its position bias: the padded batch, captured; SDPA per sequence agrees
-        assert e.attention.name == "padded" and e.runner is not None
-        sdpa = Engine(EngineConfig(model=preset, graphs="off", attention="sdpa")).step(batch).synchronize()
-        assert F.cosine_similarity(sdpa, eager).min().item() >= 0.999
+    if preset == "all-mpnet-base-v2":  # its position bias: the Triton kernel, captured; SDPA per sequence
+        assert e.attention.name == "triton" and e.runner is not None  # and the padded batch agree
+        for name in ("sdpa", "padded"):
+            other = Engine(EngineConfig(model=preset, graphs="off", attention=name)).step(batch).synchronize()
+            assert F.cosine_similarity(other, eager).min().item() >= 0.999, name
     assert (e.runner is not None) == e.attention.capturable  # else graphs are off, with a log line
     if preset == "gte-modernbert-base":
         assert e.attention.windowed

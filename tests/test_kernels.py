@@ -30,12 +30,12 @@ def rand(*shape, scale=1.0):
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 192, 256), (70, 96, 128), (64, 64, 384)])
-@pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu", "geglu"])
 def test_linear_matches_reference(m, n, k, act):
     torch.manual_seed(m + n + k)
     x, b = rand(m, k), rand(n)
-    w = rand(2 * n if act == "swiglu" else n, k, scale=k ** -0.5)
-    bias = None if act == "swiglu" else b
+    w = rand(2 * n if act in gemm.GATED else n, k, scale=k ** -0.5)
+    bias = None if act in gemm.GATED else b
     out = gemm.linear(x, w, bias, act)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert rel(out, gemm.linear_reference(x, w, bias, act)) < TOL
@@ -43,17 +43,18 @@ def test_linear_matches_reference(m, n, k, act):
 
 @pytest.mark.parametrize("m,n,k,split,tile", [(128, 128, 256, 1, None), (128, 128, 256, 4, None),
                                               (70, 96, 512, 2, None), (70, 96, 256, 2, (4, 2)), (128, 128, 256, 4, (8, 4))])
-@pytest.mark.parametrize("rms", [False, True])
-def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms):
+@pytest.mark.parametrize("rms,pre,beta", [(False, False, True), (True, True, False), (False, True, False),
+                                          (False, False, False)], ids=["bert", "qwen3", "modernbert", "ln-no-bias"])
+def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms, pre, beta):
     torch.manual_seed(split + m)
     x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
     parts = gemm.linear_partials(x, w, split)
     assert parts.shape == (split, m, n) and parts.dtype == torch.float32
     assert rel(parts.sum(0), x.float() @ w.float().T) < TOL
-    bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (None if rms else rand(n))
-    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms, config=tile)  # tile: rows per program, warps
-    want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms)
-    for a, b in zip(got if rms else (got,), want if rms else (want,)):
+    bias, res, g, beta = (None if rms else rand(n)), rand(m, n), rand(n), (rand(n) if beta else None)
+    got = gemm.add_norm(parts, bias, res, g, beta, 1e-6, rms=rms, config=tile, pre=pre)  # tile: rows, warps
+    want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms, pre=pre)
+    for a, b in zip(got if pre else (got,), want if pre else (want,)):
         assert a.dtype == DT and rel(a, b) < TOL
 
 
@@ -86,6 +87,48 @@ def test_short_attention_matches_sdpa(lens, heads, kv_heads, dim, causal):
         assert (out[sum(lens):] == 0).all()  # padding rows are written, as zeros
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_attention_adds_a_score_bias_by_position(causal):
+    """MPNet's relative position bias: [heads, L, L] for the length bucket L, a strided view (as the
+    model's permuted lookup is), each sequence reading its top-left [n, n]; padding rows stay zero."""
+    torch.manual_seed(5)
+    lens, H, D, L = [5, 70, 1, 0, 33], 2, 32, 128
+    T = sum(lens) + 9
+    q, k, v = rand(T, H, D), rand(T, H, D), rand(T, H, D)
+    bias = rand(L, L, H, scale=2.0).permute(2, 0, 1)
+    assert not bias.is_contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    want = kattn.attention_reference(q, k, v, cu, causal, bias)
+    assert rel(want, kattn.attention_reference(q, k, v, cu, causal)) > 0.05  # the bias matters
+    for tile in (None, (16, 32, 2)):
+        out = kattn.attention(q, k, v, cu.to(DEV), L, causal, config=tile, bias=bias)
+        assert rel(out, want) < TOL
+        assert (out[sum(lens):] == 0).all()
+    with pytest.raises(ValueError, match="score bias"):
+        kattn.attention(q, k, v, cu.to(DEV), L, causal, bias=bias[:, :64, :64])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window,tile", [(9, None), (9, (16, 32, 2)), (65, (64, 32, 4)), (1, None)])
+def test_short_attention_honours_a_sliding_window(causal, window, tile):
+    """|i - j| < window (j <= i if causal), as the band mask of SDPA: sequences longer and shorter
+    than the window, blocks of keys wholly outside it skipped, padding rows zero."""
+    torch.manual_seed(window)
+    lens, H, D = [5, 150, 1, 0, 40], 2, 32
+    T = sum(lens) + 9
+    q, k, v = rand(T, H, D), rand(T, H, D), rand(T, H, D)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    want = kattn.attention_reference(q, k, v, cu, causal, window=window)
+    assert rel(want, kattn.attention_reference(q, k, v, cu, causal)) > 0.05  # the window matters
+    out = kattn.attention(q, k, v, cu.to(DEV), 256, causal, config=tile, window=window)
+    assert rel(out, want) < TOL
+    assert (out[sum(lens):] == 0).all()
+    from rose.layers.attention import SdpaBackend  # and the engine's reference backend agrees
+
+    meta = AttentionMetadata(cu, 256, tuple(lens), causal, window)
+    assert rel(SdpaBackend()(q, k, v, meta)[:sum(lens)], want[:sum(lens)]) < TOL
+
+
 def test_attention_reads_strided_qkv_without_a_copy():
     T, H, D = 40, 2, 32
     qkv = rand(T, 3 * H * D)
@@ -102,7 +145,8 @@ class Interpreted(AttentionBackend):
     name = "triton"
 
     def __call__(self, q, k, v, meta):
-        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+        return kattn.attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal, bias=meta.bias,
+                               window=meta.window)
 
 
 def ragged_batch(causal: bool, lens=(9, 30, 1), bucket: int = 48):
@@ -135,15 +179,17 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     assert rel(got, want) < TOL
 
 
-@pytest.mark.parametrize("family", ["distilbert", "mpnet"])
+@pytest.mark.parametrize("family", ["distilbert", "mpnet", "nomic_bert"])
 @pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
 def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, monkeypatch):
-    """DistilBERT and MPNet take BERT's small step (`rose.layers.small_step.post_norm_block`) under
-    their own names; MPNet's attention (with its position bias) stays the step's backend."""
+    """DistilBERT, MPNet and NomicBERT take BERT's small step (`rose.layers.small_step.post_norm_block`)
+    under their own names; MPNet's position bias goes into the Triton attention kernel, NomicBERT's
+    q/k are rotated in one kernel and its SwiGLU is the gate/up GEMM's epilogue."""
     import transformers
 
     from rose.models.distilbert import DistilBertModel
     from rose.models.mpnet import MPNetModel
+    from rose.models.nomic_bert import NomicBertModel
 
     if ops:
         monkeypatch.setenv("ROSE_TRITON_OPS", ops)
@@ -153,11 +199,15 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
         cfg = transformers.DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=2, hidden_dim=128,
                                             activation=act).to_dict()
         model = DistilBertModel(DistilBertModel.standard_config(cfg))
+    elif family == "nomic_bert":  # the published remote-code config's GPT-2 style keys
+        model = NomicBertModel(NomicBertModel.standard_config(dict(
+            vocab_size=100, n_embd=64, n_head=2, n_layer=2, n_inner=128, n_positions=128, layer_norm_epsilon=1e-12)))
     else:
         cfg = transformers.MPNetConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        intermediate_size=128, hidden_act=act).to_dict()
         model = MPNetModel(cfg)
     model = model.to(DEV, DT).eval()
+    model.materialize(DEV)  # NomicBERT's rotary table back in float32
     ids, pos, meta = ragged_batch(causal=False)
     sdpa = select_backend("sdpa", DEV, DT)
     calls = []
@@ -165,13 +215,18 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
     with torch.inference_mode():
         want = model(ids, pos, meta, sdpa)[:40]
         assert model.use_kernels(1024) == 1024 and not calls
-        got = model(ids, pos, meta, Interpreted() if family == "distilbert" else sdpa)[:40]
+        got = model(ids, pos, meta, Interpreted())[:40]
     assert len(calls) == 4  # two add + norm kernels per block: the small step ran
     assert rel(got, want) < TOL
 
 
-def test_use_kernels_needs_a_gelu():
+def test_use_kernels_needs_an_ffn_the_epilogue_has():
+    from rose.models.nomic_bert import NomicBertModel
+
     assert not BertModel({**BERT, "hidden_act": "relu"}).use_kernels(1024)
+    cfg = dict(vocab_size=100, n_embd=64, n_head=2, n_layer=1, n_inner=128, n_positions=128)
+    assert NomicBertModel(NomicBertModel.standard_config(cfg)).use_kernels(1024) == 1024
+    assert not NomicBertModel(NomicBertModel.standard_config({**cfg, "mlp_fc1_bias": True})).use_kernels(1024)
 
 
 @pytest.mark.parametrize("act", [None, "gelu", "swiglu"])
@@ -188,20 +243,55 @@ def test_tma_kernel_matches_pointer_kernel(act, split):
         assert rel(gemm.linear_partials(x, w, split, tma=True).sum(0), x.float() @ w.float().T) < TOL
 
 
-def test_qk_norm_rope_matches_reference():
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "rotary-only"])
+def test_qk_norm_rope_matches_reference(norm):
     from rose.kernels.rope import qk_norm_rope, qk_norm_rope_reference
-    from rose.layers.rotary import Rotary
+    from rose.layers.rotary import Rotary, apply_rotary
 
     torch.manual_seed(3)
     H, Hk, D, T = 4, 2, 64, 37
     qkv = rand(T, (H + 2 * Hk) * D)
     pos = torch.randint(0, 500, (T,)).to(DEV)
-    table = Rotary(D, 512, 1e6).cos_sin.to(DEV)
-    qw, kw = rand(D), rand(D)
+    rotary = Rotary(D, 512, 1e6)
+    table = rotary.cos_sin.to(DEV)
+    qw, kw = (rand(D), rand(D)) if norm else (None, None)
     got = qk_norm_rope(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
     want = qk_norm_rope_reference(qkv, pos, table, qw, kw, 1e-6, H, Hk, D)
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel(g, w) < TOL
+    if not norm:  # the models' own rotary (NomicBERT's torch path) agrees
+        q, k, _ = qkv.float().split([H * D, Hk * D, Hk * D], dim=-1)
+        rq, rk = apply_rotary(q.view(T, H, D), k.view(T, Hk, D), table[:, pos].unsqueeze(2))
+        assert rel(got[0], rq) < TOL and rel(got[1], rk) < TOL
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
+def test_modernbert_small_step_equals_torch_path(act):
+    """Pre-norm LayerNorm without bias fused with each residual add, the GeGLU epilogue, both rotary
+    bases, the local layers' window (SDPA's band mask, lens past it): against the torch path; a tanh
+    GELU keeps torch's path."""
+    from rose.models.modernbert import ModernBertModel
+
+    torch.manual_seed(2)
+    cfg = dict(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, intermediate_size=96,
+               max_position_embeddings=128, global_attn_every_n_layers=3, local_attention=16, hidden_activation=act)
+    model = ModernBertModel(cfg).to(DEV, DT).eval()
+    model.materialize(DEV)
+    for p in model.parameters():  # norms away from 1, so a wrong weight shows
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    ids, pos, meta = ragged_batch(causal=False)
+    sdpa = select_backend("sdpa", DEV, DT)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, sdpa)[:40]
+        assert model.use_kernels(1024) == (1024 if act == "gelu" else 0)
+        got = model(ids, pos, meta, sdpa)[:40]
+        assert rel(model(ids, pos, meta, Interpreted())[:40], want) < TOL  # the window in the Triton kernel
+    assert rel(got, want) < TOL
+    if act == "gelu":  # the window reached the local layers: without it the output moves
+        model.window = 10_000
+        with torch.inference_mode():
+            assert rel(got, model(ids, pos, meta, sdpa)[:40]) > 0.03
 
 
 QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -203,8 +203,8 @@ def test_modernbert_window_is_respected(built, monkeypatch):
 
 
 def test_mpnet_bias_needs_sdpa(built):
-    """MPNet's relative position bias changes the output, runs on sdpa under "auto", and a fused
-    backend (which takes no bias) is a clear error."""
+    """MPNet's relative position bias changes the output, runs on sdpa under "auto" on CPU, and a
+    backend that takes no bias is a clear error."""
     path, ref = built("mpnet")
     e = engine(path)
     assert e.attention.name == "sdpa" and e.runner is None
@@ -212,7 +212,7 @@ def test_mpnet_bias_needs_sdpa(built):
     with torch.no_grad():
         e.model.encoder.relative_attention_bias.weight.zero_()
     assert F.cosine_similarity(run(e, seqs), want).min().item() < 0.9999
-    for name in ("varlen", "triton", "flashinfer-fa2"):
+    for name in ("varlen", "fa4", "flashinfer-fa2"):
         with pytest.raises(ValueError, match="position bias"):
             engine(path, attention=name)
 

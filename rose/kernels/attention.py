@@ -7,7 +7,10 @@ sequences, plus a fill of the output. Graph-safe: the grid comes from the static
 the length bucket (`max_seqlen`), each program reads its sequence's bounds from `cu_seqlens` on the
 device; programs past a sequence's end return at once. Rows past the last sequence (a bucket's
 padding) are written as zeros. q, k, v may be strided views (BERT's stacked qkv, unbound without a
-copy); GQA reads kv head h // (q heads / kv heads).
+copy); GQA reads kv head h // (q heads / kv heads). An additive score bias by position within the
+sequence ([heads, L, L], MPNet's relative position bias) is read beside each score block. A sliding
+window (query i sees keys j with |i - j| < window, and j <= i if causal: ModernBERT's local layers,
+Mistral's, Gemma3's) masks the scores, and key blocks wholly outside it are not visited.
 
 `attention_reference` is the same maths in torch, one sequence at a time (CPU-runnable).
 """
@@ -27,9 +30,10 @@ from rose.kernels import launch
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
-                      so_t, so_h, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_GDC: tl.constexpr):
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t,
+                      sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, GROUP: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr, USE_GDC: tl.constexpr):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     h = tl.program_id(2)
@@ -59,17 +63,29 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, T, num_seqs, sq_t, sq_
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     hi = tl.minimum(length, m0 + BLOCK_M) if CAUSAL else length
-    for n0 in range(0, hi, BLOCK_N):
+    lo = 0
+    if WINDOW:  # only the key blocks some row of this block can see
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(hi, m0 + BLOCK_M + window - 1)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid_n = offs_n < length
         k = tl.load(k_ptr + (start + offs_n)[None, :] * sk_t + kh * sk_h + offs_d[:, None],
                     mask=valid_n[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         s = tl.dot(q, k) * qk_scale  # log2 domain
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
+                         mask=mask_m & valid_n[None, :], other=0.0).to(tl.float32) * 1.4426950408889634
         keep = valid_n[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if WINDOW:
+            dist = offs_m[:, None] - offs_n[None, :]
+            keep = keep & (dist < window) & (dist > -window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if WINDOW:  # a row may see no key of a block yet: keep exp2 off -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -107,28 +123,36 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              causal: bool = False, config: Tile | None = None) -> torch.Tensor:
+              causal: bool = False, config: Tile | None = None, bias: torch.Tensor | None = None,
+              window: int = 0) -> torch.Tensor:
     """q [T, H, D], k / v [T, Hk, D] (last dim contiguous), cu_seqlens int32 [N+1] on the device,
     max_seqlen a host int >= every length (a graph's length bucket) -> out [T, H, D].
-    `config`: the launch tile (default `tile`)."""
+    `config`: the launch tile (default `tile`); `bias`: [H, L, L] (L >= max_seqlen, any strides)
+    added to query i's score of key j, i and j positions within their sequence; `window`: keys at
+    distance < window only (0: no limit)."""
     T, H, D = q.shape
     hk = k.shape[1]
     if H % hk:
         raise ValueError(f"{H} query heads do not group over {hk} kv heads")
+    if bias is not None and (bias.shape[0] != H or min(bias.shape[1:]) < max_seqlen):
+        raise ValueError(f"score bias {tuple(bias.shape)} is not [{H}, L, L] with L >= {max_seqlen}")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
     bm, bn, warps = config or tile(max_seqlen, D, n, H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=bn, CAUSAL=causal, num_warps=warps)
-    args = (q, k, v, out, cu_seqlens, T, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(D))
+              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, num_warps=warps)
+    sb = bias.stride() if bias is not None else (0, 0, 0)
+    args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D),
+            window)
     launch(_attention_kernel, grid, *args, **kw)
     return out
 
 
-def attention_reference(q, k, v, cu_seqlens, causal=False) -> torch.Tensor:
-    """The same in torch, float32, one SDPA per sequence; padding rows are zeros."""
+def attention_reference(q, k, v, cu_seqlens, causal=False, bias=None, window=0) -> torch.Tensor:
+    """The same in torch, float32, one SDPA per sequence (with `bias`'s top-left [n, n] added);
+    padding rows are zeros."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cu = cu_seqlens.tolist()
     rep = q.shape[1] // k.shape[1]
@@ -136,7 +160,14 @@ def attention_reference(q, k, v, cu_seqlens, causal=False) -> torch.Tensor:
         if b > a:
             kk = k[a:b].float().repeat_interleave(rep, 1)
             vv = v[a:b].float().repeat_interleave(rep, 1)
+            mask, n = None, b - a
+            if bias is not None or window:
+                mask = bias[:, :n, :n].float().to(q.device) if bias is not None else torch.zeros(n, n, device=q.device)
+                d = torch.arange(n, device=q.device)
+                d = d[:, None] - d[None, :]
+                keep = (d >= 0 if causal else d > -window if window else d > -n) & (d < window if window else d < n)
+                mask = mask.masked_fill(~keep, float("-inf"))
             o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                               is_causal=causal)
+                                               attn_mask=mask, is_causal=causal and mask is None)
             out[a:b] = o.transpose(0, 1)
     return out

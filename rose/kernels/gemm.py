@@ -10,10 +10,10 @@ launches with programmatic dependent launch where the GPU has it (`rose.kernels.
 Two kernels:
 - `linear(x, w, b, act)`: one bf16/fp16 output, bias and activation in the epilogue
   ("gelu": the tanh form, as `linear_gelu`; "swiglu": `w` holds [gate; up] rows and the output is
-  silu(gate) * up, half as wide);
+  silu(gate) * up, half as wide; "geglu": the same with the exact (erf) GELU, ModernBERT's);
 - `linear_partials(x, w, split)` + `add_norm(...)`: float32 partials [split, M, N], then bias +
-  residual + LayerNorm (post-norm, BERT) or residual sum + RMSNorm (pre-norm, Qwen3: both the sum
-  and its norm come out).
+  residual + LayerNorm (post-norm, BERT) or residual sum + its norm (pre-norm: RMSNorm for Qwen3,
+  LayerNorm for ModernBERT; both the sum and its norm come out).
 `*_reference` is the same maths in torch (float32), the CPU-runnable reference of the tests.
 """
 
@@ -29,7 +29,8 @@ import triton.language as tl
 
 from rose.kernels import launch
 
-ACTS = {None: 0, "gelu": 1, "swiglu": 2}
+ACTS = {None: 0, "gelu": 1, "swiglu": 2, "geglu": 3}
+GATED = ("swiglu", "geglu")  # w holds [gate; up] rows: the output is half as wide
 
 
 @triton.jit
@@ -54,11 +55,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
     for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(x_ptrs, mask=mask_m, other=0.0)
         acc = tl.dot(a, tl.load(w_ptrs, mask=mask_n, other=0.0), acc)
-        if ACT == 2:
+        if ACT >= 2:
             acc_up = tl.dot(a, tl.load(w_ptrs + UP_OFFSET, mask=mask_n, other=0.0), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _epilogue(acc, acc_up if ACT == 2 else acc, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL,
+    _epilogue(acc, acc_up if ACT >= 2 else acc, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL,
               HAS_BIAS, ACT)
 
 
@@ -75,6 +76,8 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_o
             acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
         if ACT == 2:
             acc = acc * tl.sigmoid(acc) * acc_up
+        if ACT == 3:
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_up
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,7 +101,7 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
     for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
         a = x_desc.load([off_m, k0 + k])
         acc = tl.dot(a, w_desc.load([off_n, k0 + k]).T, acc)
-        if ACT == 2:
+        if ACT >= 2:
             acc_up = tl.dot(a, w_desc.load([off_n + N, k0 + k]).T, acc_up)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -108,7 +111,7 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
 @triton.jit
 def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RMS: tl.constexpr, USE_GDC: tl.constexpr):
+                     RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
@@ -124,15 +127,17 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if RMS:  # pre-norm: the residual stream goes on, its norm feeds the next block
+    if PRE:  # pre-norm: the residual stream goes on (rounded as stored), its norm feeds the next block
         acc = acc.to(sum_ptr.dtype.element_ty).to(tl.float32)
         tl.store(sum_ptr + at, acc.to(sum_ptr.dtype.element_ty), mask=mask)
+    if RMS:
         y = acc * tl.rsqrt(tl.sum(acc * acc, axis=1) / N + eps)[:, None] * g
     else:
         mean = tl.sum(acc, axis=1) / N
         xc = tl.where(mask_c, acc - mean[:, None], 0.0)
-        y = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)[:, None] * g + \
-            tl.load(beta_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)[:, None] * g
+        if HAS_BETA:
+            y += tl.load(beta_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -234,9 +239,10 @@ def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
            config: Config | None = None, tma: bool = False) -> torch.Tensor:
-    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu) -> [M, N].
+    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu / geglu, no
+    bias) -> [M, N].
     Without `config`, the measured plan for this shape (`plan`)."""
-    n = w.shape[0] // 2 if act == "swiglu" else w.shape[0]
+    n = w.shape[0] // 2 if act in GATED else w.shape[0]
     if config is None:
         config, _, tma = plan(x.shape[0], n, x.shape[1])
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
@@ -255,38 +261,44 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, 
 
 
 def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-             norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None):
+             norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None,
+             pre: bool | None = None):
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
     warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`).
 
-    LayerNorm (rms False, post-norm as BERT): returns LayerNorm(sum) in residual's dtype.
-    RMSNorm (rms True, pre-norm as Qwen3): returns (sum, RMSNorm(sum)), the sum rounded to
-    residual's dtype first, as the unfused model rounds it."""
+    rms: RMSNorm, else LayerNorm (with `norm_bias` where given). pre (default: rms): pre-norm, as
+    Qwen3 (RMSNorm) and ModernBERT (LayerNorm): returns (sum, norm(sum)), the sum rounded to
+    residual's dtype first, as the unfused model rounds it; else post-norm, as BERT: norm(sum), in
+    residual's dtype."""
     split, M, N = partials.shape
+    pre = rms if pre is None else pre
     out = torch.empty_like(residual)
-    total = torch.empty_like(residual) if rms else out
+    total = torch.empty_like(residual) if pre else out
     rows, warps = config or _norm_override() or (1, 8)  # measured: 2.4 us against 3.3 with 4 warps (1024 wide)
     launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
            weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
-           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, num_warps=warps)
-    return (total, out) if rms else out
+           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, PRE=pre,
+           HAS_BETA=norm_bias is not None, num_warps=warps)
+    return (total, out) if pre else out
 
 
 # References: the unfused maths, float32 (CPU-runnable).
 
 def linear_reference(x, w, b=None, act=None):
     y = x.float() @ w.float().T
-    if act == "swiglu":
+    if act in GATED:
         gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if act == "swiglu" else F.gelu(gate)) * up
     if b is not None:
         y = y + b.float()
     return F.gelu(y, approximate="tanh") if act == "gelu" else y
 
 
-def add_norm_reference(y, bias, residual, weight, norm_bias, eps, rms=False):
+def add_norm_reference(y, bias, residual, weight, norm_bias, eps, rms=False, pre=None):
     s = y.float() + (bias.float() if bias is not None else 0) + residual.float()
-    if rms:
+    if rms if pre is None else pre:
         s = s.to(residual.dtype).float()
-        return s, F.rms_norm(s, (s.shape[-1],), weight.float(), eps)
+        n = F.rms_norm(s, (s.shape[-1],), weight.float(), eps) if rms else \
+            F.layer_norm(s, (s.shape[-1],), weight.float(), norm_bias.float() if norm_bias is not None else None, eps)
+        return s, n
     return F.layer_norm(s, (s.shape[-1],), weight.float(), norm_bias.float() if norm_bias is not None else None, eps)

@@ -1,4 +1,5 @@
-"""Qwen3's per-head RMSNorm of q and k and their rotary embedding, in one Triton kernel.
+"""Qwen3's per-head RMSNorm of q and k and their rotary embedding, in one Triton kernel (or the
+rotary embedding alone, NomicBERT's, without norm weights).
 
 Reads the stacked q/k/v projection [T, (H + 2 Hk) * D], writes q [T, H, D] and k [T, Hk, D]
 (normalised with `q_norm` / `k_norm`, then rotated by each token's position with the "rotate
@@ -19,7 +20,7 @@ from rose.kernels import launch
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, table_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, T, stride_t, max_pos, eps,
                          H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                         USE_GDC: tl.constexpr):
+                         NORM: tl.constexpr, USE_GDC: tl.constexpr):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: q heads, H..H+HK-1: k heads
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -31,16 +32,17 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, table_ptr, qw_ptr, kw_ptr, q_ptr, k_p
     src = qkv_ptr + rows[:, None] * stride_t + head * D + half[None, :]
     a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(src + D // 2, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
     is_q = head < H
-    if is_q:
-        wa = tl.load(qw_ptr + half).to(tl.float32)
-        wb = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
-    else:
-        wa = tl.load(kw_ptr + half).to(tl.float32)
-        wb = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
-    a = a * rstd[:, None] * wa[None, :]
-    b = b * rstd[:, None] * wb[None, :]
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        if is_q:
+            wa = tl.load(qw_ptr + half).to(tl.float32)
+            wb = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+        else:
+            wa = tl.load(kw_ptr + half).to(tl.float32)
+            wb = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+        a = a * rstd[:, None] * wa[None, :]
+        b = b * rstd[:, None] * wb[None, :]
     pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
     cos = table_ptr + pos[:, None] * D + half[None, :]  # table [2, max_pos, D]: cos then sin
     sin = cos + max_pos * D
@@ -54,17 +56,20 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, table_ptr, qw_ptr, kw_ptr, q_ptr, k_p
     tl.store(dst + D // 2, rb.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int):
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, heads: int, kv_heads: int, head_dim: int):
     """qkv [T, (H + 2 Hk) * D] (rows contiguous), positions int64 [T], table float32 [2, P, D]
-    (`Rotary.cos_sin`) -> q [T, H, D], k [T, Hk, D], v [T, Hk, D] (a view of qkv)."""
+    (`Rotary.cos_sin`) -> q [T, H, D], k [T, Hk, D], v [T, Hk, D] (a view of qkv). Without
+    `q_weight` / `k_weight`: the rotary embedding alone (no norm)."""
     T = qkv.shape[0]
     q = torch.empty((T, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((T, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     block = 16
     grid = (triton.cdiv(T, block), heads + kv_heads)
-    args = (qkv, positions, table, q_weight, k_weight, q, k, T, qkv.stride(0), table.shape[1], eps)
-    kw = dict(H=heads, HK=kv_heads, D=head_dim, BLOCK_T=block, num_warps=4)
+    norm = q_weight is not None
+    args = (qkv, positions, table, q_weight if norm else table, k_weight if norm else table, q, k, T, qkv.stride(0),
+            table.shape[1], eps)
+    kw = dict(H=heads, HK=kv_heads, D=head_dim, BLOCK_T=block, NORM=norm, num_warps=4)
     launch(_qk_norm_rope_kernel, grid, *args, **kw)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
     return q, k, v
@@ -73,8 +78,10 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
 def qk_norm_rope_reference(qkv, positions, table, q_weight, k_weight, eps, heads, kv_heads, head_dim):
     T = qkv.shape[0]
     q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = F.rms_norm(q.view(T, heads, head_dim), (head_dim,), q_weight.float(), eps)
-    k = F.rms_norm(k.view(T, kv_heads, head_dim), (head_dim,), k_weight.float(), eps)
+    q, k = q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim)
+    if q_weight is not None:
+        q = F.rms_norm(q, (head_dim,), q_weight.float(), eps)
+        k = F.rms_norm(k, (head_dim,), k_weight.float(), eps)
     cos, sin = table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     def rot(x):

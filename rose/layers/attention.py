@@ -15,10 +15,10 @@ padding, no cross-sequence attention). Backends:
             query block, sequence and head; GQA without repeating kv heads.
 
 Two per-layer extras some families need: an additive score bias (`AttentionMetadata.bias`, MPNet's
-relative position bias: only `sdpa` takes one, `takes_bias`) and sliding windows (Mistral, Gemma3,
+relative position bias: `sdpa`, `padded` and `triton` take one, `takes_bias`) and sliding windows (Mistral, Gemma3,
 ModernBERT's local layers set `AttentionMetadata.window`). A backend with `windowed` honours it (sdpa
-with a band mask, varlen / fa4 with their `window_size`); `WindowFallback` sends the windowed calls
-whose sequences may exceed the window past one that does not (flashinfer, triton) to one that does,
+with a band mask, varlen / fa4 with their `window_size`, triton in its kernel); `WindowFallback` sends
+the windowed calls whose sequences may exceed the window past one that does not (flashinfer) to one that does,
 so a windowed model never silently gets full attention.
 """
 
@@ -304,10 +304,13 @@ class FlashInferBackend(AttentionBackend):
 
 class TritonBackend(AttentionBackend):
     """`rose.kernels.attention`: made for short sequences (the small-batch step); its grid comes
-    from the sequence count and `max_seqlen` (the length bucket inside a graph)."""
+    from the sequence count and `max_seqlen` (the length bucket inside a graph). Takes a score bias
+    (MPNet's), read beside each block of scores, and a sliding window."""
 
     name = "triton"
     capturable = True
+    takes_bias = True
+    windowed = True
 
     def __init__(self, device: torch.device):
         from rose import kernels
@@ -321,7 +324,7 @@ class TritonBackend(AttentionBackend):
         self._fn = attention
 
     def __call__(self, q, k, v, meta):
-        return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal)
+        return self._fn(q, k, v, meta.cu_seqlens, meta.max_seqlen, meta.causal, bias=meta.bias, window=meta.window)
 
 
 class WindowFallback(AttentionBackend):

@@ -28,6 +28,7 @@ class TableBackend(AttentionBackend):
         self.fallback = fallback
         self.name = "table(" + "+".join(sorted({c["winner"] for c in self.cells})) + ")"
         self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
+        self.windowed = fallback.windowed and all(backends[c["winner"]].windowed for c in self.cells)
         self._current = fallback
         self._picks: dict[tuple[int, int], AttentionBackend] = {}  # (seqs, max_len) -> winner: steps pay a lookup
 

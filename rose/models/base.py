@@ -30,7 +30,7 @@ Class-level rules (read before the model is built, from config.json alone):
     vocab_output(config)      the output's coordinates are vocabulary ids (SPLADE): its nonzero entries
                      are the model's sparse output (`rose.layers.heads.vocab_weights`).
     score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
-                     `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa) can
+                     `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa, padded, triton) can
                      run it; "auto" picks one and any other backend is a ValueError.
     sliding_window(config)    the widest window of its sliding-window layers (a query sees keys at
                      distance < w, `AttentionMetadata.window`; 0: none): where sequences can exceed it,

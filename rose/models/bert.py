@@ -16,7 +16,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import PostNormKernels, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 
@@ -135,7 +135,7 @@ class BertPooler(nn.Module):
 POSITION_IDS = re.compile(r"(^|\.)position_ids$")
 
 
-class BertModel(PostNormKernels, Family):
+class BertModel(SmallStepKernels, Family):
     # Checkpoint names -> ours (`Family`): strip these prefixes, skip what matches `ignored`,
     # and stack q/k/v into qkv (shard index along dim 0).
     strip_prefixes = ("bert.", "model.")
@@ -173,7 +173,7 @@ class BertModel(PostNormKernels, Family):
         return self.encoder.layer
 
     @property
-    def ffn_gelu(self) -> bool:
+    def ffn_fits(self) -> bool:
         return self.blocks[0].intermediate.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,

@@ -17,7 +17,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import PostNormKernels, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 
@@ -87,7 +87,7 @@ class DistilBertTransformer(nn.Module):
         self.layer = nn.ModuleList(DistilBertLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
-class DistilBertModel(PostNormKernels, Family):
+class DistilBertModel(SmallStepKernels, Family):
     strip_prefixes = ("distilbert.",)
     ignored = re.compile(r"(^|\.)position_ids$|^(vocab_transform|vocab_layer_norm|vocab_projector)\.")
     stacked_params = {
@@ -119,7 +119,7 @@ class DistilBertModel(PostNormKernels, Family):
         return self.transformer.layer
 
     @property
-    def ffn_gelu(self) -> bool:
+    def ffn_fits(self) -> bool:
         return self.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:

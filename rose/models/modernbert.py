@@ -15,6 +15,11 @@ head is transformers': the final states pooled by config.json's `classifier_pool
 first token; "mean": every token of the sequence, special tokens included, as transformers' masked
 mean over the unpadded tokens), then `head` (dense, `classifier_activation`, norm) and `classifier`;
 its dropout is inference's identity. ModernBERT has no token types: a pair's segments change nothing.
+
+Steps of up to `kernel_tokens` tokens take a small step in ROSE's kernels (`small_step`): q/k rotated
+in one kernel, each residual add fused with the LayerNorm after it (pre-norm: both the stream and its
+norm come out), the output and down projections split-K in Triton, the GeGLU in the up GEMM's
+epilogue; the local layers' window stays the attention backend's.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rose.layers.activation import get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.rotary import Rotary, apply_rotary
+from rose.layers.small_step import SmallStepKernels
 from rose.models.base import Family
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
@@ -108,6 +115,24 @@ class ModernBertEncoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.mlp_norm(x))
 
+    def small_step(self, x, h, positions, table, meta, attn, next_norm: nn.LayerNorm):
+        """The same layer for small steps, in fewer kernels: x is the residual stream and h its
+        attention norm (the embeddings' output itself for layer 0); returns the new stream and
+        `next_norm` of it (the next layer's attention norm, or the final one)."""
+        from rose.kernels import gemm
+        from rose.kernels.rope import qk_norm_rope
+
+        a, mlp, norm = self.attn, self.mlp, self.mlp_norm
+        T, hidden = x.shape
+        q, k, v = qk_norm_rope(a.Wqkv(h), positions, table, None, None, 0.0, a.num_heads, a.num_heads,
+                               hidden // a.num_heads)
+        o = attn(q, k, v, meta).reshape(T, hidden)
+        x, h = gemm.add_norm(gemm.linear_partials(o, a.Wo.weight), a.Wo.bias, x, norm.weight, norm.bias, norm.eps,
+                             pre=True)
+        m = gemm.linear(h, mlp.Wi.weight, None, "geglu")
+        return gemm.add_norm(gemm.linear_partials(m, mlp.Wo.weight), mlp.Wo.bias, x, next_norm.weight, next_norm.bias,
+                             next_norm.eps, pre=True)
+
 
 class ModernBertPredictionHead(nn.Module):
     """transformers' `ModernBertPredictionHead`: dense (bias: `classifier_bias`), activation, norm."""
@@ -126,7 +151,7 @@ class ModernBertPredictionHead(nn.Module):
 ROTARY = re.compile(r"(^|\.)rotary_emb\.")
 
 
-class ModernBertModel(Family):
+class ModernBertModel(SmallStepKernels, Family):
     strip_prefixes = ("model.",)
     ignored = re.compile(r"^(head|decoder|classifier)\.|(^|\.)rotary_emb\.")
     classifier_architectures = frozenset({"ModernBertForSequenceClassification"})
@@ -172,6 +197,12 @@ class ModernBertModel(Family):
     def blocks(self) -> nn.ModuleList:
         return self.layers
 
+    @property
+    def ffn_fits(self) -> bool:
+        """The small step's GeGLU epilogue: the exact GELU, no MLP bias (gte-modernbert-base's)."""
+        mlp = self.layers[0].mlp
+        return mlp.Wi.bias is None and mlp.act is F.gelu
+
     def materialize(self, device: torch.device) -> None:
         self.rotary_global.materialize(device)
         self.rotary_local.materialize(device)
@@ -179,9 +210,20 @@ class ModernBertModel(Family):
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embeddings(input_ids)  # no token types: a pair's second segment is not marked
+        if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
+            return self.small_forward(x, positions, meta, attn)
         full = (self.rotary_global.lookup(positions, x.dtype), meta)
         local = (self.rotary_local.lookup(positions, x.dtype), meta.with_window(self.window))
         for layer in self.layers:
             cos_sin, m = local if layer.local else full
             x = layer(x, cos_sin, m, attn)
         return self.final_norm(x)
+
+    def small_forward(self, x, positions, meta, attn) -> torch.Tensor:
+        tables = {False: (self.rotary_global.cos_sin, meta), True: (self.rotary_local.cos_sin, meta.with_window(self.window))}
+        h = x  # layer 0 has no attention norm
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            table, m = tables[layer.local]
+            x, h = layer.small_step(x, h, positions, table, m, attn, nxt)
+        return h

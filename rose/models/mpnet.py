@@ -3,10 +3,11 @@ relative position bias, shared by every layer, added to the attention scores.
 
 The bias is `encoder.relative_attention_bias` (buckets x heads) looked up by T5-style buckets of
 j - i (key minus query position within a sequence); Hugging Face computes the buckets with 32
-whatever `relative_attention_num_buckets` says, and so does this. Fused attention kernels take no
-bias: the family declares `score_bias`, so the engine runs it on a backend that adds one: on CUDA
-`padded` (every sequence padded to the step's length bucket, one SDPA call with the bias and a
-key-padding mask: captured in CUDA graphs), elsewhere `sdpa` per sequence.
+whatever `relative_attention_num_buckets` says, and so does this. FlashAttention's and FlashInfer's
+kernels take no bias: the family declares `score_bias`, so the engine runs it on a backend that adds
+one: on CUDA ROSE's Triton kernel (`triton`: the bias read beside each block of scores, captured in
+CUDA graphs), or `padded` without Triton (every sequence padded to the step's length bucket, one SDPA
+call with the bias and a key-padding mask); elsewhere `sdpa` per sequence.
 
 Positions are numbered from padding_idx + 1 = 2, as XLM-RoBERTa's. Hugging Face parameter names;
 q/k/v are stacked into one `qkv` GEMM.
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import PostNormKernels, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
 
@@ -104,12 +105,14 @@ class MPNetEncoder(nn.Module):
                                                     cfg["num_attention_heads"])
 
     def position_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """[heads, length, length]: the bias of key j for query i, by bucket of j - i."""
+        """[heads, length, length], contiguous (the attention kernels read it along keys): the bias
+        of key j for query i, by bucket of j - i. Once per step, shared by every layer."""
         i = torch.arange(length, device=self.relative_attention_bias.weight.device)
-        return self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None])).permute(2, 0, 1).to(dtype)
+        bias = self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None]))
+        return bias.permute(2, 0, 1).to(dtype).contiguous()
 
 
-class MPNetModel(PostNormKernels, Family):
+class MPNetModel(SmallStepKernels, Family):
     strip_prefixes = ("mpnet.",)
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^lm_head\.")
     stacked_params = {
@@ -138,7 +141,7 @@ class MPNetModel(PostNormKernels, Family):
         return self.encoder.layer
 
     @property
-    def ffn_gelu(self) -> bool:
+    def ffn_fits(self) -> bool:
         return self.blocks[0].intermediate.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:

@@ -4,7 +4,9 @@ positions instead of learned ones, a fused q/k/v projection, a SwiGLU MLP and no
 Parameter names are the published checkpoint's (`embeddings.word_embeddings`, `emb_ln`,
 `encoder.layers.N.attn.Wqkv` / `attn.out_proj`, `mlp.fc11` (up), `mlp.fc12` (gate: the SiLU is
 applied to it), `mlp.fc2`, `norm1`, `norm2`), which transformers' own NomicBertModel also writes
-and reads. config.json is the published remote-code one (GPT-2 style `n_embd`, `n_head`, `n_layer`,
+and reads; fc12 and fc11 are stacked into one `mlp.gate_up` GEMM (gate rows first). Steps of up to
+`kernel_tokens` take BERT's small step (`rose.layers.small_step`: q/k rotated in one kernel, the
+SwiGLU in the gate/up GEMM's epilogue). config.json is the published remote-code one (GPT-2 style `n_embd`, `n_head`, `n_layer`,
 `n_inner`, `n_positions`, `rotary_emb_base`, ...) or transformers' (`hidden_size`, ...,
 `rope_parameters`); `standard_config` reads either. Supported as published: full rotary fraction,
 non-interleaved ("rotate half"), no rotary scaling, post-norm; other settings are a clear error.
@@ -20,6 +22,7 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.rotary import Rotary, apply_rotary, rope_theta
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 _GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
@@ -52,12 +55,12 @@ class NomicBertMLP(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         h, f = cfg["hidden_size"], cfg["intermediate_size"]
-        self.fc11 = nn.Linear(h, f, bias=cfg.get("mlp_fc1_bias", False))
-        self.fc12 = nn.Linear(h, f, bias=cfg.get("mlp_fc1_bias", False))
+        self.gate_up = nn.Linear(h, 2 * f, bias=cfg.get("mlp_fc1_bias", False))  # [fc12 (gate); fc11 (up)]
         self.fc2 = nn.Linear(f, h, bias=cfg.get("mlp_fc2_bias", False))
 
     def forward(self, x):
-        return self.fc2(self.fc11(x) * F.silu(self.fc12(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.fc2(up * F.silu(gate))
 
 
 class NomicBertBlock(nn.Module):
@@ -72,6 +75,12 @@ class NomicBertBlock(nn.Module):
     def forward(self, x, cos_sin, meta, attn):
         return self.feed_forward(self.attn(x, cos_sin, meta, attn), x)
 
+    def small_step(self, x, positions, table, meta, attn):
+        """The same block for small steps, in fewer kernels (`rose.layers.small_step`)."""
+        a = self.attn
+        return post_norm_block(x, meta, attn, a.num_heads, a.Wqkv, a.out_proj, self.norm1, self.mlp.gate_up,
+                               self.mlp.fc2, self.norm2, act="swiglu", rope=(positions, table))
+
     def feed_forward(self, a, x):
         """Residual + norm, SwiGLU MLP, residual + norm: fused by `Engine(compile=True)`."""
         x = self.norm1(x + a)
@@ -84,9 +93,10 @@ class NomicBertEncoder(nn.Module):
         self.layers = nn.ModuleList(NomicBertBlock(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
-class NomicBertModel(Family):
+class NomicBertModel(SmallStepKernels, Family):
     strip_prefixes = ("nomic_bert.",)
     ignored = re.compile(r"(^|\.)position_ids$|^pooler\.|^cls\.|(^|\.)inv_freq$")
+    stacked_params = {".mlp.fc12.": (".mlp.gate_up.", 0), ".mlp.fc11.": (".mlp.gate_up.", 1)}
 
     @classmethod
     def standard_config(cls, config: dict) -> dict:
@@ -124,12 +134,21 @@ class NomicBertModel(Family):
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layers
 
+    @property
+    def ffn_fits(self) -> bool:
+        """The small step's SwiGLU epilogue has no bias (nomic-embed-text has none)."""
+        return self.blocks[0].mlp.gate_up.bias is None
+
     def materialize(self, device: torch.device) -> None:
         self.rotary.materialize(device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         e = self.embeddings
         x = self.emb_ln(e.word_embeddings(input_ids) + e.token_type_embeddings.weight[0])
+        if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
+            for layer in self.encoder.layers:
+                x = layer.small_step(x, positions, self.rotary.cos_sin, meta, attn)
+            return x
         cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.encoder.layers:
             x = layer(x, cos_sin, meta, attn)
