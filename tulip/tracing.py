@@ -35,7 +35,6 @@ class Tracing:
         self.provider = tracing.provider("tulip", endpoint, **{"service.instance.id": address,
                                                                  "trellis.model": served_model})
         self.tracer = self.provider.get_tracer("tulip")
-        self.epoch_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall-clock nanoseconds
 
     def start(self, req, request, context=None) -> None:
         """Trace queued Request `req` from the EmbedRequest `request` (`context`: a unary call's)."""
@@ -82,7 +81,10 @@ class RequestTrace:
             return
         self.ended = True
         now = time.monotonic()
-        tracer, epoch, req = self.tracing.tracer, self.tracing.epoch_ns, self.req
+        # monotonic -> wall-clock nanoseconds, read now: an offset fixed at start-up drifts as the
+        # wall clock is slewed (2 ms seen on a test machine), and spans must line up with Ivy's
+        epoch = time.time_ns() - time.monotonic_ns()
+        tracer, req = self.tracing.tracer, self.req
 
         def ns(t: float) -> int:
             return int(t * 1e9) + epoch
