@@ -129,6 +129,15 @@ def test_short_attention_honours_a_sliding_window(causal, window, tile):
     assert rel(SdpaBackend()(q, k, v, meta)[:sum(lens)], want[:sum(lens)]) < TOL
 
 
+def test_attention_tiles_fit_in_shared_memory_and_keep_the_measured_ones():
+    for d in (32, 64, 128, 256):
+        for length, seqs in ((1, 1), (128, 1), (600, 4), (512, 5), (4096, 1)):
+            bm, bn, _ = kattn.tile(length, d, seqs, 16)
+            assert kattn.smem_bytes(bm, bn, d) <= kattn.SMEM_BUDGET and bn >= 16
+    assert kattn.tile(128, 64, 1, 16) == (64, 128, 4) and kattn.tile(128, 128, 1, 16) == (32, 128, 4)
+    assert kattn.tile(128, 256, 1, 3)[1] == 32  # EmbeddingGemma: fewer keys per iteration
+
+
 def test_attention_reads_strided_qkv_without_a_copy():
     T, H, D = 40, 2, 32
     qkv = rand(T, 3 * H * D)

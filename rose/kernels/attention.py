@@ -115,11 +115,26 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
     while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
     sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
-    (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4)."""
+    (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4). Fewer keys per
+    iteration where the blocks would not fit in shared memory (`smem_bytes`: heads 256 wide, as
+    EmbeddingGemma's, which failed to launch with 128 keys)."""
     if override := _tile_override():
         return override
     block_n = 128 if triton.cdiv(max(max_seqlen, 1), 64) * seqs * heads <= 2 * 132 else 64
-    return 32 if head_dim > 64 and max_seqlen <= 256 else 64, block_n, 4
+    block_m = 32 if head_dim > 64 and max_seqlen <= 256 else 64
+    while block_n > 16 and smem_bytes(block_m, block_n, head_dim) > SMEM_BUDGET:  # EmbeddingGemma's 256 wide heads
+        block_n //= 2
+    return block_m, block_n, 4
+
+
+SMEM_BUDGET = 200 << 10  # of an H200's 227 KB per block, with room for the compiler's own
+STAGES = 3  # Triton's default software pipelining of the key loop
+
+
+def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
+    """Shared memory of one program, roughly: its q block and `STAGES` key and value blocks (16-bit)."""
+    d = max(16, triton.next_power_of_2(head_dim))
+    return (block_m + 2 * STAGES * block_n) * d * 2
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
