@@ -6,7 +6,11 @@ the connection (and its buffers) for ever, and httptools takes headers of any si
 Here a request must be read whole (headers and body) within `read_timeout` seconds of its first
 byte (a new connection: of its opening), else the connection is closed (a 408 first while still in
 the headers); headers over MAX_HEAD_BYTES are a 431. Once read, a request's handling is bounded by
-Ivy's own deadlines (`--request-timeout-s`), not by this."""
+Ivy's own deadlines (`--request-timeout-s`), not by this.
+
+The bytes a connection writes in one turn of the event loop go out in one write (`OneWrite`):
+uvicorn writes a response's head and its body apart, which cost two send calls and two TCP
+segments for the peer to read."""
 
 from __future__ import annotations
 
@@ -17,6 +21,47 @@ MAX_HEAD_BYTES = 64 << 10  # request line and headers; nginx takes 4 x 8 KiB, No
 
 def _reply(status: bytes) -> bytes:
     return b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+class OneWrite:
+    """A transport whose writes are held until the end of the event loop's current turn and then
+    sent as one (`b"".join`); everything else is the wrapped transport's. `close()` sends what is
+    held first; `abort()`, or the connection closing meanwhile, drops it."""
+
+    __slots__ = ("transport", "loop", "held")
+
+    def __init__(self, transport, loop):
+        self.transport, self.loop, self.held = transport, loop, None
+
+    def write(self, data: bytes) -> None:
+        if self.held is None:
+            self.held = [data]
+            self.loop.call_soon(self.flush)
+        else:
+            self.held.append(data)
+
+    def writelines(self, lines) -> None:
+        for data in lines:
+            self.write(data)
+
+    def flush(self) -> None:
+        held, self.held = self.held, None
+        if held and not self.transport.is_closing():  # the peer gone meanwhile: nothing to send it
+            self.transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def abort(self) -> None:
+        self.held = None
+        self.transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size() + sum(map(len, self.held or ()))
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
 
 
 class ReadLimitedProtocol(HttpToolsProtocol):
@@ -33,7 +78,7 @@ class ReadLimitedProtocol(HttpToolsProtocol):
         self._head_size = 0  # this request's line and headers, as parsed
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(OneWrite(transport, self.loop))
         self._arm()
 
     def connection_lost(self, exc) -> None:

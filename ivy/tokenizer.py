@@ -59,13 +59,29 @@ class FastEncoder:
 
     def ids(self, text: str, budget: int | None = None) -> np.ndarray:
         """Token ids of `text` with the special tokens; content cut to `budget` tokens if given."""
-        self._chars += len(text)
+        return self.ids_many([text], budget)[0]
+
+    def ids_many(self, texts: list[str], budget: int | None = None) -> list[np.ndarray]:
+        """`ids` of each text, from one call into tokie that hands back one flat id array (no Python
+        int per token: on one 512-token text 14 us against 32-52 us through `encode(...).ids` and a
+        list to array copy, on the 2-core CPU machine)."""
+        self._chars += sum(map(len, texts))
         if self._chars > RELOAD_CHARS:
             self.reload()
-        body = self.tok.encode(text, add_special_tokens=False).ids
-        if budget is not None and len(body) > budget:
-            body = body[:budget]
-        return np.array(self.prefix + body + self.suffix, dtype=np.int32)
+        flat, lengths = self.tok.encode_batch_flat(texts, add_special_tokens=False)
+        pre, suf = self.prefix, self.suffix
+        head, out, start = len(pre), [], 0
+        for n in lengths.tolist():
+            body = flat[start:start + n]
+            start += n
+            if budget is not None and n > budget:
+                body = body[:budget]
+            a = np.empty(head + len(body) + len(suf), dtype=np.int32)
+            a[:head] = pre
+            a[head:head + len(body)] = body  # uint32 -> int32: ids are below the vocabulary size
+            a[head + len(body):] = suf
+            out.append(a)
+        return out
 
     def reload(self) -> None:
         """A fresh copy of the tokenizer (what the old one had gathered is freed with it)."""
@@ -232,7 +248,7 @@ class TextTokenizer:
     def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         if self.fast is not None:
             budget = max(self.max_len - self.fast.n_special, 0) if truncate else None
-            return [self.fast.ids(t, budget) for t in texts]
+            return self.fast.ids_many(texts, budget)
         return self._encode_exact(texts, truncate)  # encode_batch_fast: no character offsets (15-25 % faster)
 
     def _encode_exact(self, texts: list[str], truncate: bool) -> list[np.ndarray]:

@@ -241,3 +241,61 @@ def test_embed_options_split_per_chunk_and_build_the_request():
     assert (req.dimensions, req.encoding, list(req.outputs), req.raw_scores) == (32, tulip_pb2.ENCODING_INT8,
                                                                                 [tulip_pb2.OUTPUT_SPARSE], True)
     assert req.token_ids == np.array([5, 6, 7], "<i4").tobytes()
+
+
+def test_one_write_per_loop_turn():
+    """ivy.protocol.OneWrite: a response's head and body (two writes in one turn) reach the socket as
+    one write, in order; close() sends what is held first; abort() and a closed peer drop it."""
+    import asyncio
+
+    from ivy.protocol import OneWrite
+
+    class Recording:  # the transport underneath: what reached it
+        def __init__(self):
+            self.writes, self.closing = [], False
+
+        def write(self, data):
+            assert not self.closing
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closing
+
+        def close(self):
+            self.closing = True
+
+        def abort(self):
+            self.closing = True
+
+        def get_write_buffer_size(self):
+            return 0
+
+        def get_extra_info(self, name):
+            return name
+
+    async def run():
+        t = Recording()
+        w = OneWrite(t, asyncio.get_running_loop())
+        w.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        w.write(b"{}")
+        assert t.writes == [] and w.get_write_buffer_size() == 21
+        await asyncio.sleep(0)
+        assert t.writes == [b"HTTP/1.1 200 OK\r\n\r\n{}"]
+        assert w.get_extra_info("peername") == "peername"  # the rest is the transport's
+        w.write(b"a")
+        await asyncio.sleep(0)
+        w.write(b"b")
+        w.close()  # sent before the close
+        await asyncio.sleep(0)
+        assert t.writes[1:] == [b"a", b"b"] and t.closing
+        t2 = Recording()
+        w2 = OneWrite(t2, asyncio.get_running_loop())
+        w2.write(b"x")
+        t2.closing = True  # the peer went away before the turn ended
+        await asyncio.sleep(0)
+        w2.write(b"y")
+        w2.abort()
+        await asyncio.sleep(0)
+        assert t2.writes == []
+
+    asyncio.run(run())
