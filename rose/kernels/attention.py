@@ -179,9 +179,8 @@ def attention_reference(q, k, v, cu_seqlens, causal=False, bias=None, window=0) 
             if bias is not None or window:
                 mask = bias[:, :n, :n].float().to(q.device) if bias is not None else torch.zeros(n, n, device=q.device)
                 d = torch.arange(n, device=q.device)
-                d = d[:, None] - d[None, :]
-                keep = (d >= 0 if causal else d > -window if window else d > -n) & (d < window if window else d < n)
-                mask = mask.masked_fill(~keep, float("-inf"))
+                d, w = d[:, None] - d[None, :], window or n
+                mask = mask.masked_fill(~((d < w) & (d >= 0 if causal else d > -w)), float("-inf"))
             o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
                                                attn_mask=mask, is_causal=causal and mask is None)
             out[a:b] = o.transpose(0, 1)

@@ -296,9 +296,9 @@ def linear_reference(x, w, b=None, act=None):
 
 def add_norm_reference(y, bias, residual, weight, norm_bias, eps, rms=False, pre=None):
     s = y.float() + (bias.float() if bias is not None else 0) + residual.float()
-    if rms if pre is None else pre:
+    pre = rms if pre is None else pre
+    if pre:
         s = s.to(residual.dtype).float()
-        n = F.rms_norm(s, (s.shape[-1],), weight.float(), eps) if rms else \
-            F.layer_norm(s, (s.shape[-1],), weight.float(), norm_bias.float() if norm_bias is not None else None, eps)
-        return s, n
-    return F.layer_norm(s, (s.shape[-1],), weight.float(), norm_bias.float() if norm_bias is not None else None, eps)
+    n = F.rms_norm(s, (s.shape[-1],), weight.float(), eps) if rms else \
+        F.layer_norm(s, (s.shape[-1],), weight.float(), norm_bias.float() if norm_bias is not None else None, eps)
+    return (s, n) if pre else n

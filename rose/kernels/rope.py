@@ -75,6 +75,12 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
     return q, k, v
 
 
+def rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int, head_dim: int):
+    """The rotary embedding alone (NomicBERT's, ModernBERT's: no q/k norm, as many kv heads as q
+    heads): `qk_norm_rope` without its norm weights."""
+    return qk_norm_rope(qkv, positions, table, None, None, 0.0, heads, heads, head_dim)
+
+
 def qk_norm_rope_reference(qkv, positions, table, q_weight, k_weight, eps, heads, kv_heads, head_dim):
     T = qkv.shape[0]
     q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)

@@ -8,8 +8,7 @@ Triton, their float32 partial sums reduced by the kernel that adds bias and resi
 LayerNorm; the q/k/v and GELU up projections stay in cuBLAS / cuBLASLt unless `ops` names them (GELU
 in the epilogue, tanh form, as `linear_gelu`); a SwiGLU up projection ([gate; up] rows stacked) is
 always Triton's, the SiLU and product in its epilogue (as Qwen3's); rotary q/k in one kernel
-(`rose.kernels.rope`). Attention is the step's backend (Triton, or `padded`
-for MPNet's position bias). Measured on an H200 (bge-m3, engine step 1 x 128, graphs): out + down in
+(`rose.kernels.rope`). Attention is the step's backend (Triton, with MPNet's position bias too). Measured on an H200 (bge-m3, engine step 1 x 128, graphs): out + down in
 Triton 0.830 ms, all four 0.922 (cuBLAS's q/k/v and GELU up GEMMs were faster at these rows).
 """
 
@@ -38,9 +37,9 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
     if rope is None:
         q, k, v = y.view(T, 3, heads, d).unbind(1)
     else:
-        from rose.kernels.rope import qk_norm_rope
+        from rose.kernels.rope import rope as rotate
 
-        q, k, v = qk_norm_rope(y, *rope, None, None, 0.0, heads, heads, d)
+        q, k, v = rotate(y, *rope, heads, d)
     a = attn(q, k, v, meta).reshape(T, h)
     x = gemm.add_norm(gemm.linear_partials(a, out.weight), out.bias, x, norm1.weight, norm1.bias, norm1.eps)
     if act == "swiglu":

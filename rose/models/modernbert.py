@@ -120,12 +120,11 @@ class ModernBertEncoderLayer(nn.Module):
         attention norm (the embeddings' output itself for layer 0); returns the new stream and
         `next_norm` of it (the next layer's attention norm, or the final one)."""
         from rose.kernels import gemm
-        from rose.kernels.rope import qk_norm_rope
+        from rose.kernels.rope import rope
 
         a, mlp, norm = self.attn, self.mlp, self.mlp_norm
         T, hidden = x.shape
-        q, k, v = qk_norm_rope(a.Wqkv(h), positions, table, None, None, 0.0, a.num_heads, a.num_heads,
-                               hidden // a.num_heads)
+        q, k, v = rope(a.Wqkv(h), positions, table, a.num_heads, hidden // a.num_heads)
         o = attn(q, k, v, meta).reshape(T, hidden)
         x, h = gemm.add_norm(gemm.linear_partials(o, a.Wo.weight), a.Wo.bias, x, norm.weight, norm.bias, norm.eps,
                              pre=True)
@@ -220,7 +219,8 @@ class ModernBertModel(SmallStepKernels, Family):
         return self.final_norm(x)
 
     def small_forward(self, x, positions, meta, attn) -> torch.Tensor:
-        tables = {False: (self.rotary_global.cos_sin, meta), True: (self.rotary_local.cos_sin, meta.with_window(self.window))}
+        tables = {False: (self.rotary_global.cos_sin, meta),
+                  True: (self.rotary_local.cos_sin, meta.with_window(self.window))}
         h = x  # layer 0 has no attention norm
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
