@@ -14,7 +14,6 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 from rose.kernels import attention as kattn  # noqa: E402
 from rose.kernels import gemm  # noqa: E402
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend  # noqa: E402
-from rose.layers.norm import RMSNorm  # noqa: E402
 from rose.models.bert import BertModel  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,37 +56,6 @@ def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms, pre, be
     want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms, pre=pre)
     for a, b in zip(got if pre else (got,), want if pre else (want,)):
         assert a.dtype == DT and rel(a, b) < TOL
-
-
-@pytest.mark.parametrize("split,tma", [(1, False), (4, False), (2, True)])
-@pytest.mark.parametrize("beta", [True, False, "rms"])
-def test_deferred_norm_equals_add_then_norm(split, tma, beta):
-    """`linear_add` (the sum stored, its rows' statistics from the tiles, each split tile finished by
-    its last program) then a `Normed` read by `linear`, by the next `linear_add` as residual, and
-    applied: each equals the unfused add + LayerNorm and the GEMM after it."""
-    torch.manual_seed(3)
-    M, N, K = 70, 64, 128
-    x, w = torch.randn(M, K, device=DEV, dtype=DT), torch.randn(N, K, device=DEV, dtype=DT) / K ** 0.5
-    b, r = torch.randn(N, device=DEV, dtype=DT), torch.randn(M, N, device=DEV, dtype=DT)
-    rms = beta == "rms"
-    norm = (RMSNorm(N, eps=1e-6) if rms else torch.nn.LayerNorm(N, eps=1e-12, bias=beta)).to(DEV, DT)
-    nb = getattr(norm, "bias", None)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-        if nb is not None:
-            nb.uniform_(-0.5, 0.5)
-        config = (32, 16, 32, 4, 2)
-        got = gemm.linear_add(x, w, b, r, norm, split, config, tma, rms)
-        s, want = gemm.add_norm_reference(x.float() @ w.float().T, b, r, norm.weight, nb, norm.eps, rms, pre=True)
-        assert got.parts.shape == (N // 16, M, 2) and rel(got.x, s) < TOL  # the sum, as stored
-        assert rel(got.apply(), want) < TOL
-        w2 = torch.randn(96, N, device=DEV, dtype=DT) / N ** 0.5
-        assert rel(gemm.linear(got, w2, None, "gelu", (32, 32, 32, 4, 2), tma),
-                   gemm.linear_reference(want.to(DT), w2, None, "gelu")) < TOL
-        again = gemm.linear_add(x, w, None, got, norm, split, config, tma, rms)  # a Normed residual
-        assert rel(again.apply(), gemm.add_norm_reference(x.float() @ w.float().T, None, want.to(DT), norm.weight,
-                                                          nb, norm.eps, rms, pre=False)) < TOL
-        assert not gemm._counters(x.device).any()  # every tile's counter back at zero
 
 
 def test_plan_takes_the_measured_entry_then_the_heuristic():
@@ -203,19 +171,12 @@ BERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_h
             max_position_embeddings=128, hidden_act="gelu_new", layer_norm_eps=1e-12)
 
 
-def _small_step_ops(ops, monkeypatch):
-    """"defer": the LayerNorms deferred into the GEMMs (ROSE_DEFER_NORM); else ROSE_TRITON_OPS."""
-    if ops == "defer":
-        monkeypatch.setenv("ROSE_DEFER_NORM", "1")
-    elif ops:
-        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
-
-
-@pytest.mark.parametrize("ops", [None, "qkv,out,up,down", "defer"], ids=["default", "all", "defer"])
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
 def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     """The up projection in Triton applies tanh GELU; in cuBLASLt (`linear_gelu`) tanh on CUDA, erf on
     CPU: each is compared with a model whose torch path has the same GELU."""
-    _small_step_ops(ops, monkeypatch)
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
     torch.manual_seed(0)
     act = "gelu_new" if ops or DEV.type == "cuda" else "gelu"
     model = BertModel({**BERT, "hidden_act": act}).to(DEV, DT).eval()
@@ -228,7 +189,7 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["distilbert", "mpnet", "nomic_bert"])
-@pytest.mark.parametrize("ops", [None, "qkv,out,up,down", "defer"], ids=["default", "all", "defer"])
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down"], ids=["default", "all"])
 def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, monkeypatch):
     """DistilBERT, MPNet and NomicBERT take BERT's small step (`rose.layers.small_step.post_norm_block`)
     under their own names; MPNet's position bias goes into the Triton attention kernel, NomicBERT's
@@ -239,7 +200,8 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
     from rose.models.mpnet import MPNetModel
     from rose.models.nomic_bert import NomicBertModel
 
-    _small_step_ops(ops, monkeypatch)
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
     torch.manual_seed(1)
     act = "gelu_new" if ops or DEV.type == "cuda" else "gelu"
     if family == "distilbert":
@@ -263,8 +225,7 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
         want = model(ids, pos, meta, sdpa)[:40]
         assert model.use_kernels(1024) == 1024 and not calls
         got = model(ids, pos, meta, Interpreted())[:40]
-    # two add + norm kernels per block: the small step ran; deferred, one for the last block's output
-    assert len(calls) == (1 if ops == "defer" else 4)
+    assert len(calls) == 4  # two add + norm kernels per block: the small step ran
     assert rel(got, want) < TOL
 
 
@@ -346,13 +307,13 @@ QWEN3 = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_
              head_dim=32, intermediate_size=96, max_position_embeddings=256, is_causal=False)
 
 
-@pytest.mark.parametrize("ops", [None, "qkv,out,up,down", "out,down", "defer"],
-                         ids=["default", "all", "cublas-up", "defer"])
+@pytest.mark.parametrize("ops", [None, "qkv,out,up,down", "out,down"], ids=["default", "all", "cublas-up"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
     from rose.models.qwen3 import Qwen3Model
 
-    _small_step_ops(ops, monkeypatch)
+    if ops:
+        monkeypatch.setenv("ROSE_TRITON_OPS", ops)
     torch.manual_seed(1)
     model = Qwen3Model({**QWEN3, "is_causal": causal}).to(DEV, DT).eval()
     model.materialize(DEV)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +35,8 @@ GATED = ("swiglu", "geglu")  # w holds [gate; up] rows: the output is half as wi
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om, UP_OFFSET,
-                   an_ptr, ag_ptr, ab_ptr, a_nb, a_eps, ws_ptr, cnt_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps,
-                   on_ptr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   NORM_A: tl.constexpr, A_NB: tl.constexpr, A_BETA: tl.constexpr, A_RMS: tl.constexpr,
-                   ADD: tl.constexpr, SPLIT: tl.constexpr, R_NORM: tl.constexpr, R_NB: tl.constexpr,
-                   R_BETA: tl.constexpr, R_RMS: tl.constexpr, USE_GDC: tl.constexpr):
+                   K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -55,25 +50,17 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, str
     if USE_GDC:
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch now
-    if NORM_A:
-        mean, rstd = _row_stats(an_ptr, offs_m, M, a_nb, K_SPLIT * SPLIT, a_eps, A_NB, A_RMS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
-    for i in range(0, K_SPLIT, BLOCK_K):
+    for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(x_ptrs, mask=mask_m, other=0.0)
-        if NORM_A:
-            a = _normalize(a, mean, rstd, ag_ptr, ab_ptr, offs_k + i, A_BETA)
         acc = tl.dot(a, tl.load(w_ptrs, mask=mask_n, other=0.0), acc)
         if ACT >= 2:
             acc_up = tl.dot(a, tl.load(w_ptrs + UP_OFFSET, mask=mask_n, other=0.0), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if ADD:
-        _add_epilogue(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr,
-                      offs_m, offs_n, pid_n, pid_m, pid_k, M, N, SPLIT, HAS_BIAS, R_NORM, R_NB, R_BETA, R_RMS)
-    else:
-        _epilogue(acc, acc_up if ACT >= 2 else acc, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om,
-                  PARTIAL, HAS_BIAS, ACT)
+    _epilogue(acc, acc_up if ACT >= 2 else acc, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL,
+              HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -95,84 +82,9 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_o
 
 
 @triton.jit
-def _row_stats(n_ptr, offs_m, M, nb, n_cols, eps, NB: tl.constexpr, RMS: tl.constexpr):
-    """Mean and 1 / std of rows `offs_m` from their per-column-block sums and sums of squares
-    ([nb, M, 2] float32 at n_ptr; NB: nb rounded up to a power of two); RMS: mean 0 and 1 / rms."""
-    b = tl.arange(0, NB)
-    mask = (b[:, None] < nb) & (offs_m[None, :] < M)
-    at = (b[:, None] * M + offs_m[None, :]) * 2
-    s = tl.sum(tl.load(n_ptr + at, mask=mask, other=0.0), axis=0)
-    q = tl.sum(tl.load(n_ptr + at + 1, mask=mask, other=0.0), axis=0)
-    mean = s / n_cols
-    if RMS:
-        return mean * 0.0, tl.rsqrt(q / n_cols + eps)
-    return mean, tl.rsqrt(tl.maximum(q / n_cols - mean * mean, 0.0) + eps)
-
-
-@triton.jit
-def _normalize(a, mean, rstd, g_ptr, b_ptr, cols, HAS_BETA: tl.constexpr):
-    """LayerNorm of a tile [rows, cols] from its rows' mean and 1 / std, in a's dtype."""
-    y = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * tl.load(g_ptr + cols).to(tl.float32)[None, :]
-    if HAS_BETA:
-        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-    return y.to(a.dtype)
-
-
-@triton.jit
-def _add_epilogue(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr,
-                  offs_m, offs_n, pid_n, pid_m, pid_k, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  R_NORM: tl.constexpr, R_NB: tl.constexpr, R_BETA: tl.constexpr, R_RMS: tl.constexpr):
-    """A split-K tile's end: its partial to the workspace, then the tile's last program to arrive
-    (a counter per tile, reset by it) sums the partials in split order and finishes the tile."""
-    if SPLIT > 1:
-        at = offs_m[:, None] * N + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(ws_ptr + pid_k * M * N + at, acc, mask=mask)
-        tl.debug_barrier()  # every thread's stores before the release
-        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.store(tile, 0)
-            acc = tl.load(ws_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                acc += tl.load(ws_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-            _add_finish(acc, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr, offs_m, offs_n,
-                        pid_n, M, N, HAS_BIAS, R_NORM, R_NB, R_BETA, R_RMS)
-    else:
-        _add_finish(acc, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr, offs_m, offs_n, pid_n,
-                    M, N, HAS_BIAS, R_NORM, R_NB, R_BETA, R_RMS)
-
-
-@triton.jit
-def _add_finish(v, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr, offs_m, offs_n, pid_n, M, N,
-                HAS_BIAS: tl.constexpr, R_NORM: tl.constexpr, R_NB: tl.constexpr, R_BETA: tl.constexpr,
-                R_RMS: tl.constexpr):
-    """x = tile + bias + residual (itself normalised here where it is a deferred norm), stored in
-    out's dtype; the rows' sum and sum of squares of this column block to on_ptr [blocks, M, 2]."""
-    mask_m = offs_m < M
-    mask = mask_m[:, None] & (offs_n[None, :] < N)
-    at = offs_m[:, None] * N + offs_n[None, :]
-    if HAS_BIAS:
-        v += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    r = tl.load(r_ptr + at, mask=mask, other=0.0)
-    if R_NORM:
-        mean, rstd = _row_stats(rn_ptr, offs_m, M, r_nb, N, r_eps, R_NB, R_RMS)
-        r = _normalize(r, mean, rstd, rg_ptr, rb_ptr, offs_n, R_BETA)
-    x = (v + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + at, x, mask=mask)
-    x = tl.where(mask, x.to(tl.float32), 0.0)
-    row = on_ptr + (pid_n * M + offs_m) * 2
-    tl.store(row, tl.sum(x, axis=1), mask=mask_m)
-    tl.store(row + 1, tl.sum(x * x, axis=1), mask=mask_m)
-
-
-@triton.jit
-def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, an_ptr, ag_ptr, ab_ptr, a_nb, a_eps,
-                       ws_ptr, cnt_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, on_ptr, K_SPLIT: tl.constexpr,
+def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                       PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM_A: tl.constexpr,
-                       A_NB: tl.constexpr, A_BETA: tl.constexpr, A_RMS: tl.constexpr, ADD: tl.constexpr,
-                       SPLIT: tl.constexpr, R_NORM: tl.constexpr, R_NB: tl.constexpr, R_BETA: tl.constexpr,
-                       R_RMS: tl.constexpr, USE_GDC: tl.constexpr):
+                       PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr):
     """As `_linear_kernel`, with x and w read by the tensor-memory accelerator (TMA descriptors made
     on the host), so the K loop is pipelined `STAGES` deep whatever the compiler proves of pointers."""
     pid_n = tl.program_id(0)
@@ -184,30 +96,22 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, an_ptr, 
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    if NORM_A:
-        mean, rstd = _row_stats(an_ptr, offs_m, M, a_nb, K_SPLIT * SPLIT, a_eps, A_NB, A_RMS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = acc
     for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=STAGES):
         a = x_desc.load([off_m, k0 + k])
-        if NORM_A:
-            a = _normalize(a, mean, rstd, ag_ptr, ab_ptr, k0 + k + tl.arange(0, BLOCK_K), A_BETA)
         acc = tl.dot(a, w_desc.load([off_n, k0 + k]).T, acc)
         if ACT >= 2:
             acc_up = tl.dot(a, w_desc.load([off_n + N, k0 + k]).T, acc_up)
-    if ADD:
-        _add_epilogue(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, rn_ptr, rg_ptr, rb_ptr, r_nb, r_eps, out_ptr, on_ptr,
-                      offs_m, offs_n, pid_n, pid_m, pid_k, M, N, SPLIT, HAS_BIAS, R_NORM, R_NB, R_BETA, R_RMS)
-    else:
-        _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL, HAS_BIAS, ACT)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL, HAS_BIAS, ACT)
 
 
 @triton.jit
 def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr, RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
+                     RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
@@ -221,8 +125,7 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
         acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if PRE:  # pre-norm: the residual stream goes on (rounded as stored), its norm feeds the next block
         acc = acc.to(sum_ptr.dtype.element_ty).to(tl.float32)
@@ -313,108 +216,37 @@ def split_for(m: int, n: int, k: int) -> int:
     return split
 
 
-class Normed(NamedTuple):
-    """LayerNorm(x) not yet applied (`linear_add`'s result): the kernels that read it normalise x's
-    rows as they load them (`linear`, or `linear_add`'s residual), so no kernel of its own runs;
-    `apply` makes it a tensor. Its rows' statistics come from the kernel that wrote x."""
-
-    x: torch.Tensor  # [M, N] the residual sum, as stored (rounded to the model's dtype)
-    parts: torch.Tensor  # [blocks, M, 2] float32: each row's sum and sum of squares over each column block of x
-    weight: torch.Tensor  # the norm's
-    bias: torch.Tensor | None
-    eps: float
-    rms: bool = False  # RMSNorm (Qwen3), else LayerNorm
-
-    def apply(self) -> torch.Tensor:
-        """The norm of x as a tensor (the add + norm kernel on x alone)."""
-        return add_norm(self.x.unsqueeze(0), None, None, self.weight, self.bias, self.eps, self.rms, pre=False)
-
-
-def _norm_args(n: Normed | None, dummy: torch.Tensor) -> tuple:
-    """A deferred norm's kernel arguments (parts, weight, bias, blocks, eps) and constexprs."""
-    if n is None:
-        return (dummy, dummy, dummy, 1, 0.0), dict(NB=1, BETA=False, RMS=False)
-    blocks = n.parts.shape[0]
-    return ((n.parts, n.weight, n.bias if n.bias is not None else n.weight, blocks, n.eps),
-            dict(NB=triton.next_power_of_2(blocks), BETA=n.bias is not None, RMS=n.rms))
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """`linear_add`'s per-tile arrival counters on `device`: zero between launches (each tile's last
-    program resets its own), so one array serves every launch in turn."""
-    return torch.zeros(4096, dtype=torch.int32, device=device)
-
-
-def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | None, tma: bool,
-         a_norm: Normed | None = None, add: tuple | None = None):
+def _run(x, w, b, out, n: int, split: int, act, partial: bool, config: Config | None, tma: bool):
     M, K = x.shape
     bm, bn, bk, warps, stages = config or tiles(M, n, K, split)
     if K % (split * bk):
         raise ValueError(f"K {K} does not split {split} ways in blocks of {bk}")
     grid = (triton.cdiv(n, bn), triton.cdiv(M, bm), split)
-    an, akw = _norm_args(a_norm, w)
-    if add is None:
-        add_args, rkw = (w, w, w) + _norm_args(None, w)[0] + (w,), _norm_args(None, w)[1]
-    else:  # (workspace, residual, its deferred norm or None, parts out)
-        ws, residual, r_norm, parts = add
-        if grid[0] * grid[1] > _counters(x.device).numel():
-            raise ValueError(f"{grid[0] * grid[1]} output tiles, more than the counters")
-        rn, rkw = _norm_args(r_norm, w)
-        add_args = (ws, _counters(x.device), residual) + rn + (parts,)
     kw = dict(K_SPLIT=K // split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PARTIAL=partial, HAS_BIAS=b is not None,
-              ACT=ACTS[act], NORM_A=a_norm is not None, A_NB=akw["NB"], A_BETA=akw["BETA"], A_RMS=akw["RMS"],
-              ADD=add is not None, SPLIT=split, R_NORM=add is not None and add[2] is not None, R_NB=rkw["NB"],
-              R_BETA=rkw["BETA"], R_RMS=rkw["RMS"], num_warps=warps)
+              ACT=ACTS[act], num_warps=warps)
     bias = b if b is not None else w
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xd = TensorDescriptor.from_tensor(x, [bm, bk])
         wd = TensorDescriptor.from_tensor(w, [bn, bk])
-        launch(_linear_tma_kernel, grid, xd, wd, bias, out, M, n, out.stride(-2), *an, *add_args, STAGES=stages,
-               **kw)
+        launch(_linear_tma_kernel, grid, xd, wd, bias, out, M, n, out.stride(-2), STAGES=stages, **kw)
     else:
         launch(_linear_kernel, grid, x, w, bias, out, M, n, x.stride(0), w.stride(0), out.stride(-2),
-               n * w.stride(0), *an, *add_args, num_stages=stages, **kw)
+                n * w.stride(0), num_stages=stages, **kw)
     return out
 
 
-def linear(x: torch.Tensor | Normed, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
            config: Config | None = None, tma: bool = False) -> torch.Tensor:
-    """act(x @ w.T + b) for x [M, K] (rows contiguous; a `Normed`: its norm applied as the rows are
-    read), w [N, K] (or [2N, K] for swiglu / geglu, no bias) -> [M, N].
+    """act(x @ w.T + b) for x [M, K] (rows contiguous), w [N, K] (or [2N, K] for swiglu / geglu, no
+    bias) -> [M, N].
     Without `config`, the measured plan for this shape (`plan`)."""
-    a_norm = x if isinstance(x, Normed) else None
-    x = x.x if a_norm is not None else x
     n = w.shape[0] // 2 if act in GATED else w.shape[0]
     if config is None:
         config, _, tma = plan(x.shape[0], n, x.shape[1])
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return _run(x, w, b, out, n, 1, act, False, config, tma, a_norm)
-
-
-def linear_add(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | Normed,
-               norm: torch.nn.Module, split: int | None = None, config: Config | None = None,
-               tma: bool = False, rms: bool = False) -> Normed:
-    """LayerNorm(x @ w.T + b + residual), deferred: the sum is stored and its rows' statistics
-    gathered by the same kernel (split over K, each tile finished by its last program), and the
-    norm is applied by whichever kernel reads the result (`Normed`). A `Normed` residual is
-    normalised as it is read. `norm`: a LayerNorm, or an RMSNorm with `rms` (pre-norm blocks, Qwen3:
-    the result's `x` is the residual stream); without `config`, the measured plan."""
-    M, K = x.shape
-    N = w.shape[0]
-    if config is None and split is None:
-        config, split, tma = plan(M, N, K)
-    split = split or 1
-    bn = (config or tiles(M, N, K, split))[1]
-    r_norm = residual if isinstance(residual, Normed) else None
-    res = r_norm.x if r_norm is not None else residual
-    out = torch.empty_like(res)
-    parts = torch.empty((triton.cdiv(N, bn), M, 2), dtype=torch.float32, device=x.device)
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else parts
-    _run(x, w, b, out, N, split, None, False, config, tma, None, (ws, res, r_norm, parts))
-    return Normed(out, parts, norm.weight, getattr(norm, "bias", None), norm.eps, rms)
+    return _run(x, w, b, out, n, 1, act, False, config, tma)
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, config: Config | None = None,
@@ -428,7 +260,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, 
     return _run(x, w, None, out, w.shape[0], split, None, True, config, tma)
 
 
-def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor,
+def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
              norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None,
              pre: bool | None = None):
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
@@ -440,13 +272,12 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     residual's dtype."""
     split, M, N = partials.shape
     pre = rms if pre is None else pre
-    out = torch.empty_like(residual if residual is not None else partials[0])
-    total = torch.empty_like(out) if pre else out
+    out = torch.empty_like(residual)
+    total = torch.empty_like(residual) if pre else out
     rows, warps = config or _norm_override() or (1, 8)  # measured: 2.4 us against 3.3 with 4 warps (1024 wide)
-    launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight,
-           residual if residual is not None else weight, weight, norm_bias if norm_bias is not None else weight,
-           out, total, M, N, eps, SPLIT=split, BLOCK=triton.next_power_of_2(N), ROWS=rows,
-           HAS_BIAS=bias is not None, HAS_RES=residual is not None, RMS=rms, PRE=pre,
+    launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
+           weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
+           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, PRE=pre,
            HAS_BETA=norm_bias is not None, num_warps=warps)
     return (total, out) if pre else out
 

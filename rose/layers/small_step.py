@@ -30,8 +30,6 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
     rope: (positions [T], `Rotary.cos_sin` table) to rotate q and k by, or None."""
     from rose.kernels import gemm
 
-    if defer_norm():
-        return _deferred_block(x, meta, attn, heads, qkv, out, norm1, up, down, norm2, act, rope)
     T, h = x.shape
     d = h // heads
     ops = gemm.triton_ops(TRITON_OPS)
@@ -49,42 +47,6 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
     else:
         f = gemm.linear(x, up.weight, up.bias, act="gelu") if "up" in ops else linear_gelu(x, up.weight, up.bias)
     return gemm.add_norm(gemm.linear_partials(f, down.weight), down.bias, x, norm2.weight, norm2.bias, norm2.eps)
-
-
-def defer_norm() -> bool:
-    """ROSE_DEFER_NORM=1: each block's two LayerNorms deferred into the GEMMs around them
-    (`_deferred_block`), a knob for measurements."""
-    import os
-
-    return os.environ.get("ROSE_DEFER_NORM") == "1"
-
-
-def _deferred_block(x, meta, attn, heads, qkv, out, norm1, up, down, norm2, act, rope):
-    """`post_norm_block` without add + norm kernels: the output and down projections store the
-    residual sum and its rows' statistics (`gemm.linear_add`), and the q/k/v and up projections
-    (and the next residual add) normalise the rows as they read them. x: a tensor or the previous
-    block's `gemm.Normed`; returns a `Normed` (`finish` makes the last one a tensor)."""
-    from rose.kernels import gemm
-
-    T, h = (x.x if isinstance(x, gemm.Normed) else x).shape
-    d = h // heads
-    y = gemm.linear(x, qkv.weight, qkv.bias)
-    if rope is None:
-        q, k, v = y.view(T, 3, heads, d).unbind(1)
-    else:
-        from rose.kernels.rope import rope as rotate
-
-        q, k, v = rotate(y, *rope, heads, d)
-    x1 = gemm.linear_add(attn(q, k, v, meta).reshape(T, h), out.weight, out.bias, x, norm1)
-    f = gemm.linear(x1, up.weight, None, "swiglu") if act == "swiglu" else gemm.linear(x1, up.weight, up.bias, "gelu")
-    return gemm.linear_add(f, down.weight, down.bias, x1, norm2)
-
-
-def finish(x):
-    """The last block's output as a tensor (a deferred norm applied)."""
-    from rose.kernels import gemm
-
-    return x.apply() if isinstance(x, gemm.Normed) else x
 
 
 class SmallStepKernels:

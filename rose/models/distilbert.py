@@ -17,7 +17,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import SmallStepKernels, finish, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 
@@ -127,5 +127,4 @@ class DistilBertModel(SmallStepKernels, Family):
         x = self.embeddings(input_ids, positions)
         for layer in self.transformer.layer:
             x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
-        x = finish(x) if small else x
         return x

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
-from rose.layers.small_step import SmallStepKernels, finish, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
 
@@ -150,5 +150,4 @@ class MPNetModel(SmallStepKernels, Family):
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         for layer in self.encoder.layer:
             x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
-        x = finish(x) if small else x
         return x

@@ -22,7 +22,7 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.rotary import Rotary, apply_rotary, rope_theta
-from rose.layers.small_step import SmallStepKernels, finish, post_norm_block
+from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family
 
 _GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
@@ -148,7 +148,7 @@ class NomicBertModel(SmallStepKernels, Family):
         if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
             for layer in self.encoder.layers:
                 x = layer.small_step(x, positions, self.rotary.cos_sin, meta, attn)
-            return finish(x)
+            return x
         cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer in self.encoder.layers:
             x = layer(x, cos_sin, meta, attn)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
-from rose.layers.small_step import defer_norm, finish
 from rose.models.llama import LlamaDecoderLayer, LlamaModel
 
 
@@ -37,14 +36,6 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
         sa, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
         T = x.shape[0]
-        if defer_norm():  # the RMSNorms applied by the GEMMs that read them (`gemm.linear_add`)
-            q, k, v = qk_norm_rope(gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias), positions, table,
-                                   sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.h, sa.hk, sa.d)
-            h = gemm.linear_add(attn(q, k, v, meta).reshape(T, -1), sa.o_proj.weight, sa.o_proj.bias, x, post,
-                                rms=True)
-            m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
-            h = gemm.linear_add(m, mlp.down_proj.weight, None, h.x, next_norm, rms=True)
-            return h.x, h
         ops = gemm.triton_ops(self.TRITON_OPS)
         qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in ops else sa.qkv_proj(h)
         q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
@@ -93,4 +84,4 @@ class Qwen3Model(LlamaModel):
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt)
-        return finish(h)
+        return h
