@@ -68,18 +68,22 @@ def test_graph_replay_equals_eager(preset, lens):
         assert ours >= theirs - 0.002, (cos, ours, theirs)
 
 
-@pytest.mark.parametrize("window, causal", [(257, False), (4096, True), (64, True), (64, False)])
-def test_windowed_attention_matches_sdpa_band_mask(window, causal):
-    """The windowed backend an engine falls back to (varlen with torch's `window_size`, else sdpa) on
-    one attention call against SDPA's band mask: the rule itself, free of a model's bf16 drift."""
+@pytest.mark.parametrize("window, causal, shape", [(257, False, (8, 2, 64)), (4096, True, (8, 2, 64)),
+                                                   (64, True, (8, 2, 64)), (64, False, (8, 2, 64)),
+                                                   (257, False, (3, 1, 256)), (64, True, (3, 1, 256))])
+def test_windowed_attention_matches_sdpa_band_mask(window, causal, shape):
+    """The windowed backend (ROSE's Triton kernel, its window argument) on one attention call against
+    SDPA's band mask: the rule itself, free of a model's bf16 drift; EmbeddingGemma's heads (3 q, 1
+    kv, 256 wide: fewer keys per iteration) too."""
     from rose.layers.attention import AttentionMetadata, SdpaBackend, select_backend, with_window_support
 
+    heads, kv, d = shape
     dev, lens = torch.device("cuda"), (window + 343, 37, 1)
-    make = lambda n: select_backend(n, dev, torch.bfloat16, (8, 2, 64), causal)  # noqa: E731
-    backend = with_window_support(select_backend("triton", dev, torch.bfloat16, (8, 2, 64), causal), make)
+    make = lambda n: select_backend(n, dev, torch.bfloat16, shape, causal)  # noqa: E731
+    backend = with_window_support(select_backend("triton", dev, torch.bfloat16, shape, causal), make)
     T = sum(lens)
     g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(T, h, 64, device=dev, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    q, k, v = (torch.randn(T, h, d, device=dev, dtype=torch.bfloat16, generator=g) for h in (heads, kv, kv))
     cu = torch.tensor(np.cumsum((0, *lens)), dtype=torch.int32, device=dev)
     meta = AttentionMetadata(cu, max(lens), lens, causal).with_window(window)
     backend.prepare(None, cu.cpu().numpy(), T)
