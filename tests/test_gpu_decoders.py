@@ -93,21 +93,24 @@ def test_windowed_attention_matches_sdpa_band_mask(window, causal, shape):
 
 def test_windowed_layers_match_sdpa_band_mask(preset):
     """The whole model with the windows binding: the engine's backend and SDPA's band mask, both in
-    bf16, are each as close to a float32 SDPA run as the other (random weights amplify bf16 rounding
-    over the layers: measured on an H200, the two bf16 runs agreed only to cosine 0.988-0.9986)."""
+    bf16, are on average as close to a float32 SDPA run as each other, over four batches (random
+    weights amplify bf16 rounding over the layers: measured on an H200, the two bf16 runs agreed only
+    to cosine 0.988-0.9986, and EmbeddingGemma's equally valid bf16 paths, SDPA, ROSE's Triton kernel and
+    torch's varlen, were each 0.950-0.975 from float32, batch by batch either one ahead by up to 0.005,
+    means 0.9630 / 0.9626 / 0.9621: `benchmarks/results/families/README.md`)."""
     name, eager, _ = preset
     window, long = PRESETS[name]
     if not window:
         pytest.skip(f"{name} has no sliding-window layers")
     assert eager.attention.windowed  # its own window argument, or the fallback (named in Info)
-    batch = Batch.from_sequences(seqs_of((long, 37)))
+    batches = [Batch.from_sequences(seqs_of((long, 37), seed)) for seed in range(4)]
     runs = {}
     for label, kw in (("truth", {"attention": "sdpa", "dtype": "float32"}), ("sdpa", {"attention": "sdpa"})):
         ref = Engine(EngineConfig(model=name, device="cuda", graphs="off", **{"dtype": "bfloat16", **kw}))
-        runs[label] = ref.step(batch).synchronize().clone()
+        runs[label] = [ref.step(b).synchronize().clone() for b in batches]
         del ref
         torch.cuda.empty_cache()
-    got = eager.step(batch).synchronize()
-    ours = F.cosine_similarity(got, runs["truth"]).min().item()
-    sdpa = F.cosine_similarity(runs["sdpa"], runs["truth"]).min().item()
-    assert ours >= sdpa - 0.002, (ours, sdpa)
+    runs["ours"] = [eager.step(b).synchronize().clone() for b in batches]
+    cos = {label: float(np.mean([F.cosine_similarity(got, truth).min().item()
+                                 for got, truth in zip(runs[label], runs["truth"])])) for label in ("ours", "sdpa")}
+    assert cos["ours"] >= cos["sdpa"] - 0.002, cos
