@@ -177,6 +177,10 @@ def _rev(root: Path) -> str:
         from benchmarks.common import git_rev
 
         return git_rev()
+    if (root / "REVISION").exists():  # an exported tree (no .git of its own): the revision it was taken from
+        return (root / "REVISION").read_text().strip()
+    if not (root / ".git").exists():  # else git would answer for the repository around it
+        return "unknown"
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
     except Exception:
@@ -284,7 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="length of each saturation cell")
     ap.add_argument("--server", default="", help="Ivy's --server (the ASGI server); empty: Ivy's default")
     ap.add_argument("--ivy-args", default="", help="extra `python -m ivy` flags")
-    ap.add_argument("--ivy-root", type=Path, default=ROOT, help="the checkout Ivy runs from (A/B against another revision)")
+    ap.add_argument("--ivy-root", type=Path, default=ROOT, help="the checkout Ivy runs from (A/B against another revision; an exported tree names its revision in a REVISION file)")
     ap.add_argument("--label", default="", help="a name for this configuration in the rows")
     ap.add_argument("--stages", action="store_true", help="record Ivy's per-stage stamps (IVY_STAGES) and emit them")
     ap.add_argument("--out", type=Path, default=None)
