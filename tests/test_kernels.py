@@ -30,7 +30,7 @@ def rand(*shape, scale=1.0):
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 192, 256), (70, 96, 128), (64, 64, 384)])
-@pytest.mark.parametrize("act", [None, "gelu", "swiglu", "geglu"])
+@pytest.mark.parametrize("act", [None, "gelu", "swiglu", "geglu", "geglu_tanh"])
 def test_linear_matches_reference(m, n, k, act):
     torch.manual_seed(m + n + k)
     x, b = rand(m, k), rand(n)
@@ -56,6 +56,20 @@ def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms, pre, be
     want = gemm.add_norm_reference(x.float() @ w.float().T, bias, res, g, beta, 1e-6, rms=rms, pre=pre)
     for a, b in zip(got if pre else (got,), want if pre else (want,)):
         assert a.dtype == DT and rel(a, b) < TOL
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_add_norm_applies_the_projections_own_norm_first(split):
+    """Gemma3's sandwich: RMSNorm of the projection (`post`), the residual add, the next RMSNorm."""
+    torch.manual_seed(split)
+    m, n, k = 70, 96, 256
+    x, w, res = rand(m, k), rand(n, k, scale=k ** -0.5), rand(m, n)
+    gp, g = rand(n).abs() + 0.5, rand(n).abs() + 0.5
+    got = gemm.add_norm(gemm.linear_partials(x, w, split), None, res, g, None, 1e-6, rms=True, post=gp)
+    want = gemm.add_norm_reference(x.float() @ w.float().T, None, res, g, None, 1e-6, rms=True, post=gp)
+    plain = gemm.add_norm_reference(x.float() @ w.float().T, None, res, g, None, 1e-6, rms=True)
+    for a, b, c in zip(got, want, plain):
+        assert rel(a, b) < TOL and rel(a, c) > 0.05  # the post norm is applied
 
 
 def test_plan_takes_the_measured_entry_then_the_heuristic():
@@ -325,4 +339,33 @@ def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
         assert model.use_kernels(1024) == Qwen3Model.MAX_KERNEL_TOKENS == 256
         got = model(ids, pos, meta, Interpreted())[:40]
+    assert rel(got, want) < TOL
+
+
+def test_gemma3_small_step_equals_torch_path():
+    """EmbeddingGemma's block in ROSE's kernels: (1 + w) RMSNorms, the post-attention and
+    post-feedforward norms fused with the residual add and the next norm, q/k norm + rotary per layer
+    type (their own bases), GeGLU (tanh) in the gate/up epilogue, windowed and full layers."""
+    import transformers
+
+    from rose.models.gemma3 import Gemma3TextModel
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                        max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=24,
+                                        use_bidirectional_attention=True,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(2)
+    model = Gemma3TextModel(cfg.to_dict()).to(DEV, DT).eval()
+    for name, p in model.named_parameters():  # (1 + w) norms away from 1, so a wrong weight shows
+        if p.dim() == 1:
+            p.data.uniform_(-0.5, 0.5)
+    model.materialize(DEV)
+    ids, pos, meta = ragged_batch(causal=False)
+    with torch.inference_mode():
+        want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        assert model.use_kernels(1024) == Gemma3TextModel.MAX_KERNEL_TOKENS
+        got = model(ids, pos, meta, Interpreted())[:40]
+        model.windows = (0,) * 3  # the windows bind: without them the output moves
+        assert rel(got, model(ids, pos, meta, Interpreted())[:40]) > 0.03
     assert rel(got, want) < TOL

@@ -10,7 +10,8 @@ launches with programmatic dependent launch where the GPU has it (`rose.kernels.
 Two kernels:
 - `linear(x, w, b, act)`: one bf16/fp16 output, bias and activation in the epilogue
   ("gelu": the tanh form, as `linear_gelu`; "swiglu": `w` holds [gate; up] rows and the output is
-  silu(gate) * up, half as wide; "geglu": the same with the exact (erf) GELU, ModernBERT's);
+  silu(gate) * up, half as wide; "geglu": the same with the exact (erf) GELU, ModernBERT's;
+  "geglu_tanh": with the tanh GELU, Gemma3's);
 - `linear_partials(x, w, split)` + `add_norm(...)`: float32 partials [split, M, N], then bias +
   residual + LayerNorm (post-norm, BERT) or residual sum + its norm (pre-norm: RMSNorm for Qwen3,
   LayerNorm for ModernBERT; both the sum and its norm come out).
@@ -29,8 +30,8 @@ import triton.language as tl
 
 from rose.kernels import launch
 
-ACTS = {None: 0, "gelu": 1, "swiglu": 2, "geglu": 3}
-GATED = ("swiglu", "geglu")  # w holds [gate; up] rows: the output is half as wide
+ACTS = {None: 0, "gelu": 1, "swiglu": 2, "geglu": 3, "geglu_tanh": 4}
+GATED = ("swiglu", "geglu", "geglu_tanh")  # w holds [gate; up] rows: the output is half as wide
 
 
 @triton.jit
@@ -78,6 +79,8 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_o
             acc = acc * tl.sigmoid(acc) * acc_up
         if ACT == 3:
             acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_up
+        if ACT == 4:  # GeGLU with the tanh GELU (Gemma3's gelu_pytorch_tanh)
+            acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_up
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -109,9 +112,9 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
 
 
 @triton.jit
-def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, N, eps,
+def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, gp_ptr, out_ptr, sum_ptr, M, N, eps,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
+                     POST: tl.constexpr, RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
@@ -125,6 +128,10 @@ def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, sum_ptr, M, 
         acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if POST:  # the projection's own RMSNorm before the residual add (Gemma3), in the model's dtype
+        gp = tl.load(gp_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = acc * tl.rsqrt(tl.sum(acc * acc, axis=1) / N + eps)[:, None] * gp
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if PRE:  # pre-norm: the residual stream goes on (rounded as stored), its norm feeds the next block
@@ -262,23 +269,25 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, 
 
 def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
              norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None,
-             pre: bool | None = None):
+             pre: bool | None = None, post: torch.Tensor | None = None):
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
     warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`).
 
     rms: RMSNorm, else LayerNorm (with `norm_bias` where given). pre (default: rms): pre-norm, as
     Qwen3 (RMSNorm) and ModernBERT (LayerNorm): returns (sum, norm(sum)), the sum rounded to
     residual's dtype first, as the unfused model rounds it; else post-norm, as BERT: norm(sum), in
-    residual's dtype."""
+    residual's dtype. post: the weight of an RMSNorm (same eps) applied to the projection before the
+    residual add, its output rounded to residual's dtype (Gemma3's post-attention / post-feedforward
+    norms, whose (1 + w) the caller passes)."""
     split, M, N = partials.shape
     pre = rms if pre is None else pre
     out = torch.empty_like(residual)
     total = torch.empty_like(residual) if pre else out
     rows, warps = config or _norm_override() or (1, 8)  # measured: 2.4 us against 3.3 with 4 warps (1024 wide)
     launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
-           weight, norm_bias if norm_bias is not None else weight, out, total, M, N, eps, SPLIT=split,
-           BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None, RMS=rms, PRE=pre,
-           HAS_BETA=norm_bias is not None, num_warps=warps)
+           weight, norm_bias if norm_bias is not None else weight, post if post is not None else weight, out,
+           total, M, N, eps, SPLIT=split, BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None,
+           POST=post is not None, RMS=rms, PRE=pre, HAS_BETA=norm_bias is not None, num_warps=warps)
     return (total, out) if pre else out
 
 
@@ -288,14 +297,19 @@ def linear_reference(x, w, b=None, act=None):
     y = x.float() @ w.float().T
     if act in GATED:
         gate, up = y.chunk(2, dim=-1)
-        return (F.silu(gate) if act == "swiglu" else F.gelu(gate)) * up
+        if act == "swiglu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh" if act == "geglu_tanh" else "none") * up
     if b is not None:
         y = y + b.float()
     return F.gelu(y, approximate="tanh") if act == "gelu" else y
 
 
-def add_norm_reference(y, bias, residual, weight, norm_bias, eps, rms=False, pre=None):
-    s = y.float() + (bias.float() if bias is not None else 0) + residual.float()
+def add_norm_reference(y, bias, residual, weight, norm_bias, eps, rms=False, pre=None, post=None):
+    y = y.float() + (bias.float() if bias is not None else 0)
+    if post is not None:
+        y = F.rms_norm(y, (y.shape[-1],), post.float(), eps).to(residual.dtype).float()
+    s = y + residual.float()
     pre = rms if pre is None else pre
     if pre:
         s = s.to(residual.dtype).float()

@@ -23,12 +23,17 @@ from rose.models.llama import LlamaAttention, LlamaModel
 
 
 class Gemma3RMSNorm(nn.Module):
-    """RMSNorm scaling by (1 + weight), in float32, then back to the input dtype."""
+    """RMSNorm scaling by (1 + weight), in float32, then back to the input dtype. `scale`: that
+    (1 + weight) in float32, for the small step's kernels (set by `materialize`, after loading)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale: torch.Tensor | None = None
+
+    def materialize(self) -> None:
+        self.scale = 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).to(x.dtype)
@@ -59,6 +64,34 @@ class Gemma3DecoderLayer(nn.Module):
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn.o_proj(a))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
+                   attn: AttentionBackend, next_norm: Gemma3RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block for small steps, in ROSE's kernels (as Qwen3's): x is the residual stream
+        and h its `input_layernorm`; returns the new stream and `next_norm` of it. Each projection's
+        own norm, the residual add and the next norm are one kernel (`gemm.add_norm`'s `post`),
+        q/k norm and rotary one kernel, the GeGLU (tanh) inside the gate/up GEMM's epilogue."""
+        from rose.kernels import gemm
+        from rose.kernels.rope import qk_norm_rope
+
+        sa, mlp = self.self_attn, self.mlp
+        T = x.shape[0]
+        qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in gemm.triton_ops(TRITON_OPS) \
+            else sa.qkv_proj(h)
+        q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.scale, sa.k_norm.scale, sa.q_norm.eps, sa.h, sa.hk,
+                               sa.d)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        a = attn(q, k, v, meta).reshape(T, -1)
+        pre, post = self.pre_feedforward_layernorm, self.post_attention_layernorm
+        x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, pre.scale, None, pre.eps,
+                             rms=True, post=post.scale)
+        m = gemm.linear(h, mlp.gate_up_proj.weight, None, "geglu_tanh")
+        return gemm.add_norm(gemm.linear_partials(m, mlp.down_proj.weight), None, x, next_norm.scale, None,
+                             next_norm.eps, rms=True, post=self.post_feedforward_layernorm.scale)
+
+
+TRITON_OPS = frozenset({"out", "up", "down"})  # as Qwen3's (`gemm.triton_ops`); q/k/v stays in cuBLAS
 
 
 def layer_types(config: dict) -> list[str]:
@@ -116,11 +149,34 @@ class Gemma3TextModel(LlamaModel):
     def materialize(self, device: torch.device) -> None:
         for r in self.rotary.values():
             r.materialize(device)
+        for m in self.modules():
+            if isinstance(m, Gemma3RMSNorm):
+                m.materialize()
+
+    @property
+    def ffn_fits(self) -> bool:
+        """The small step's GeGLU epilogue is the tanh GELU's, without biases."""
+        mlp = self.layers[0].mlp
+        return mlp.act_name in ("gelu_pytorch_tanh", "gelu_new") and mlp.gate_up_proj.bias is None
+
+    MAX_KERNEL_TOKENS = 512
+
+    def use_kernels(self, max_tokens: int) -> int:
+        """Run steps of up to `max_tokens` (at most MAX_KERNEL_TOKENS) tokens through
+        `Gemma3DecoderLayer.small_step`, where the FFN is one its epilogue has."""
+        self.kernel_tokens = min(max_tokens, self.MAX_KERNEL_TOKENS) if self.ffn_fits else 0
+        return self.kernel_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the compute dtype first, as transformers does (27.75 for 768 in bfloat16)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        if input_ids.shape[0] <= self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
+            h = self.layers[0].input_layernorm(x)
+            for i, (layer, t, w) in enumerate(zip(self.layers, self.types, self.windows)):
+                nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, h = layer.small_step(x, h, positions, self.rotary[t].cos_sin, meta.with_window(w), attn, nxt)
+            return h
         cos_sin = {t: r.lookup(positions, x.dtype) for t, r in self.rotary.items()}
         for layer, t, w in zip(self.layers, self.types, self.windows):
             x = layer(x, cos_sin[t], meta.with_window(w), attn)
