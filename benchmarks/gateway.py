@@ -277,6 +277,37 @@ def stage_rows(recs: list[dict]) -> list[dict]:
              "mean_us": round(float(np.mean([r.get(k, 0.0) for r in recs])), 1), "n": len(recs)} for k in names]
 
 
+STAGES = ("receive", "decode", "checks", "template", "tokenize", "balancer", "grpc", "encode", "send")
+
+
+def stage_chart(files: list[Path], out: Path) -> None:
+    """Ivy's stage p50s of several runs (their `ivy-stage` rows) as stacked bars, one panel per
+    encoding, a bar per file (its label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [[json.loads(line) for line in open(f)] for f in files]
+    encodings = sorted({r["encoding"] for rows in runs for r in rows if r["bench"] == "ivy-stage"}, reverse=True)
+    fig, axes = plt.subplots(1, len(encodings), figsize=(6 * len(encodings), 1.2 + 0.6 * len(files)), sharey=True,
+                             squeeze=False)
+    for ax, enc in zip(axes[0], encodings):
+        for i, rows in enumerate(runs):
+            st = {r["stage"]: r["p50_us"] for r in rows if r["bench"] == "ivy-stage" and r["encoding"] == enc}
+            left = 0.0
+            for j, s in enumerate(STAGES):
+                ax.barh(i, st.get(s, 0.0), left=left, color=plt.cm.tab10(j), label=s if i == 0 else None)
+                left += st.get(s, 0.0)
+            ax.text(left + 10, i, f"{left:.0f} us", va="center", fontsize=8)
+        ax.set_yticks(range(len(runs)), [rows[0].get("label") or f.stem for rows, f in zip(runs, files)])
+        ax.set_title(f"Ivy stage p50s, {runs[0][0]['tokens']}-token text, {enc}")
+        ax.set_xlabel("sum of stage p50s, us (stand-in Tulip)")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=len(STAGES), loc="lower center")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(out, dpi=110)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3", help="model directory or preset: Ivy reads its tokenizer and prompts")
@@ -296,7 +327,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stand-in-only", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--stand-in-uds", default="", help=argparse.SUPPRESS)
     ap.add_argument("--stand-in-vocab", type=int, default=250002, help=argparse.SUPPRESS)
+    ap.add_argument("--chart", type=Path, nargs="+", default=None, metavar="JSONL",
+                    help="only draw these runs' stage p50s (their --stages rows) into --out (a .png)")
     args = ap.parse_args(argv)
+    if args.chart:
+        stage_chart(args.chart, args.out or Path("ivy_stages.png"))
+        return 0
     if args.stand_in_only:
         serve_stand_in(args.stand_in_only, vocab_size=args.stand_in_vocab, uds=args.stand_in_uds)
         return 0

@@ -255,6 +255,10 @@ def test_gateway_benchmark_measures_ivy_alone(tmp_path):
     assert {"receive", "decode", "tokenize", "balancer", "grpc", "encode", "send", "total"} <= set(stages)
     assert all(s["n"] == 30 for k, s in stages.items() if not k.startswith("outside"))
     assert stages["total"]["p50_us"] > stages["tokenize"]["p50_us"] > 0
+    png = tmp_path / "stages.png"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gateway", "--chart", str(tmp_path / "gateway_stages.jsonl"),
+                        "--out", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
 
 
 def _exit_at_once(queue):
