@@ -277,9 +277,6 @@ def stage_rows(recs: list[dict]) -> list[dict]:
              "mean_us": round(float(np.mean([r.get(k, 0.0) for r in recs])), 1), "n": len(recs)} for k in names]
 
 
-STAGES = ("receive", "decode", "checks", "template", "tokenize", "balancer", "grpc", "encode", "send")
-
-
 def stage_chart(files: list[Path], out: Path) -> None:
     """Ivy's stage p50s of several runs (their `ivy-stage` rows) as stacked bars, one panel per
     encoding, a bar per file (its label)."""
@@ -290,20 +287,23 @@ def stage_chart(files: list[Path], out: Path) -> None:
 
     runs = [[json.loads(line) for line in open(f)] for f in files]
     encodings = sorted({r["encoding"] for rows in runs for r in rows if r["bench"] == "ivy-stage"}, reverse=True)
+    # Ivy's stages in the order its records name them (`stage_rows`), less the total and what lies outside
+    stages = list(dict.fromkeys(r["stage"] for rows in runs for r in rows if r["bench"] == "ivy-stage"
+                                and r["stage"] != "total" and not r["stage"].startswith("outside")))
     fig, axes = plt.subplots(1, len(encodings), figsize=(6 * len(encodings), 1.2 + 0.6 * len(files)), sharey=True,
                              squeeze=False)
     for ax, enc in zip(axes[0], encodings):
         for i, rows in enumerate(runs):
             st = {r["stage"]: r["p50_us"] for r in rows if r["bench"] == "ivy-stage" and r["encoding"] == enc}
             left = 0.0
-            for j, s in enumerate(STAGES):
+            for j, s in enumerate(stages):
                 ax.barh(i, st.get(s, 0.0), left=left, color=plt.cm.tab10(j), label=s if i == 0 else None)
                 left += st.get(s, 0.0)
             ax.text(left + 10, i, f"{left:.0f} us", va="center", fontsize=8)
         ax.set_yticks(range(len(runs)), [rows[0].get("label") or f.stem for rows, f in zip(runs, files)])
         ax.set_title(f"Ivy stage p50s, {runs[0][0]['tokens']}-token text, {enc}")
         ax.set_xlabel("sum of stage p50s, us (stand-in Tulip)")
-    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=len(STAGES), loc="lower center")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, ncol=len(stages), loc="lower center")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(out, dpi=110)
 
