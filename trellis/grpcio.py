@@ -14,7 +14,9 @@ null step: stream p50 1.739 -> 1.534 ms (tulip.client), 1.693 -> 1.426 (the prot
 
 Where: `python -m tulip` (`tulip.__main__`), before anything imports grpc. Not Ivy: on the 2-core
 machine one Ivy worker at 16 clients served 783 req/s with it against 1,090 without (7 runs each),
-not measured on the GPU host; the setting is per process, so Ivy keeps grpc's default.
+and on an H200 host (4 workers, real Tulip, two rounds: `results/request_path/ivy_h200/README.md`)
+it gained nothing at 1 client (2.59 / 2.69 ms p50 against 2.46 / 2.77) nor at 16; the setting is per
+process, so Ivy keeps grpc's default.
 `use_inline_io()` does nothing where grpc is already imported, and never overrides a
 `GRPC_EXPERIMENTS` already set: `GRPC_EXPERIMENTS=` (empty) keeps grpc's own default.
 """
