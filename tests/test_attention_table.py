@@ -5,10 +5,10 @@ import json
 import numpy as np
 import torch
 
-from rose.graphs import GraphKey
+from rose.graphs import GraphConfig, GraphKey
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
-from rose.layers.attention import AttentionBackend, SdpaBackend
+from rose.layers.attention import AttentionBackend, SdpaBackend, shape_class
 from rose.layers.attention_table import TableBackend, load_table, table_file
 from tests.checkpoints import save_checkpoint
 
@@ -41,6 +41,26 @@ def test_nearest_cell_and_graph_keys():
     t.prepare(None, np.array([0, 4000], dtype=np.int32), 4000)  # an eager step: decided by the batch
     assert b.prepared == [None]
     assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable
+
+
+def test_an_eager_step_takes_its_graph_keys_backend():
+    """The choice reads the shape's class, so a batch run eagerly (graphs off, or too big for a
+    bucket) takes the backend its graph key would: e5-mistral at 4 x 600 tokens had taken the
+    512-token cell's kernel eagerly and the 1,024-token cell's in its graph (cosine 0.9983)."""
+    cells = [{"seqs": 4, "max_len": 512, "winner": "a"}, {"seqs": 1, "max_len": 1024, "winner": "b"},
+             {"seqs": 1, "max_len": 128, "winner": "a"}, {"seqs": 16, "max_len": 128, "winner": "b"}]
+    gcfg = GraphConfig()
+    for lens in [(600,) * 4, (600,), (700,), (520, 3), (300,) * 8, (100,) * 9, (129,), (64,) * 3, (1,)]:
+        a, b = Named("a"), Named("b")
+        t = TableBackend(cells, {"a": a, "b": b}, Named("fallback"))
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        n = int(cu[-1])
+        key = GraphKey(gcfg.seq_bucket(len(lens)), gcfg.token_bucket(n), gcfg.len_bucket(max(lens), gcfg.token_bucket(n)))
+        t.prepare(key, cu, key.tokens)
+        t.prepare(None, cu, n)
+        graph, eager = [x for x in (a, b) if key in x.prepared], [x for x in (a, b) if None in x.prepared]
+        assert graph == eager and len(graph) == 1, (lens, key, graph, eager)
+    assert t.pick(*shape_class(4, 600)) is b  # 4 x 600 is in the 1,024-token class (it was the 512 cell's)
 
 
 def test_load_table_checks_heads_and_drops_unavailable(tmp_path):

@@ -49,23 +49,9 @@ def test_graph_replay_equals_eager(preset, lens):
         pytest.skip(f"no CUDA graphs for {name} with attention {graphs.attention.name}")
     batch = Batch.from_sequences(seqs_of(lens))
     want = eager.step(batch).synchronize().clone()
-    truth = None
-    for _ in range(3):  # eager hit, capture, replay
+    for _ in range(3):  # eager hit, capture, replay: each the eager step's backends (their shape class)
         got = graphs.step(batch).synchronize().clone()
-        cos = F.cosine_similarity(got, want).min().item()
-        if cos >= 0.999:
-            continue
-        # Below it (e5-mistral's 32 layers of hidden 4096 at 4 x 600 tokens: 0.9985 on an H200, random
-        # weights amplifying bf16 rounding of differently shaped GEMMs): the replay must then be as close
-        # to a float32 eager run as the bf16 eager run is.
-        if truth is None:
-            ref = Engine(EngineConfig(model=name, device="cuda", dtype="float32", graphs="off", attention="sdpa"))
-            truth = ref.step(batch).synchronize().clone()
-            del ref
-            torch.cuda.empty_cache()
-        ours = F.cosine_similarity(got, truth).min().item()
-        theirs = F.cosine_similarity(want, truth).min().item()
-        assert ours >= theirs - 0.002, (cos, ours, theirs)
+        assert F.cosine_similarity(got, want).min().item() >= 0.999
 
 
 @pytest.mark.parametrize("window, causal, shape", [(257, False, (8, 2, 64)), (4096, True, (8, 2, 64)),

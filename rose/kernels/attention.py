@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from rose.kernels import launch
+from rose.layers.attention import shape_class
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def _tile_override() -> Tile | None:
 
 def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     """The launch tile for `seqs` sequences of up to `max_seqlen` tokens and `heads` query heads (its
-    grid: query blocks of 64 x sequences x heads), measured by
+    grid: query blocks of 64 x sequences x heads, of the shape's class: `shape_class`), measured by
     `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
     while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
     sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
@@ -120,8 +121,9 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     EmbeddingGemma's, which failed to launch with 128 keys)."""
     if override := _tile_override():
         return override
-    block_n = 128 if triton.cdiv(max(max_seqlen, 1), 64) * seqs * heads <= 2 * 132 else 64
-    block_m = 32 if head_dim > 64 and max_seqlen <= 256 else 64
+    seqs, length = shape_class(seqs, max_seqlen)  # as the table's choice: the same eagerly as in a graph
+    block_n = 128 if length // 64 * seqs * heads <= 2 * 132 else 64
+    block_m = 32 if head_dim > 64 and length <= 256 else 64
     while block_n > 16 and smem_bytes(block_m, block_n, head_dim) > SMEM_BUDGET:  # EmbeddingGemma's 256 wide heads
         block_n //= 2
     return block_m, block_n, 4

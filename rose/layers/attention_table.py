@@ -1,8 +1,10 @@
 """Choosing the attention backend per batch shape from a table the kernel sweep wrote
 (`python -m benchmarks.kernels`): for each (sequences, max length) cell, the fastest backend.
 
-The choice is made on the host in `prepare()`, before a step runs or a graph is captured; for a
-graph key it depends only on the key, so a captured graph always replays the backend it captured.
+The choice is made on the host in `prepare()`, before a step runs or a graph is captured, from the
+step's shape class (`rose.layers.attention.shape_class`): for a graph key it depends only on the
+key, so a captured graph always replays the backend it captured, and an eager step of the same
+batch takes the same backend.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rose.layers.attention import AttentionBackend
+from rose.layers.attention import AttentionBackend, shape_class
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class TableBackend(AttentionBackend):
         self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
         self.windowed = fallback.windowed and all(backends[c["winner"]].windowed for c in self.cells)
         self._current = fallback
-        self._picks: dict[tuple[int, int], AttentionBackend] = {}  # (seqs, max_len) -> winner: steps pay a lookup
+        self._picks: dict[tuple[int, int], AttentionBackend] = {}  # shape class -> winner: steps pay a lookup
 
     def pick(self, seqs: int, max_len: int) -> AttentionBackend:
         """The winner of the nearest cell (max length first, then sequence count, in log scale)."""
@@ -45,12 +47,12 @@ class TableBackend(AttentionBackend):
 
     def prepare(self, key, cu_host, num_tokens):
         if key is not None:
-            seqs, max_len = key.seqs, key.max_len
+            shape = shape_class(key.seqs, key.max_len)
         else:
-            seqs, max_len = len(cu_host) - 1, int(np.diff(cu_host).max())
-        b = self._picks.get((seqs, max_len))
+            shape = shape_class(len(cu_host) - 1, int(np.diff(cu_host).max()))
+        b = self._picks.get(shape)
         if b is None:
-            b = self._picks[seqs, max_len] = self.pick(seqs, max_len)
+            b = self._picks[shape] = self.pick(*shape)
         self._current = b
         b.prepare(key, cu_host, num_tokens)
 
