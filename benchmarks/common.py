@@ -45,6 +45,9 @@ def environment() -> dict:
         "git": git_rev(),
         "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS"),  # e.g. benchmarks.tailab's after+io: gRPC's I/O path
     }
+    # the Tulip / Ivy settings a benchmark's servers inherit (TULIP_COMPILE=true is `--compile`)
+    if served := " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("TULIP_", "IVY_"))):
+        env["server_env"] = served
     from importlib import metadata
 
     for key, dist in (("flashinfer", "flashinfer-python"), ("flash_attn_4", "flash-attn-4")):

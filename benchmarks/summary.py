@@ -43,7 +43,9 @@ def _config(r: dict) -> str:
                                   else "table" if "--attention-table" in words else "auto")
     stream = ", stream" if r.get("transport") == "grpc-stream" else ""
     spin = f", client spins {r['client_spin_ms']:g} ms" if r.get("client_spin_ms") else ""
-    return attn + (" + compile" if "--compile" in words else "") + stream + spin
+    served = dict(w.split("=", 1) for w in r.get("server_env", "").split() if "=" in w)  # the servers' TULIP_* settings
+    compiled = "--compile" in words or served.get("TULIP_COMPILE", "").lower() in ("1", "true", "yes", "on")
+    return attn + (" + compile" if compiled else "") + stream + spin
 
 
 NONE = {"tulip-rust": float("nan"), "vllm-0.22": float("nan")}

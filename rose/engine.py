@@ -162,12 +162,13 @@ class Engine:
                 log.info("engine: CUDA graphs off: attention %s cannot be captured; every step runs eagerly",
                          self.attention.name)
         log.info(
-            "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s",
-            self.spec.path, self.spec.model_type,
+            "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s, "
+            "compiled=%s, graphs=%s", self.spec.path, self.spec.model_type,
             f", cross-encoder: {self.num_labels} labels, {self.activation}" if self.num_labels else "",
             self.device, self.dtype, self.attention.name, self.spec.pooling,
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
-            f"<= {self.kernels} tokens" if self.kernels else "off",
+            f"<= {self.kernels} tokens" if self.kernels else "off", cfg.compile,
+            cfg.graphs if self.runner is not None else "off",
         )
 
     def _select_attention(self, family) -> AttentionBackend:

@@ -297,3 +297,19 @@ def test_clientab_pairs_two_trees_and_the_proto_client(tmp_path):
     assert all(r["n"] == 30 and r["p50_ms"] > 0 and r["main_thread_cpu_us"] > 0 for r in timed)
     summary = [r for r in rows if r["bench"] == "clientab-summary"]
     assert len(summary) == 6 and all(r["median_p50_ms"] == r["p50s_ms"][0] for r in summary)
+
+
+def test_rows_say_how_their_servers_were_configured(monkeypatch):
+    """A benchmark row carries the TULIP_* / IVY_* settings its servers inherited, and the summary's
+    config column reads TULIP_COMPILE as `--compile` (a run configured by environment is not shown
+    as uncompiled)."""
+    from benchmarks import common, summary
+
+    monkeypatch.setenv("TULIP_COMPILE", "true")
+    monkeypatch.setenv("TULIP_WARMUP", "1x128")
+    env = common.environment()
+    assert env["server_env"] == "TULIP_COMPILE=true TULIP_WARMUP=1x128"
+    row = {"backend": "trellis-tulip", "attention": "triton", "transport": "grpc-stream", **env}
+    assert summary._config(row) == "triton + compile, stream"
+    assert summary._config({**row, "server_env": "TULIP_COMPILE=false"}) == "triton, stream"
+    assert summary._config({"backend": "trellis-tulip --compile", "attention": "varlen"}) == "varlen + compile"
