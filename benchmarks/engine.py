@@ -48,7 +48,7 @@ def time_online(engine: Engine, L: int, iters: int, seqs: int = 1) -> dict:
     for _ in range(5):  # eager hit, capture, replays
         engine.step(batch).synchronize()
     cuda = engine.device.type == "cuda"
-    stream = torch.cuda.current_stream() if cuda else None  # the stream steps run on
+    stream = (engine.runner.ops.stream if engine.runner else torch.cuda.current_stream()) if cuda else None
     wall, dev, launch = [], [], []
     for _ in range(iters):
         if cuda:
@@ -80,11 +80,12 @@ def _replay_call(engine: Engine, batch: Batch, iters: int) -> dict:
     if graph is None:
         return {}
     ts = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph[0].replay()
-        ts.append((time.perf_counter() - t0) * 1e3)
+    with r.ops.stream_ctx():
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph[0].replay()
+            ts.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     return {"replay_call_p50_ms": round(float(np.median(ts)), 4)}
 

@@ -1,4 +1,4 @@
-"""`GraphRunner`: the one owner of CUDA-graph state and staging buffers.
+"""`GraphRunner`: the one owner of CUDA-graph state, staging buffers and the engine stream.
 
 A step is keyed by a `GraphKey` (sequence bucket, token bucket, length bucket, extras): sequence
 counts round up to a power of two, token counts to multiples of `small_step` up
@@ -15,16 +15,9 @@ forward, whose output is the smaller [N, num_labels] scores. A step that
 also wants token-level outputs (BGE-M3's sparse weights, ColBERT vectors) has its own
 keys (`GraphKey.extras` not empty) and graphs, through `forward_extras`.
 
-A step runs on the caller's current CUDA stream (the input copy, the backend's
-plan copies, the replay, the output copy and its event, in that order), as an
-eager step does; only captures use a side stream of their own, as CUDA requires.
-A step switching to a stream of its own had cost ~14 us of host time before each
-replay, which the device waited for (measured on an H200:
-benchmarks/results/small_step/host/README.md).
-
 Results leave through a ring of page-locked output buffers: the device-to-host
-copy is queued behind the forward and an event is recorded after it
-(`LazyTensor`). A result's host memory is reused `ring` steps
+copy is queued behind the forward on the engine's stream and an event is
+recorded after it (`LazyTensor`). A result's host memory is reused `ring` steps
 later, so callers copy what they keep (Tulip does).
 
 Everything CUDA-specific goes through `ops` (`CudaOps`), so the state machine
@@ -130,7 +123,7 @@ class CudaOps:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.capture_stream = torch.cuda.Stream(device)  # a capture needs a stream other than the legacy default
+        self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
 
     def pinned(self, shape, dtype) -> torch.Tensor:
@@ -139,9 +132,12 @@ class CudaOps:
     def event(self):
         return torch.cuda.Event()
 
+    def stream_ctx(self):
+        return torch.cuda.stream(self.stream)
+
     def capture(self, fn: Callable[[], torch.Tensor]):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, stream=self.capture_stream):
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
             out = fn()
         return g, out
 
@@ -287,17 +283,18 @@ class GraphRunner:
         nb, tb = key.seqs, key.tokens
         slot = self._next_slot()
         self._stage(batch, slot, nb, tb)
-        # All on the current stream: the backend's plan copies (FlashInfer) are ordered with the replay.
-        self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
-        n = self._head + 24 * tb
-        self._inputs[:n].copy_(self._staging[slot, :n], non_blocking=True)
-        out = self._run_key(key)
-        dense = out[0] if extras else out
-        host = self._out[slot, : batch.num_seqs]
-        host.copy_(dense[: batch.num_seqs], non_blocking=True)
-        if extras:
-            host = (host, *(self._token_host(i, t, slot, batch.num_tokens) for i, t in enumerate(out[1:])))
-        ev = self._events[slot]
-        ev.record()
+        with self.ops.stream_ctx():
+            # The backend's plan copies (FlashInfer) must be ordered with the replay: same stream.
+            self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
+            n = self._head + 24 * tb
+            self._inputs[:n].copy_(self._staging[slot, :n], non_blocking=True)
+            out = self._run_key(key)
+            dense = out[0] if extras else out
+            host = self._out[slot, : batch.num_seqs]
+            host.copy_(dense[: batch.num_seqs], non_blocking=True)
+            if extras:
+                host = (host, *(self._token_host(i, t, slot, batch.num_tokens) for i, t in enumerate(out[1:])))
+            ev = self._events[slot]
+            ev.record()
         self._slot_events[slot] = ev
         return LazyTensor(host, ev)

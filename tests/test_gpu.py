@@ -114,7 +114,8 @@ def test_replans_of_one_graph_key_in_flight_do_not_overwrite_each_other(tmp_path
             out = fast.step(b).synchronize().clone()
         want.append(out)
     for _ in range(3):
-        torch.cuda._sleep(20_000_000)  # ~10 ms of device time on the steps' stream: every copy below queues behind it
+        with torch.cuda.stream(fast.runner.ops.stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of device time: every copy below queues behind it
         lazies = [fast.step(b) for b in batches[:3]]  # 3 in flight (the output ring holds 4)
         for lazy, w in zip(lazies, want):
             got = lazy.synchronize()

@@ -1,6 +1,7 @@
 """GraphRunner's state machine, buckets, padding and oversize fallback on CPU, with the
 CUDA calls faked (graphs that re-run the captured function on replay)."""
 
+import contextlib
 
 import numpy as np
 import pytest
@@ -63,6 +64,9 @@ class FakeOps:
 
     def event(self):
         return FakeEvent()
+
+    def stream_ctx(self):
+        return contextlib.nullcontext()
 
     def capture(self, fn):
         out = fn()
