@@ -8,7 +8,8 @@ import torch
 from rose.graphs import GraphConfig, GraphKey
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
-from rose.layers.attention import AttentionBackend, SdpaBackend, shape_class
+from rose.kernels import shape_class
+from rose.layers.attention import AttentionBackend, SdpaBackend
 from rose.layers.attention_table import TableBackend, load_table, table_file
 from tests.checkpoints import save_checkpoint
 

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import launch
-from rose.layers.attention import shape_class
+from rose.kernels import launch, shape_class
 
 
 @triton.jit

@@ -37,16 +37,6 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
-def shape_class(seqs: int, max_len: int) -> tuple[int, int]:
-    """The class of a step's attention shape that every per-shape choice reads (the swept table's
-    backend, the Triton kernel's launch tile): sequences and the longest length rounded up to powers
-    of two, lengths from 64. A batch has the same class eagerly as under its graph key (whose
-    sequence bucket is that power of two and whose length bucket rounds up to it), so a step computes
-    the same bits whether it was captured or not (e5-mistral at 4 x 600 tokens had taken one backend
-    for its 600 tokens and another for its graph's 1,024-token bucket: cosine 0.9983)."""
-    return 1 << (max(seqs, 1) - 1).bit_length(), max(64, 1 << (max(max_len, 1) - 1).bit_length())
-
-
 @dataclass(frozen=True)
 class AttentionMetadata:
     """What attention needs to know about a ragged batch.

@@ -2,7 +2,7 @@
 (`python -m benchmarks.kernels`): for each (sequences, max length) cell, the fastest backend.
 
 The choice is made on the host in `prepare()`, before a step runs or a graph is captured, from the
-step's shape class (`rose.layers.attention.shape_class`): for a graph key it depends only on the
+step's shape class (`rose.kernels.shape_class`): for a graph key it depends only on the
 key, so a captured graph always replays the backend it captured, and an eager step of the same
 batch takes the same backend.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rose.layers.attention import AttentionBackend, shape_class
+from rose.kernels import shape_class
+from rose.layers.attention import AttentionBackend
 
 log = logging.getLogger(__name__)
 
