@@ -44,8 +44,18 @@ def _config(r: dict) -> str:
     stream = ", stream" if r.get("transport") == "grpc-stream" else ""
     spin = f", client spins {r['client_spin_ms']:g} ms" if r.get("client_spin_ms") else ""
     served = dict(w.split("=", 1) for w in r.get("server_env", "").split() if "=" in w)  # the servers' TULIP_* settings
-    compiled = "--compile" in words or served.get("TULIP_COMPILE", "").lower() in ("1", "true", "yes", "on")
+    compiled = "--compile" in words or _flag(served.get("TULIP_COMPILE", "false"))
     return attn + (" + compile" if compiled else "") + stream + spin
+
+
+def _flag(value: str) -> bool:
+    """A TULIP_* boolean as Tulip reads it (`trellis.cli.parse_bool`); a value Tulip would refuse: False."""
+    from trellis.cli import parse_bool
+
+    try:
+        return parse_bool(value)
+    except ValueError:
+        return False
 
 
 NONE = {"tulip-rust": float("nan"), "vllm-0.22": float("nan")}

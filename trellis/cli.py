@@ -26,7 +26,9 @@ def field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
-def _parse_bool(s: str) -> bool:
+def parse_bool(s: str) -> bool:
+    """A boolean flag or environment value, as every config reads one (benchmarks.summary reads
+    TULIP_COMPILE with it too)."""
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
@@ -36,7 +38,7 @@ def _parse_bool(s: str) -> bool:
 
 
 def _scalar(tp: Any) -> Any:
-    return {int: int, float: float, bool: _parse_bool}.get(tp, str)
+    return {int: int, float: float, bool: parse_bool}.get(tp, str)
 
 
 def parse(cls: type[T], argv: list[str] | None, env_prefix: str, description: str = "") -> T:
@@ -55,7 +57,7 @@ def parse(cls: type[T], argv: list[str] | None, env_prefix: str, description: st
         if is_tuple:
             ap.add_argument(f"--{f.name.replace('_', '-')}", action="append", type=_scalar(inner), **kw)
         elif inner is bool:  # `--flag` alone means true; `--flag false` also works
-            ap.add_argument(f"--{f.name.replace('_', '-')}", type=_parse_bool, nargs="?", const=True, **kw)
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=parse_bool, nargs="?", const=True, **kw)
         else:
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=_scalar(inner), **kw)
     ns = ap.parse_args(argv)
