@@ -250,6 +250,11 @@ def test_use_kernels_needs_an_ffn_the_epilogue_has():
     cfg = dict(vocab_size=100, n_embd=64, n_head=2, n_layer=1, n_inner=128, n_positions=128)
     assert NomicBertModel(NomicBertModel.standard_config(cfg)).use_kernels(1024) == 1024
     assert not NomicBertModel(NomicBertModel.standard_config({**cfg, "mlp_fc1_bias": True})).use_kernels(1024)
+    from rose.models.qwen3 import Qwen3Model
+
+    assert Qwen3Model(QWEN3).use_kernels(1024) == 256  # its cap
+    assert Qwen3Model(QWEN3).use_kernels(128) == 128
+    assert not Qwen3Model({**QWEN3, "mlp_bias": True}).use_kernels(1024)  # its epilogues have no biases
 
 
 @pytest.mark.parametrize("act", [None, "gelu", "swiglu"])

@@ -50,15 +50,15 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
 
 
 class SmallStepKernels:
-    """For a `Family` whose blocks have a `small_step` (`post_norm_block`, or ModernBERT's own) and
+    """For a `Family` whose blocks have a `small_step` (`post_norm_block`, or a family's own) and
     which says whether its FFN is one the up projection's epilogue has (`ffn_fits`: a GELU, or a
-    SwiGLU / GeGLU without biases): `use_kernels` routes steps of up to `max_tokens` tokens through
-    the small step (0: none)."""
+    SwiGLU / GeGLU without biases): `use_kernels` routes steps of up to `max_tokens` tokens, at most
+    the family's `MAX_KERNEL_TOKENS`, through the small step; returns that token count (0: none)."""
 
     ffn_fits: bool
+    MAX_KERNEL_TOKENS: int | None = None  # the largest bucket the family's small step won in (None: no cap)
 
     def use_kernels(self, max_tokens: int) -> int:
-        if not self.ffn_fits:
-            return 0
-        self.kernel_tokens = max_tokens
-        return max_tokens
+        cap = self.MAX_KERNEL_TOKENS
+        self.kernel_tokens = (max_tokens if cap is None else min(max_tokens, cap)) if self.ffn_fits else 0
+        return self.kernel_tokens

@@ -19,6 +19,7 @@ from torch import nn
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.mlp import GatedMLP
 from rose.layers.rotary import Rotary, rope_params
+from rose.layers.small_step import SmallStepKernels
 from rose.models.llama import LlamaAttention, LlamaModel
 
 
@@ -40,6 +41,10 @@ class Gemma3RMSNorm(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # The small step's projections in Triton (`gemm.triton_ops`), as Qwen3's; only q/k/v's place is read
+    # here (out, gate/up and down are always Triton's: the GeGLU and the split-K sums need them).
+    TRITON_OPS = frozenset({"out", "up", "down"})
+
     def __init__(self, cfg: dict):
         super().__init__()
         h, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
@@ -76,7 +81,7 @@ class Gemma3DecoderLayer(nn.Module):
 
         sa, mlp = self.self_attn, self.mlp
         T = x.shape[0]
-        qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in gemm.triton_ops(TRITON_OPS) \
+        qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in gemm.triton_ops(self.TRITON_OPS) \
             else sa.qkv_proj(h)
         q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.scale, sa.k_norm.scale, sa.q_norm.eps, sa.h, sa.hk,
                                sa.d)
@@ -91,9 +96,6 @@ class Gemma3DecoderLayer(nn.Module):
                              next_norm.eps, rms=True, post=self.post_feedforward_layernorm.scale)
 
 
-TRITON_OPS = frozenset({"out", "up", "down"})  # as Qwen3's (`gemm.triton_ops`); q/k/v stays in cuBLAS
-
-
 def layer_types(config: dict) -> list[str]:
     n = config["num_hidden_layers"]
     pattern = int(config.get("sliding_window_pattern") or 6)
@@ -101,7 +103,7 @@ def layer_types(config: dict) -> list[str]:
                 ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
 
 
-class Gemma3TextModel(LlamaModel):
+class Gemma3TextModel(SmallStepKernels, LlamaModel):
     layer = Gemma3DecoderLayer
     norm_class = Gemma3RMSNorm
     bidirectional_windows = True
@@ -160,12 +162,6 @@ class Gemma3TextModel(LlamaModel):
         return mlp.act_name in ("gelu_pytorch_tanh", "gelu_new") and mlp.gate_up_proj.bias is None
 
     MAX_KERNEL_TOKENS = 512
-
-    def use_kernels(self, max_tokens: int) -> int:
-        """Run steps of up to `max_tokens` (at most MAX_KERNEL_TOKENS) tokens through
-        `Gemma3DecoderLayer.small_step`, where the FFN is one its epilogue has."""
-        self.kernel_tokens = min(max_tokens, self.MAX_KERNEL_TOKENS) if self.ffn_fits else 0
-        return self.kernel_tokens
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

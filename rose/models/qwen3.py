@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
+from rose.layers.small_step import SmallStepKernels
 from rose.models.llama import LlamaDecoderLayer, LlamaModel
 
 
@@ -52,7 +53,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
                              next_norm.eps, rms=True)
 
 
-class Qwen3Model(LlamaModel):
+class Qwen3Model(SmallStepKernels, LlamaModel):
     layer = Qwen3DecoderLayer
 
     @classmethod
@@ -70,11 +71,10 @@ class Qwen3Model(LlamaModel):
     # 2.26); 256 is between the two, not measured.
     MAX_KERNEL_TOKENS = 256
 
-    def use_kernels(self, max_tokens: int) -> int:
-        """Run steps of up to `max_tokens` (at most MAX_KERNEL_TOKENS) tokens through
-        `Qwen3DecoderLayer.small_step`; returns that largest token count."""
-        self.kernel_tokens = min(max_tokens, self.MAX_KERNEL_TOKENS)
-        return self.kernel_tokens
+    @property
+    def ffn_fits(self) -> bool:
+        """The small step's SwiGLU epilogue and split-K down projection have no biases (`mlp_bias`)."""
+        return self.layers[0].mlp.gate_up_proj.bias is None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
