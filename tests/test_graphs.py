@@ -1,8 +1,6 @@
 """GraphRunner's state machine, buckets, padding and oversize fallback on CPU, with the
 CUDA calls faked (graphs that re-run the captured function on replay)."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -45,7 +43,7 @@ class FakeGraph:
 
 
 class FakeEvent:
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def query(self):
@@ -65,8 +63,10 @@ class FakeOps:
     def event(self):
         return FakeEvent()
 
-    def stream_ctx(self):
-        return contextlib.nullcontext()
+    stream = None
+
+    def use_stream(self):
+        pass
 
     def capture(self, fn):
         out = fn()
