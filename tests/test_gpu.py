@@ -123,6 +123,24 @@ def test_replans_of_one_graph_key_in_flight_do_not_overwrite_each_other(tmp_path
             assert F.cosine_similarity(got, w).min().item() >= 0.9999
 
 
+def test_a_step_runs_on_the_engine_stream_and_leaves_it_current(family_engines):
+    from rose.graphs import _current_stream_id
+
+    _, fast, _ = family_engines
+    engine_stream = fast.runner.ops.stream
+    batch = Batch.from_sequences(seqs_of((33, 70)))
+    fast.step(batch).synchronize()
+    fast.step(batch).synchronize()  # captured
+    with torch.cuda.stream(torch.cuda.Stream()):  # a caller on a stream of its own
+        assert _current_stream_id(engine_stream.device_index) != engine_stream.stream_id
+        lazy = fast.step(batch)  # replayed: on the engine's stream, which the caller's thread is now on
+        assert torch.cuda.current_stream() == engine_stream
+        assert _current_stream_id(engine_stream.device_index) == engine_stream.stream_id
+        got = lazy.synchronize().clone()
+    want = fast.step(batch).synchronize()
+    assert torch.equal(got, want)
+
+
 def test_no_sync_on_the_step_path(family_engines):
     _, fast, _ = family_engines
     batch = Batch.from_sequences(seqs_of((33, 70)))
