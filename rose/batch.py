@@ -9,7 +9,7 @@ copies it to the device.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -17,21 +17,23 @@ import torch
 
 
 # One sequence's positions and seq_ids are a prefix of these (views: no allocation per batch),
-# its cu_seqlens one small tensor per length, all three kept per length in `_ONE` (one dict look-up:
+# its cu_seqlens one small tensor per length, all three (and their numpy arrays) kept per length in `_ONE` (one dict look-up:
 # a torch call per tensor costs more than the rest of an online request's batch).
 # Shared, so nothing may write into a Batch's tensors (the engine only copies them to the device).
 _ARANGE = torch.arange(0, dtype=torch.int64)
 _ZEROS = torch.zeros(0, dtype=torch.int64)
-_ONE: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_ONE: dict[int, tuple] = {}
 
 
-def _one_sequence(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions, cu_seqlens, seq_ids) of a one-sequence batch of `n` tokens."""
+def _one_sequence(n: int) -> tuple:
+    """(positions, cu_seqlens, seq_ids) of a one-sequence batch of `n` tokens, then the same three as
+    numpy arrays (the same memory)."""
     global _ARANGE, _ZEROS
     if n > _ARANGE.shape[0]:
         size = 1 << (n - 1).bit_length()
         _ARANGE, _ZEROS = torch.arange(size, dtype=torch.int64), torch.zeros(size, dtype=torch.int64)
-    one = _ONE[n] = (_ARANGE[:n], torch.tensor([0, n], dtype=torch.int32), _ZEROS[:n])
+    pos, cu, sid = _ARANGE[:n], torch.tensor([0, n], dtype=torch.int32), _ZEROS[:n]
+    one = _ONE[n] = (pos, cu, sid, pos.numpy(), cu.numpy(), sid.numpy())
     return one
 
 
@@ -52,6 +54,9 @@ class Batch:
     segment_starts: int64 [N] or None: per sequence, where its second segment starts (a cross-encoder's
                 query-document pair: token type 1 from there on), 0 for one segment; None when no
                 sequence has two (the usual case: nothing to copy, no token types).
+    host:       (input_ids, positions, seq_ids, cu_seqlens) as numpy arrays over the same memory, or
+                None; `from_sequences` sets it, and the GraphRunner stages a step from it (a
+                `Tensor.numpy()` call per tensor cost ~1.9 us of an H200 host's time before each replay).
     """
 
     input_ids: torch.Tensor
@@ -61,6 +66,8 @@ class Batch:
     seq_lens: tuple[int, ...]
     seq_ids: torch.Tensor
     segment_starts: torch.Tensor | None = None
+    host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False,
+                                                                              compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -95,8 +102,8 @@ class Batch:
             n = ids.shape[0]
             if n == 0:
                 raise ValueError("empty sequence at index 0")
-            positions, cu, seq_ids = _ONE.get(n) or _one_sequence(n)
-            return cls(torch.from_numpy(ids), positions, cu, n, (n,), seq_ids)
+            positions, cu, seq_ids, pos_np, cu_np, sid_np = _ONE.get(n) or _one_sequence(n)
+            return cls(torch.from_numpy(ids), positions, cu, n, (n,), seq_ids, host=(ids, pos_np, sid_np, cu_np))
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         if (lens <= 0).any():
             raise ValueError(f"empty sequence at index {int(np.argmin(lens))}")
@@ -112,4 +119,5 @@ class Batch:
             max_seqlen=int(lens.max()),
             seq_lens=tuple(int(x) for x in lens),
             seq_ids=torch.from_numpy(seq_ids),
+            host=(ids, positions, seq_ids, cu),
         )

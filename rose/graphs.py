@@ -119,6 +119,10 @@ class GraphStats:
     capture_ms_by_key: dict = field(default_factory=dict)
 
 
+KEY_CACHE = 4096  # batch shapes whose GraphKey is remembered (a key costs ~2.5 us of host time to build)
+_NO_KEY = object()
+
+
 def _current_stream_id(index: int) -> int:
     get = getattr(torch._C, "_cuda_getCurrentStream", None)
     if get is None:  # not in this torch build: the public way
@@ -195,15 +199,21 @@ class GraphRunner:
         self._slot = 0
         self._out_tokens: list[torch.Tensor | None] = [None, None]  # rings for weights / vectors, made on first use
         self._hits: dict[GraphKey, int] = {}
+        self._keys: dict[tuple, GraphKey | None] = {}  # (seqs, tokens, longest, extras) -> key, up to KEY_CACHE
         self._graphs: dict[GraphKey, tuple[object, torch.Tensor]] = {}
         self._in_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket tokens)
         self._out_views: dict[tuple[int, int], torch.Tensor] = {}  # (slot, sequences)
 
     def key(self, batch: Batch, extras: frozenset = frozenset()) -> GraphKey | None:
-        n, t = self.cfg.seq_bucket(batch.num_seqs), self.cfg.token_bucket(batch.num_tokens)
-        if n is None or t is None:
-            return None
-        return GraphKey(n, t, self.cfg.len_bucket(batch.max_seqlen, t), frozenset(extras))
+        shape = (batch.num_seqs, batch.num_tokens, batch.max_seqlen,
+                 extras if type(extras) is frozenset else frozenset(extras))
+        key = self._keys.get(shape, _NO_KEY)
+        if key is _NO_KEY:
+            n, t = self.cfg.seq_bucket(shape[0]), self.cfg.token_bucket(shape[1])
+            key = None if n is None or t is None else GraphKey(n, t, self.cfg.len_bucket(shape[2], t), frozenset(extras))
+            if len(self._keys) < KEY_CACHE:
+                self._keys[shape] = key
+        return key
 
     def state(self, key: GraphKey) -> str:
         if key in self._graphs:
@@ -221,15 +231,17 @@ class GraphRunner:
     def _stage(self, batch: Batch, slot: int, nb: int, tb: int) -> None:
         """Pad `batch` to (nb sequences, tb tokens) in page-locked slot `slot`."""
         T, N = batch.num_tokens, batch.num_seqs
+        ids, pos, sid, cu_in = batch.host or (batch.input_ids.numpy(), batch.positions.numpy(),
+                                              batch.seq_ids.numpy(), batch.cu_seqlens.numpy())
         tok = self._in_tok_np[slot]
-        tok[0:T] = batch.input_ids.numpy()
+        tok[0:T] = ids
         tok[T:tb] = 0
-        tok[tb:tb + T] = batch.positions.numpy()
+        tok[tb:tb + T] = pos
         tok[tb + T:2 * tb] = 0
-        tok[2 * tb:2 * tb + T] = batch.seq_ids.numpy()
+        tok[2 * tb:2 * tb + T] = sid
         tok[2 * tb + T:3 * tb] = nb  # padding tokens pool into a discarded row
         cu = self._in_cu_np[slot]
-        cu[: N + 1] = batch.cu_seqlens.numpy()
+        cu[: N + 1] = cu_in
         cu[N + 1: nb + 1] = T  # empty dummy sequences
         if self.segments:
             seg = self._in_seg_np[slot]

@@ -231,3 +231,20 @@ def test_token_level_outputs_through_graphs(tmp_path):
     with pytest.raises(ValueError, match="no \\['colbert'\\] output"):
         warm_up(Engine(EngineConfig(model=str(save_checkpoint("bert", tmp_path / "plain")[0]), device="cpu")),
                 ("1x8+colbert",))
+
+
+def test_a_batch_stages_the_same_from_its_host_arrays_as_from_its_tensors():
+    import dataclasses
+
+    runner = GraphRunner(lambda *a: None, lambda *a: None, 8, torch.device("cpu"), GraphConfig(max_tokens=256, ring=2),
+                         ops=FakeOps())
+    for seqs in ([np.arange(5, 40)], [np.arange(5, 40), np.arange(7, 20), np.arange(3, 90)]):
+        batch = Batch.from_sequences(seqs)
+        assert batch.host is not None and batch.host[0].ctypes.data == batch.input_ids.data_ptr()  # one memory
+        key = runner.key(batch)
+        assert runner.key(batch) is key  # remembered per shape
+        runner._stage(batch, 0, key.seqs, key.tokens)
+        runner._stage(dataclasses.replace(batch, host=None), 1, key.seqs, key.tokens)
+        assert np.array_equal(runner._staging[0].numpy(), runner._staging[1].numpy())
+    skipped = Batch.from_sequences([np.arange(5, 40)], pool_from=[3])  # its own seq_ids: no host arrays
+    assert skipped.host is None and int(skipped.seq_ids[0]) == 1
