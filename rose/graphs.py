@@ -150,7 +150,11 @@ class CudaOps:
         thread's own eager work after a step is queued behind it, as before. Measured on an H200 host
         (`benchmarks/results/small_step/host/`): a `torch.cuda.stream` block cost 17 us per step,
         `torch.cuda.current_stream()` alone 9.5 (it builds a Stream object), so the current stream's
-        id is read from torch's C binding where it has one (the call current_stream makes)."""
+        id is read from torch's C binding where it has one (the call current_stream makes).
+        `set_stream` also makes the stream's device current. The check is by the engine's device only,
+        so one thread should step engines of one device: with engines on two GPUs stepped in turn
+        from one thread, the second would find its stream current but not its device (Tulip runs one
+        device per process; checking the device as well is left for a session with GPU time)."""
         if _current_stream_id(self.stream.device_index) != self.stream.stream_id:
             torch.cuda.set_stream(self.stream)
 
