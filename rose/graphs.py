@@ -123,11 +123,19 @@ KEY_CACHE = 4096  # batch shapes whose GraphKey is remembered (a key costs ~2.5 
 _NO_KEY = object()
 
 
+# torch's C bindings for the current stream and device, resolved once (None in a build without them)
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _current_stream_id(index: int) -> int:
-    get = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if get is None:  # not in this torch build: the public way
+    if _GET_STREAM is None:  # not in this torch build: the public way
         return torch.cuda.current_stream(index).stream_id
-    return get(index)[0]
+    return _GET_STREAM(index)[0]
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device() if _GET_DEVICE is None else _GET_DEVICE()
 
 
 class CudaOps:
@@ -151,11 +159,10 @@ class CudaOps:
         (`benchmarks/results/small_step/host/`): a `torch.cuda.stream` block cost 17 us per step,
         `torch.cuda.current_stream()` alone 9.5 (it builds a Stream object), so the current stream's
         id is read from torch's C binding where it has one (the call current_stream makes).
-        `set_stream` also makes the stream's device current. The check is by the engine's device only,
-        so one thread should step engines of one device: with engines on two GPUs stepped in turn
-        from one thread, the second would find its stream current but not its device (Tulip runs one
-        device per process; checking the device as well is left for a session with GPU time)."""
-        if _current_stream_id(self.stream.device_index) != self.stream.stream_id:
+        `set_stream` also makes the stream's device current; the check is by stream and device, so
+        one thread may step engines of several devices in turn."""
+        index = self.stream.device_index
+        if _current_stream_id(index) != self.stream.stream_id or _current_device() != index:
             torch.cuda.set_stream(self.stream)
 
     def capture(self, fn: Callable[[], torch.Tensor]):
@@ -214,7 +221,7 @@ class GraphRunner:
         key = self._keys.get(shape, _NO_KEY)
         if key is _NO_KEY:
             n, t = self.cfg.seq_bucket(shape[0]), self.cfg.token_bucket(shape[1])
-            key = None if n is None or t is None else GraphKey(n, t, self.cfg.len_bucket(shape[2], t), frozenset(extras))
+            key = None if n is None or t is None else GraphKey(n, t, self.cfg.len_bucket(shape[2], t), shape[3])
             if len(self._keys) < KEY_CACHE:
                 self._keys[shape] = key
         return key
