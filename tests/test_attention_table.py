@@ -10,7 +10,7 @@ from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.kernels import shape_class
 from rose.layers.attention import AttentionBackend, SdpaBackend
-from rose.layers.attention_table import TableBackend, load_table, table_file
+from rose.layers.attention_table import TableBackend, builtin_table, load_table, table_file
 from tests.checkpoints import save_checkpoint
 
 
@@ -42,6 +42,30 @@ def test_nearest_cell_and_graph_keys():
     t.prepare(None, np.array([0, 4000], dtype=np.int32), 4000)  # an eager step: decided by the batch
     assert b.prepared == [None]
     assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable
+
+
+def test_the_builtin_choice_is_triton_for_bidirectional_models_and_by_length_for_causal_ones():
+    """Without a table: ROSE's Triton kernel at every shape of a bidirectional model (it won every cell
+    of the H200 sweep, to 8,192 tokens), Triton to 512 tokens and varlen beyond for a causal one; torch's
+    varlen alone where the Triton kernel cannot be made."""
+    made = {}
+
+    def make(name):
+        return made.setdefault(name, Named(name))
+
+    varlen = Named("varlen")
+    bidi, causal = builtin_table(make, varlen), builtin_table(make, varlen, causal=True)
+    for seqs, length in ((1, 128), (1, 4096), (1, 8192), (16, 128), (100, 512), (4, 1024)):
+        assert bidi.pick(*shape_class(seqs, length)) is made["triton"], (seqs, length)
+    assert causal.pick(*shape_class(1, 128)) is made["triton"] and causal.pick(*shape_class(4, 512)) is made["triton"]
+    assert causal.pick(*shape_class(1, 4096)) is varlen and causal.pick(*shape_class(16, 128)) is varlen
+
+    def no_triton(name):
+        raise ImportError("no triton")
+
+    assert builtin_table(no_triton, varlen) is varlen
+    sdpa = Named("sdpa")
+    assert builtin_table(make, sdpa) is sdpa  # not varlen (no CUDA half precision): left as it is
 
 
 def test_an_eager_step_takes_its_graph_keys_backend():

@@ -108,12 +108,17 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
     return TableBackend(cells, backends, fallback)
 
 
-# The choice without a swept table (attention "auto" on CUDA in half precision): ROSE's Triton kernel
-# for sequences up to 512 tokens, FlashAttention varlen beyond, from `python -m benchmarks.small_step`
-# on an H200 (bge-m3 heads, per layer in a CUDA graph: 1x128 3.97 us against varlen's 7.3, 1x512 9.7
-# against 15.4, 5x512 22.2 against 37.3, 32x64 10.2 against 16.8; varlen ahead at 16x128, 11.3 against
-# 14.1; longer sequences not measured for the Triton kernel). A sweep's table replaces it.
-BUILTIN_CELLS = [
+# The choice without a swept table (attention "auto" on CUDA in half precision), measured on an H200 by
+# `python -m benchmarks.kernels` (24 layers per CUDA graph; results/attention_sweep/):
+# - bidirectional models: ROSE's Triton kernel won every cell of the 2026-12-02 sweep, for bge-m3's
+#   heads (16 x 64) and pplx-embed's (16 query / 8 kv x 128), 1-100 sequences of 128-8,192 tokens,
+#   1.1-3.0x over torch's varlen (1 x 4096: 21.7 against 18.1 M tokens/s; 100 x 512: 141.9 against
+#   125.2); in the engine, bge-m3 1 x 4096 went from 10.13 to 9.38 ms and pplx from 20.21 to 17.17;
+# - causal models (decoders): the earlier cells, Triton up to 512 tokens and varlen beyond (those
+#   were measured without a causal mask, and a causal sweep is still to be run).
+# A sweep's table replaces either.
+BUILTIN_CELLS = [{"seqs": 1, "max_len": 128, "winner": "triton"}]
+CAUSAL_CELLS = [
     {"seqs": 1, "max_len": 128, "winner": "triton"}, {"seqs": 1, "max_len": 512, "winner": "triton"},
     {"seqs": 4, "max_len": 512, "winner": "triton"}, {"seqs": 32, "max_len": 64, "winner": "triton"},
     {"seqs": 64, "max_len": 512, "winner": "triton"}, {"seqs": 16, "max_len": 128, "winner": "varlen"},
@@ -121,9 +126,9 @@ BUILTIN_CELLS = [
 ]
 
 
-def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
-    """`BUILTIN_CELLS` over `fallback` (torch's varlen), or `fallback` alone where the Triton kernel
-    cannot run here."""
+def builtin_table(make_backend, fallback: AttentionBackend, causal: bool = False) -> AttentionBackend:
+    """`BUILTIN_CELLS` (or `CAUSAL_CELLS`) over `fallback` (torch's varlen), or `fallback` alone where
+    the Triton kernel cannot run here."""
     if fallback.name != "varlen":
         return fallback
     try:
@@ -131,4 +136,4 @@ def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
     except (ImportError, ValueError) as e:
         log.info("attention: no triton backend here (%s); using %s", e, fallback.name)
         return fallback
-    return TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
+    return TableBackend(CAUSAL_CELLS if causal else BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
