@@ -27,7 +27,7 @@ from rose.layers.attention_table import table_file
 
 
 def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, layers: int,
-                 budget_s: float = 1.0) -> float:
+                 budget_s: float = 1.0, causal: bool = False) -> float:
     """Median seconds per layer of attention over n sequences of L tokens, timed the way a step runs it
     (`iters` times, or at least 3 and as many as fit in `budget_s`).
 
@@ -44,7 +44,7 @@ def time_backend(backend, n: int, L: int, heads, device, dtype, iters: int, laye
     cuda = device.type == "cuda"
     graphed = cuda and backend.capturable
     key = GraphKey(n, T, L, frozenset({"sweep"})) if graphed else None
-    meta = AttentionMetadata(torch.from_numpy(cu_host).to(device), L, None if graphed else (L,) * n, False)
+    meta = AttentionMetadata(torch.from_numpy(cu_host).to(device), L, None if graphed else (L,) * n, causal)
     backend.prepare(key, cu_host, T)
     for _ in range(3):
         backend(q, k, v, meta)
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layers", type=int, default=24,
                     help="attention calls per graph replay (a model's depth): one plan is amortised over them")
+    ap.add_argument("--causal", action="store_true", help="causal attention (decoders); the table is "
+                    "written as attention_table_QxKxD_causal.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
         backends = {}
         for name in BACKENDS:
             try:
-                backends[name] = select_backend(name, device, dtype, heads)
+                backends[name] = select_backend(name, device, dtype, heads, args.causal)
             except (ImportError, ValueError) as e:
                 print(f"kernels: {name} skipped: {e}", file=sys.stderr)
         cells = []
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
             tps = {}
             for name, b in backends.items():
                 try:
-                    tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters, args.layers)
+                    tps[name] = n * L / time_backend(b, n, L, heads, device, dtype, args.iters, args.layers,
+                                                      causal=args.causal)
                 except Exception as e:  # a backend that cannot run this shape loses the cell
                     print(f"kernels: {name} failed at {n}x{L}: {e}", file=sys.stderr)
             if not tps:
@@ -144,13 +147,13 @@ def main(argv=None) -> int:
             cell = {"seqs": n, "max_len": L, "winner": ranked[0], "margin": round(margin, 3),
                     "tokens_per_s": {k: round(v) for k, v in tps.items()}}
             cells.append(cell)
-            rec.emit(bench="kernels", heads=list(heads), **cell)
-        table = {"heads": list(heads), "causal": False, "dtype": str(dtype).removeprefix("torch."),
+            rec.emit(bench="kernels", heads=list(heads), causal=args.causal, **cell)
+        table = {"heads": list(heads), "causal": args.causal, "dtype": str(dtype).removeprefix("torch."),
                  "gpu": rec.env["gpu"], "torch": rec.env["torch"], "when": rec.env["when"], "cells": cells}
         if args.out is not None:
             tag = "x".join(map(str, heads))
-            (args.out / table_file(heads)).write_text(json.dumps(table, indent=1))
-            heat_map(table, args.out / f"kernels_{tag}.png")
+            (args.out / table_file(heads, args.causal)).write_text(json.dumps(table, indent=1))
+            heat_map(table, args.out / f"kernels_{tag}{'_causal' if args.causal else ''}.png")
     return 0
 
 

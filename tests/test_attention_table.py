@@ -114,6 +114,11 @@ def test_load_table_checks_heads_and_drops_unavailable(tmp_path):
     path.rename(tmp_path / table_file((4, 4, 16)))
     assert isinstance(load_table(tmp_path, (4, 4, 16), False, make, fb), TableBackend)
     assert load_table(tmp_path, (8, 4, 16), False, make, fb) is fb
+    # a causal model reads the causal sweep's table (`benchmarks.kernels --causal`), never the other one
+    assert load_table(tmp_path, (4, 4, 16), True, make, fb) is fb
+    (tmp_path / table_file((4, 4, 16), causal=True)).write_text(
+        json.dumps({"heads": [4, 4, 16], "causal": True, "cells": cells}))
+    assert isinstance(load_table(tmp_path, (4, 4, 16), True, make, fb), TableBackend)
 
 
 def test_engine_uses_a_table(tmp_path):
@@ -126,3 +131,18 @@ def test_engine_uses_a_table(tmp_path):
     assert isinstance(tabled.attention, TableBackend)
     batch = Batch.from_sequences([[2, 3, 4], [5] * 40])
     assert torch.allclose(plain.step(batch).synchronize(), tabled.step(batch).synchronize())
+
+
+def test_the_sweep_writes_a_causal_table_apart(tmp_path):
+    """`benchmarks.kernels --causal` times the backends with a causal mask and writes its own table,
+    which causal models load from a directory of tables (on CPU: SDPA and the padded batch only)."""
+    from benchmarks import kernels
+
+    assert kernels.main(["--heads", "4,4,16", "--seqs", "1", "--lengths", "64", "--iters", "2", "--causal",
+                         "--out", str(tmp_path)]) == 0
+    table = json.loads((tmp_path / table_file((4, 4, 16), causal=True)).read_text())
+    assert table["causal"] is True and table["cells"][0]["seqs"] == 1
+    assert not (tmp_path / table_file((4, 4, 16))).exists()
+    fb = Named("fallback")
+    t = load_table(tmp_path, (4, 4, 16), True, lambda name: Named(name), fb)
+    assert isinstance(t, TableBackend) and t.pick(1, 64).name == table["cells"][0]["winner"]

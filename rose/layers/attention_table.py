@@ -61,9 +61,10 @@ class TableBackend(AttentionBackend):
         return self._current(q, k, v, meta)
 
 
-def table_file(heads: tuple[int, int, int]) -> str:
-    """The file name the kernel sweep gives the table of a head shape (q heads, kv heads, head dim)."""
-    return "attention_table_{}x{}x{}.json".format(*heads)
+def table_file(heads: tuple[int, int, int], causal: bool = False) -> str:
+    """The file name the kernel sweep gives the table of a head shape (q heads, kv heads, head dim),
+    with "_causal" for a causal sweep's."""
+    return "attention_table_{}x{}x{}{}.json".format(*heads, "_causal" if causal else "")
 
 
 def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backend, fallback) -> AttentionBackend:
@@ -76,7 +77,7 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
     """
     path = Path(path)
     if path.is_dir():
-        path = path / table_file(heads)
+        path = path / table_file(heads, causal)
         if not path.is_file():
             log.warning("no attention table for heads %s in %s; using %s", heads, path.parent, fallback.name)
             return fallback
