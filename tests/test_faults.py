@@ -346,7 +346,9 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
 
     try:
         ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
-        huge = json.dumps({"input": [f"{i} " + words * 20 for i in range(2048)], "truncate": True})  # 2 MB
+        # 4 MB: tokenizing it takes well over the 0.4 s this test needs to tell a refusal from it (2 MB
+        # took 0.38 s on an idle 2-core machine)
+        huge = json.dumps({"input": [f"{i} " + words * 40 for i in range(2048)], "truncate": True})
         headers = {"content-type": "application/json"}
         t0 = time.monotonic()
         assert httpx.post(url + "/v1/tokenize", content=huge, headers=headers, timeout=60).status_code == 200
