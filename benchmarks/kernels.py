@@ -5,8 +5,9 @@ replayed in a CUDA graph of one model's depth of layers (`--layers`).
 
     python -m benchmarks.kernels --out benchmarks/results [--heads 16,16,64] [--heads 16,8,128]
 
-Shapes default to MHA head dim 64 (BGE-M3) and GQA head dim 128 (Qwen3-0.6B). On a CPU only SDPA
-runs (a harness check).
+Shapes default to MHA head dim 64 (BGE-M3) and GQA head dim 128 (Qwen3-0.6B). `--causal` times them
+with a causal mask (decoders) and writes `attention_table_QxKxD_causal.json`. On a CPU only SDPA and
+the padded batch run (a harness check).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def heat_map(table: dict, path: Path) -> None:
     ax.set_yticks(range(len(seqs)), seqs)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("sequences")
-    ax.set_title(f"attention winner and margin over the runner-up, heads {table['heads']}, {table['gpu']}", fontsize=9)
+    mask = ", causal" if table.get("causal") else ""
+    ax.set_title(f"attention winner and margin over the runner-up, heads {table['heads']}{mask}, {table['gpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -146,3 +146,23 @@ def test_the_sweep_writes_a_causal_table_apart(tmp_path):
     fb = Named("fallback")
     t = load_table(tmp_path, (4, 4, 16), True, lambda name: Named(name), fb)
     assert isinstance(t, TableBackend) and t.pick(1, 64).name == table["cells"][0]["winner"]
+
+
+def test_the_engine_gives_the_builtin_choice_its_causality_and_uses_it_for_a_missing_table(tmp_path, monkeypatch):
+    """The engine asks for the built-in choice with the model's causality, and a table directory
+    without the model's head shape falls back to that choice, not to plain varlen."""
+    import rose.engine as engine_mod
+
+    seen = []
+    builtin = Named("builtin")
+
+    def fake_builtin(make, fallback, causal=False):
+        seen.append(causal)
+        return builtin
+
+    monkeypatch.setattr(engine_mod, "builtin_table", fake_builtin)
+    path, _ = save_checkpoint("bert", tmp_path / "m")
+    assert Engine(EngineConfig(model=str(path), device="cpu")).attention is builtin
+    (tmp_path / "tables").mkdir()
+    tabled = Engine(EngineConfig(model=str(path), device="cpu", attention_table=str(tmp_path / "tables")))
+    assert tabled.attention is builtin and seen == [False, False]

@@ -248,3 +248,35 @@ def test_a_batch_stages_the_same_from_its_host_arrays_as_from_its_tensors():
         assert np.array_equal(runner._staging[0].numpy(), runner._staging[1].numpy())
     skipped = Batch.from_sequences([np.arange(5, 40)], pool_from=[3])  # its own seq_ids: no host arrays
     assert skipped.host is None and int(skipped.seq_ids[0]) == 1
+
+
+def test_use_stream_sets_the_engine_stream_when_the_stream_or_the_device_differs(monkeypatch):
+    """CudaOps.use_stream makes the engine's stream current only when it is not already the calling
+    thread's current stream on the current device (torch's set_stream also makes its device current):
+    with engines of two GPUs stepped from one thread, the second finds its stream current on its own
+    device but another device current, and is switched back. CPU stand-ins for torch's bindings."""
+    import rose.graphs as graphs
+
+    class Stream:
+        device_index, stream_id = 1, 77
+
+    state = {"stream": 77, "device": 1}
+    sets = []
+    monkeypatch.setattr(graphs, "_current_stream_id", lambda index: state["stream"] if index == 1 else 0)
+    monkeypatch.setattr(graphs, "_current_device", lambda: state["device"])
+
+    def set_stream(s):
+        sets.append(s)
+        state["stream"], state["device"] = s.stream_id, s.device_index
+
+    monkeypatch.setattr(graphs.torch.cuda, "set_stream", set_stream)
+    ops = object.__new__(graphs.CudaOps)
+    ops.stream = Stream()
+    ops.use_stream()
+    assert sets == []  # already current: no call
+    state["device"] = 0  # another engine's device made current by this thread
+    ops.use_stream()
+    assert sets == [ops.stream] and state["device"] == 1
+    state["stream"] = 5  # another stream current on this device
+    ops.use_stream()
+    assert len(sets) == 2 and state["stream"] == 77
