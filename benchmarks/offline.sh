@@ -6,6 +6,7 @@
 #   bash benchmarks/offline.sh install .whl            # any directory of wheels (FlashInfer + tvm-ffi, web stack, ...)
 #   bash benchmarks/offline.sh stash .whl-fa4a         # a wheel split in parts: keep this call's part outside the tree
 #   bash benchmarks/offline.sh install .whl-fa4b       # joins stashed + carried *.partNN into their wheel, installs all
+#                                                      # (a wheel whose parts are not all here yet stays stashed)
 #   export TRELLIS_GIT_REV=abc1234; source benchmarks/offline.sh env   # PYTHONPATH (incl. FA4's dsl_packages), caches
 #   TRELLIS_GIT_REV=abc1234 bash benchmarks/offline.sh run [DIR [ARGS]]  # the one benchmark command (README): part
 #       after another while under MAX_MINUTES (2.5: no part runs past a 10-minute call), re-issued until it says
@@ -38,15 +39,17 @@ case "${1:-}" in
       [ -e "$first" ] || continue
       whl=${first%.part00}
       cat "$whl".part?? > "$whl"
-      if ! python3 -m zipfile -t "$whl" > /dev/null 2>&1; then
-        echo "offline.sh: $whl does not join into a valid wheel (parts: $(ls "$whl".part?? | xargs -n1 basename))" >&2
+      if ! python3 -m zipfile -t "$whl" > /dev/null 2>&1; then  # a part is still to come: keep them, install the rest
+        echo "offline.sh: $(basename "$whl") does not join yet (parts here: $(ls "$whl".part?? | xargs -n1 basename | tr '\n' ' '))" >&2
         rm -f "$whl"
-        exit 1
+        continue
       fi
       rm "$whl".part??
     done
-    python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "$STASH"/*.whl 2>&1 | { grep -v "already exists" || true; }
-    rm -f "$STASH"/*.whl
+    if compgen -G "$STASH/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "$STASH"/*.whl 2>&1 | { grep -v "already exists" || true; }
+      rm -f "$STASH"/*.whl
+    fi
     echo "$(find "$SITE" -maxdepth 1 -name '*.dist-info' | wc -l) packages in $SITE" ;;
   run)
     RES=${2:-/tmp/res}
