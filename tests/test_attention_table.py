@@ -68,6 +68,16 @@ def test_the_builtin_choice_is_triton_for_bidirectional_models_and_by_length_for
     assert builtin_table(make, sdpa) is sdpa  # not varlen (no CUDA half precision): left as it is
 
 
+def test_a_table_honours_windows_where_its_winners_do():
+    """Whether a table honours sliding windows is its winners' to say (its fallback serves only a
+    table without cells): Triton's windows are kept even where torch's varlen has no window_size."""
+    tri, var = Named("triton"), Named("varlen")
+    tri.windowed, var.windowed = True, False
+    assert TableBackend([{"seqs": 1, "max_len": 128, "winner": "triton"}], {"triton": tri, "varlen": var}, var).windowed
+    assert not TableBackend([{"seqs": 1, "max_len": 128, "winner": "varlen"}], {"triton": tri, "varlen": var}, tri).windowed
+    assert not TableBackend([], {"triton": tri}, var).windowed and TableBackend([], {"varlen": var}, tri).windowed
+
+
 def test_an_eager_step_takes_its_graph_keys_backend():
     """The choice reads the shape's class, so a batch run eagerly (graphs off, or too big for a
     bucket) takes the backend its graph key would: e5-mistral at 4 x 600 tokens had taken the

@@ -31,7 +31,9 @@ class TableBackend(AttentionBackend):
         self.fallback = fallback
         self.name = "table(" + "+".join(sorted({c["winner"] for c in self.cells})) + ")"
         self.capturable = fallback.capturable and all(b.capturable for b in backends.values())
-        self.windowed = fallback.windowed and all(backends[c["winner"]].windowed for c in self.cells)
+        # the fallback serves only a table without cells: with cells, the winners decide (a windowed
+        # model on a torch whose varlen has no window_size keeps Triton's windows, and its graphs)
+        self.windowed = all(backends[c["winner"]].windowed for c in self.cells) if self.cells else fallback.windowed
         self._current = fallback
         self._picks: dict[tuple[int, int], AttentionBackend] = {}  # shape class -> winner: steps pay a lookup
 
