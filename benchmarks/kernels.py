@@ -153,9 +153,9 @@ def main(argv=None) -> int:
         table = {"heads": list(heads), "causal": args.causal, "dtype": str(dtype).removeprefix("torch."),
                  "gpu": rec.env["gpu"], "torch": rec.env["torch"], "when": rec.env["when"], "cells": cells}
         if args.out is not None:
-            tag = "x".join(map(str, heads))
-            (args.out / table_file(heads, args.causal)).write_text(json.dumps(table, indent=1))
-            heat_map(table, args.out / f"kernels_{tag}{'_causal' if args.causal else ''}.png")
+            name = table_file(heads, args.causal)  # attention_table_QxKxD[_causal].json
+            (args.out / name).write_text(json.dumps(table, indent=1))
+            heat_map(table, args.out / name.replace("attention_table_", "kernels_").replace(".json", ".png"))
     return 0
 
 

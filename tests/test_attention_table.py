@@ -46,8 +46,8 @@ def test_nearest_cell_and_graph_keys():
 
 def test_the_builtin_choice_is_triton_for_bidirectional_models_and_by_length_for_causal_ones():
     """Without a table: ROSE's Triton kernel at every shape of a bidirectional model (it won every cell
-    of the H200 sweep, to 8,192 tokens), Triton to 512 tokens and varlen beyond for a causal one; torch's
-    varlen alone where the Triton kernel cannot be made."""
+    of the H200 sweep, to 8,192 tokens), the older cells for a causal one (Triton to 512 tokens; varlen
+    beyond, and for 16 sequences of 128); torch's varlen alone where the Triton kernel cannot be made."""
     made = {}
 
     def make(name):
