@@ -44,21 +44,19 @@ def test_nearest_cell_and_graph_keys():
     assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable
 
 
-def test_the_builtin_choice_is_triton_for_bidirectional_models_and_by_length_for_causal_ones():
-    """Without a table: ROSE's Triton kernel at every shape of a bidirectional model (it won every cell
-    of the H200 sweep, to 8,192 tokens), the older cells for a causal one (Triton to 512 tokens; varlen
-    beyond, and for 16 sequences of 128); torch's varlen alone where the Triton kernel cannot be made."""
+def test_the_builtin_choice_is_triton_at_every_shape():
+    """Without a table: ROSE's Triton kernel at every shape (it won every cell of the H200 sweeps,
+    bidirectional to 8,192 tokens and causal to 4,096); torch's varlen alone where the Triton kernel
+    cannot be made."""
     made = {}
 
     def make(name):
         return made.setdefault(name, Named(name))
 
     varlen = Named("varlen")
-    bidi, causal = builtin_table(make, varlen), builtin_table(make, varlen, causal=True)
+    table = builtin_table(make, varlen)
     for seqs, length in ((1, 128), (1, 4096), (1, 8192), (16, 128), (100, 512), (4, 1024)):
-        assert bidi.pick(*shape_class(seqs, length)) is made["triton"], (seqs, length)
-    assert causal.pick(*shape_class(1, 128)) is made["triton"] and causal.pick(*shape_class(4, 512)) is made["triton"]
-    assert causal.pick(*shape_class(1, 4096)) is varlen and causal.pick(*shape_class(16, 128)) is varlen
+        assert table.pick(*shape_class(seqs, length)) is made["triton"], (seqs, length)
 
     def no_triton(name):
         raise ImportError("no triton")
@@ -158,16 +156,16 @@ def test_the_sweep_writes_a_causal_table_apart(tmp_path):
     assert isinstance(t, TableBackend) and t.pick(1, 64).name == table["cells"][0]["winner"]
 
 
-def test_the_engine_gives_the_builtin_choice_its_causality_and_uses_it_for_a_missing_table(tmp_path, monkeypatch):
-    """The engine asks for the built-in choice with the model's causality, and a table directory
-    without the model's head shape falls back to that choice, not to plain varlen."""
+def test_the_engine_uses_the_builtin_choice_without_a_table_and_for_a_missing_one(tmp_path, monkeypatch):
+    """The engine takes the built-in choice without a table, and a table directory without the
+    model's head shape falls back to that choice, not to plain varlen."""
     import rose.engine as engine_mod
 
     seen = []
     builtin = Named("builtin")
 
-    def fake_builtin(make, fallback, causal=False):
-        seen.append(causal)
+    def fake_builtin(make, fallback):
+        seen.append(fallback.name)
         return builtin
 
     monkeypatch.setattr(engine_mod, "builtin_table", fake_builtin)
@@ -175,4 +173,4 @@ def test_the_engine_gives_the_builtin_choice_its_causality_and_uses_it_for_a_mis
     assert Engine(EngineConfig(model=str(path), device="cpu")).attention is builtin
     (tmp_path / "tables").mkdir()
     tabled = Engine(EngineConfig(model=str(path), device="cpu", attention_table=str(tmp_path / "tables")))
-    assert tabled.attention is builtin and seen == [False, False]
+    assert tabled.attention is builtin and len(seen) == 2

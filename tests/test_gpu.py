@@ -141,6 +141,36 @@ def test_a_step_runs_on_the_engine_stream_and_leaves_it_current(family_engines):
     assert torch.equal(got, want)
 
 
+def test_the_step_copies_and_replays_through_the_driver_as_torch_would(family_engines):
+    """A replayed step's two copies and its launch go to libcuda directly (CudaOps); the result is
+    the same as through torch's copy_ and CUDAGraph.replay; a copy torch must convert falls back."""
+    _, fast, _ = family_engines
+    runner, ops = fast.runner, fast.runner.ops
+    assert ops._copy is not None and ops._launch is not None  # the driver path is the one running here
+    src = torch.arange(4096, dtype=torch.float32).pin_memory()
+    dev, back = torch.empty(4096, device="cuda"), torch.zeros(4096).pin_memory()
+    ops.use_stream()
+    ops.copy(dev, src)
+    ops.copy(back, dev)
+    half = torch.zeros(4096, dtype=torch.bfloat16).pin_memory()
+    ops.copy(half, dev)  # another dtype: torch's copy_ (converts)
+    ops.stream.synchronize()
+    assert torch.equal(back, src) and torch.equal(half.float(), src.bfloat16().float())
+    batch = Batch.from_sequences(seqs_of((33, 70)))
+    fast.step(batch).synchronize()
+    fast.step(batch).synchronize()  # captured
+    key = runner.key(batch)
+    launch, out = runner._graphs[key]
+    driver = fast.step(batch).synchronize().clone()
+    copy, ops._copy = ops._copy, None
+    runner._graphs[key] = (launch.args[3], out)  # the graph's own replay
+    try:
+        through_torch = fast.step(batch).synchronize().clone()
+    finally:
+        ops._copy, runner._graphs[key] = copy, (launch, out)
+    assert torch.equal(driver, through_torch)
+
+
 def test_no_sync_on_the_step_path(family_engines):
     _, fast, _ = family_engines
     batch = Batch.from_sequences(seqs_of((33, 70)))

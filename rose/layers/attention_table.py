@@ -113,28 +113,19 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
 
 
 # The choice without a swept table (attention "auto" on CUDA in half precision), measured on an H200 by
-# `python -m benchmarks.kernels` (24 layers per CUDA graph; results/attention_sweep/):
-# - bidirectional models: ROSE's Triton kernel won every cell of the 2026-12-02 sweep, for bge-m3's
-#   heads (16 x 64) and pplx-embed's (16 query / 8 kv x 128), 1-100 sequences of 128-8,192 tokens,
-#   1.1-3.0x over torch's varlen (1 x 4096: 21.7 against 18.1 M tokens/s; 100 x 512: 141.9 against
-#   125.2); in the engine, bge-m3 1 x 4096 went from 10.13 to 9.38 ms and pplx from 20.21 to 17.17;
-# - causal models (decoders): the earlier cells (measured without a causal mask): varlen beyond 512
-#   tokens and for 8 or more sequences of up to 128. The first causal sweep (same day, e5-mistral's and
-#   gte-Qwen2's heads to 4,096 tokens) had Triton win every cell too (1.2-3.2x); these cells stay
-#   until the decoder families' GPU tests have run with it.
-# A sweep's table replaces either.
+# `python -m benchmarks.kernels [--causal]` (24 layers per CUDA graph; results/attention_sweep/):
+# ROSE's Triton kernel won every cell of the 2026-12-02 sweeps, 1-100 sequences of 128-8,192 tokens:
+# - bidirectional: bge-m3's heads (16 x 64) and pplx-embed's (16 query / 8 kv x 128), 1.1-3.0x over
+#   torch's varlen (1 x 4096: 21.7 against 18.1 M tokens/s; 100 x 512: 141.9 against 125.2); in the
+#   engine, bge-m3 1 x 4096 went from 10.13 to 9.38 ms and pplx from 20.21 to 17.17;
+# - causal: e5-mistral's (32 / 8 x 128) and gte-Qwen2's (12 / 2 x 128) heads to 4,096 tokens, 1.2-3.2x.
+# So it is Triton at every shape; a sweep's table replaces this.
 BUILTIN_CELLS = [{"seqs": 1, "max_len": 128, "winner": "triton"}]
-CAUSAL_CELLS = [
-    {"seqs": 1, "max_len": 128, "winner": "triton"}, {"seqs": 1, "max_len": 512, "winner": "triton"},
-    {"seqs": 4, "max_len": 512, "winner": "triton"}, {"seqs": 32, "max_len": 64, "winner": "triton"},
-    {"seqs": 64, "max_len": 512, "winner": "triton"}, {"seqs": 16, "max_len": 128, "winner": "varlen"},
-    {"seqs": 1, "max_len": 1024, "winner": "varlen"}, {"seqs": 1, "max_len": 8192, "winner": "varlen"},
-]
 
 
-def builtin_table(make_backend, fallback: AttentionBackend, causal: bool = False) -> AttentionBackend:
-    """`BUILTIN_CELLS` (or `CAUSAL_CELLS`) over `fallback` (torch's varlen), or `fallback` alone where
-    the Triton kernel cannot run here."""
+def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
+    """`BUILTIN_CELLS` over `fallback` (torch's varlen), or `fallback` alone where the Triton kernel
+    cannot run here."""
     if fallback.name != "varlen":
         return fallback
     try:
@@ -142,4 +133,4 @@ def builtin_table(make_backend, fallback: AttentionBackend, causal: bool = False
     except (ImportError, ValueError) as e:
         log.info("attention: no triton backend here (%s); using %s", e, fallback.name)
         return fallback
-    return TableBackend(CAUSAL_CELLS if causal else BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
+    return TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
