@@ -27,7 +27,7 @@ from rose.layers.attention import AttentionBackend, AttentionMetadata, select_ba
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
-from rose.layers.pooling import normalize, pool
+from rose.layers.pooling import normalize, pool, pool_fused
 from rose.layers.scores import ACTIVATIONS, activation_name, token_types
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
@@ -245,6 +245,10 @@ class Engine:
     def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""
         out = self.model.pool(hidden, cu, seq_ids)  # a family's own output (SPLADE), else pooling
+        if out is None and self.dense is None and hidden.shape[0] <= self.kernels:  # host-side: the token bucket
+            out = pool_fused(hidden, cu, self._pool_mode, self.spec.normalize)
+            if out is not None:
+                return out
         out = pool(hidden, cu, seq_ids, self._pool_mode, positions) if out is None else out
         if self.dense is not None:
             out = self.dense(out)

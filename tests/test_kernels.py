@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 
 from rose.kernels import attention as kattn  # noqa: E402
 from rose.kernels import gemm  # noqa: E402
+from rose.kernels import rows as krows  # noqa: E402
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend  # noqa: E402
 from rose.models.bert import BertModel  # noqa: E402
 
@@ -39,6 +40,33 @@ def test_linear_matches_reference(m, n, k, act):
     out = gemm.linear(x, w, bias, act)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     assert rel(out, gemm.linear_reference(x, w, bias, act)) < TOL
+
+
+@pytest.mark.parametrize("t,hidden,offset", [(70, 96, 0), (128, 1024, 2), (5, 1536, 2)])
+def test_embed_norm_matches_reference(t, hidden, offset):
+    torch.manual_seed(t + hidden)
+    word, pos, types = rand(500, hidden), rand(300, hidden), rand(2, hidden)
+    ids = torch.randint(0, 500, (t,), device=DEV)
+    positions = torch.randint(0, 300 - offset, (t,), device=DEV)
+    g, b = rand(hidden, scale=0.1) + 1, rand(hidden, scale=0.1)
+    out = krows.embed_norm(ids, positions, word, pos, types[0], g, b, 1e-5, offset)
+    assert out.shape == (t, hidden) and out.dtype == DT
+    assert rel(out, krows.embed_norm_reference(ids, positions, word, pos, types[0], g, b, 1e-5, offset)) < TOL
+
+
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pool_rows_matches_reference(last, normalize):
+    """CLS / last-token rows, float32, normalised or not; empty dummy sequences at the end of the
+    bucket (starting at T) read a valid row."""
+    hidden = rand(40, 96)
+    cu = torch.tensor([0, 9, 39, 40, 40, 40], dtype=torch.int32, device=DEV)
+    out = krows.pool_rows(hidden, cu, last, normalize)
+    want = krows.pool_rows_reference(hidden, cu, last, normalize)
+    assert out.shape == (5, 96) and out.dtype == torch.float32
+    assert rel(out, want) < TOL
+    if normalize:
+        assert torch.allclose(out.norm(dim=1), torch.ones(5, device=DEV), atol=1e-3)
 
 
 @pytest.mark.parametrize("m,n,k,split,tile", [(128, 128, 256, 1, None), (128, 128, 256, 4, None),

@@ -56,5 +56,15 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
     raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
 
 
+def pool_fused(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor | None:
+    """`pool` ("cls" / "last") and then `normalize` (if asked) or float32, in one Triton kernel
+    (`rose.kernels.rows.pool_rows`); None for the other modes, which keep `pool`."""
+    if mode not in ("cls", "last"):
+        return None
+    from rose.kernels.rows import pool_rows
+
+    return pool_rows(hidden, cu_seqlens, mode == "last", normalize)
+
+
 def normalize(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x.float(), p=2, dim=-1)

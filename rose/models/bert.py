@@ -29,6 +29,15 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), h)
         self.LayerNorm = nn.LayerNorm(h, eps=cfg.get("layer_norm_eps", 1e-12))
 
+    def fused(self, input_ids: torch.Tensor, positions: torch.Tensor, offset: int) -> torch.Tensor:
+        """The same with one segment, in one kernel (`rose.kernels.rows.embed_norm`), positions
+        before the family's offset."""
+        from rose.kernels.rows import embed_norm
+
+        ln = self.LayerNorm
+        return embed_norm(input_ids, positions, self.word_embeddings.weight, self.position_embeddings.weight,
+                          self.token_type_embeddings.weight[0], ln.weight, ln.bias, ln.eps, offset)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         # `positions` already include the family's offset (Family.position_offset). Without token
@@ -178,10 +187,11 @@ class BertModel(SmallStepKernels, Family):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.offset:
-            positions = positions + self.offset
-        x = self.embeddings(input_ids, positions, token_type_ids)
-        small = x.shape[0] <= self.kernel_tokens  # host-side: x's rows are the graph's token bucket
+        small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
+        if small and (token_type_ids is None or self.embeddings.token_type_embeddings.num_embeddings == 1):
+            x = self.embeddings.fused(input_ids, positions, self.offset)
+        else:
+            x = self.embeddings(input_ids, positions + self.offset if self.offset else positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
         return x
