@@ -52,9 +52,9 @@ def embed_norm(ids: torch.Tensor, positions: torch.Tensor, word: torch.Tensor, p
     ids, positions: int64 [T]; word [V, hidden], pos [P, hidden], type_row [hidden]."""
     T, N = ids.shape[0], word.shape[1]
     out = torch.empty(T, N, dtype=word.dtype, device=word.device)
-    rows = 2 if N > 1024 else 4
-    launch(_embed_norm_kernel, (triton.cdiv(T, rows),), ids, positions, word, pos, type_row, weight, bias, out,
-           T, N, eps, offset, BLOCK=triton.next_power_of_2(N), ROWS=rows, num_warps=4)
+    # one row per program, 8 warps: add_norm's measured tile for the same rows (`rose.kernels.gemm`)
+    launch(_embed_norm_kernel, (T,), ids, positions, word, pos, type_row, weight, bias, out,
+           T, N, eps, offset, BLOCK=triton.next_power_of_2(N), ROWS=1, num_warps=8)
     return out
 
 
