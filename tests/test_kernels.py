@@ -69,6 +69,20 @@ def test_pool_rows_matches_reference(last, normalize):
         assert torch.allclose(out.norm(dim=1), torch.ones(5, device=DEV), atol=1e-3)
 
 
+@pytest.mark.parametrize("d", [96, 384, 1024])
+def test_pool_mean_and_normalize_match_references(d):
+    """Means over each sequence's tokens (longer than one 32-row chunk, one token, empty dummies at
+    the end), then normalised in place."""
+    hidden = rand(80, d)
+    cu = torch.tensor([0, 1, 45, 79, 79, 79], dtype=torch.int32, device=DEV)
+    out = krows.pool_mean(hidden, cu)
+    assert out.shape == (5, d) and out.dtype == torch.float32
+    want = krows.pool_mean_reference(hidden, cu)
+    assert rel(out, want) < 1e-5 and torch.equal(out[3:], torch.zeros(2, d, device=DEV))
+    normed = krows.normalize_rows(out.clone())
+    assert rel(normed[:3], torch.nn.functional.normalize(want[:3], dim=-1)) < 1e-5
+
+
 @pytest.mark.parametrize("m,n,k,split,tile", [(128, 128, 256, 1, None), (128, 128, 256, 4, None),
                                               (70, 96, 512, 2, None), (70, 96, 256, 2, (4, 2)), (128, 128, 256, 4, (8, 4))])
 @pytest.mark.parametrize("rms,pre,beta", [(False, False, True), (True, True, False), (False, True, False),

@@ -8,7 +8,9 @@ torch's kernels do not launch early (`rose.kernels.pdl`). Here:
   position rows (position + `offset`) plus one token-type row, LayerNorm'd: BERT / XLM-RoBERTa's
   embeddings with one segment;
 - `pool_rows(hidden, cu_seqlens, last, normalize)`: each sequence's first (CLS) or last token, float32,
-  L2-normalised where asked: sentence-transformers' CLS / last-token pooling and Normalize.
+  L2-normalised where asked: sentence-transformers' CLS / last-token pooling and Normalize;
+- `pool_mean(hidden, cu_seqlens)` and `normalize_rows(x)`: mean pooling over each sequence's tokens
+  (float32; torch takes seven kernels for it), and the L2 normalisation after it, in place.
 `*_reference` is the same maths in torch (float32), the CPU-runnable reference of the tests.
 """
 
@@ -88,6 +90,54 @@ def pool_rows(hidden: torch.Tensor, cu_seqlens: torch.Tensor, last: bool, normal
     return out
 
 
+@triton.jit
+def _pool_mean_kernel(h_ptr, cu_ptr, out_ptr, D, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, USE_GDC: tl.constexpr):
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_c = cols < D
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    start = tl.load(cu_ptr + i)
+    end = tl.load(cu_ptr + i + 1)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in range(start, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        m = (rows[:, None] < end) & in_c[None, :]
+        x = tl.load(h_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0)
+        acc += tl.sum(x.to(tl.float32), axis=0)
+    tl.store(out_ptr + i * D + cols, acc / tl.maximum(end - start, 1).to(tl.float32), mask=in_c)
+
+
+def pool_mean(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The mean of each sequence's rows of hidden [T, D] (the tokens cu_seqlens [N + 1] gives it;
+    an empty sequence: zeros), float32 [N, D]."""
+    D = hidden.shape[1]
+    n = cu_seqlens.shape[0] - 1
+    out = torch.empty(n, D, dtype=torch.float32, device=hidden.device)
+    block = min(128, triton.next_power_of_2(D))
+    launch(_pool_mean_kernel, (n, triton.cdiv(D, block)), hidden, cu_seqlens, out, D, BLOCK_D=block, ROWS=32,
+           num_warps=4)
+    return out
+
+
+@triton.jit
+def _normalize_kernel(x_ptr, D, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    i = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + i * D + cols, mask=cols < D, other=0.0)
+    tl.store(x_ptr + i * D + cols, x / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), 1e-12), mask=cols < D)
+
+
+def normalize_rows(x: torch.Tensor) -> torch.Tensor:
+    """F.normalize(x, dim=-1) of a contiguous float32 [N, D], in place."""
+    launch(_normalize_kernel, (x.shape[0],), x, x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4)
+    return x
+
+
 # References: the unfused maths, float32 (CPU-runnable).
 
 def embed_norm_reference(ids, positions, word, pos, type_row, weight, bias, eps, offset=0):
@@ -100,3 +150,8 @@ def pool_rows_reference(hidden, cu_seqlens, last, normalize):
     rows = (cu[1:] - 1).clamp(min=0) if last else cu[:-1].clamp(max=hidden.shape[0] - 1)
     x = hidden.float()[rows]
     return F.normalize(x, p=2, dim=-1) if normalize else x
+
+
+def pool_mean_reference(hidden, cu_seqlens):
+    cu = cu_seqlens.long().tolist()
+    return torch.stack([hidden[a:b].float().sum(0) / max(b - a, 1) for a, b in zip(cu[:-1], cu[1:])])

@@ -57,13 +57,17 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
 
 
 def pool_fused(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor | None:
-    """`pool` ("cls" / "last") and then `normalize` (if asked) or float32, in one Triton kernel
-    (`rose.kernels.rows.pool_rows`); None for the other modes, which keep `pool`."""
-    if mode not in ("cls", "last"):
-        return None
-    from rose.kernels.rows import pool_rows
+    """`pool` ("cls", "last", "mean") and then `normalize` (if asked) or float32, in Triton kernels
+    (`rose.kernels.rows`: one for CLS / last, two for mean); None for the other modes, which keep
+    `pool`. "mean" divides by the sequence's tokens as `pool` does (no prompt left out)."""
+    from rose.kernels import rows
 
-    return pool_rows(hidden, cu_seqlens, mode == "last", normalize)
+    if mode in ("cls", "last"):
+        return rows.pool_rows(hidden, cu_seqlens, mode == "last", normalize)
+    if mode == "mean":
+        out = rows.pool_mean(hidden, cu_seqlens)
+        return rows.normalize_rows(out) if normalize else out
+    return None
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
