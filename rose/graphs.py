@@ -8,7 +8,7 @@ selected, workspaces allocated) -> captured (second hit) -> replayed (every late
 hit). All graphs share one memory pool and read one set of static input
 buffers; the host pads the batch to its bucket in page-locked memory and copies
 it in before replay. Padding tokens belong to no sequence (attention never sees
-them; mean pooling sends them to a discarded row), so they cannot change a real
+them; pooling reads each sequence's own tokens or sends them to a discarded row), so they cannot change a real
 sequence's output. A batch larger than the biggest bucket runs eagerly. A cross-encoder's runner
 (`segments`) also stages each sequence's second-segment start (0: none) and hands them to its
 forward, whose output is the smaller [N, num_labels] scores. A step that
@@ -175,8 +175,11 @@ class CudaOps:
         """`dst.copy_(src, non_blocking=True)` on the engine's stream, for contiguous tensors of one
         dtype and size (page-locked host memory on one side)."""
         if self._copy is None or dst.dtype != src.dtype or dst.nbytes != src.nbytes or not src.is_contiguous() \
-                or self._copy(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle):
-            dst.copy_(src, non_blocking=True)  # no driver here, or it refused (e.g. no context on this thread)
+                or not dst.is_contiguous():
+            dst.copy_(src, non_blocking=True)
+        elif code := self._copy(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle):
+            _refused("cuMemcpyAsync", code)  # e.g. no CUDA context on this thread
+            dst.copy_(src, non_blocking=True)
 
     def launcher(self, g) -> Callable[[], object]:
         """The call that replays captured graph `g` on the engine's stream."""
@@ -212,8 +215,15 @@ class CudaOps:
 
 
 def _checked(launch, exec_, stream, replay) -> None:
-    if launch(exec_, stream):  # refused (e.g. no context on this thread): torch's own replay
+    if code := launch(exec_, stream):  # refused (e.g. no context on this thread): torch's own replay
+        _refused("cuGraphLaunch", code)
         replay()
+
+
+@functools.cache
+def _refused(call: str, code: int) -> None:
+    """Say once per call and error code that the driver refused and torch's call ran instead."""
+    log.warning("graphs: %s returned CUDA error %d; torch's own call runs instead", call, code)
 
 
 class GraphRunner:
@@ -256,7 +266,6 @@ class GraphRunner:
         self._hits: dict[GraphKey, int] = {}
         self._keys: dict[tuple, GraphKey | None] = {}  # (seqs, tokens, longest, extras) -> key, up to KEY_CACHE
         self._graphs: dict[GraphKey, tuple[Callable[[], object], torch.Tensor]] = {}  # key -> (replay, output)
-        self._held: list = []  # the captured graphs
         self._in_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket tokens)
         self._out_views: dict[tuple[int, int], torch.Tensor] = {}  # (slot, sequences)
 
@@ -337,8 +346,7 @@ class GraphRunner:
         self.stats.captures += 1
         self.stats.capture_ms += ms
         self.stats.capture_ms_by_key[key] = ms
-        self._graphs[key] = (self.ops.launcher(g), out)
-        self._held.append(g)  # the launcher holds its executable graph's handle: keep the graph alive
+        self._graphs[key] = (self.ops.launcher(g), out)  # the launcher holds g (its replay), so g lives
         log.info("graph captured for %d seqs x %d tokens (max length %d)%s in %.1f ms", nb, tb, lb,
                  f" with {'+'.join(sorted(key.extras))}" if key.extras else "", ms)
         g.replay()

@@ -304,9 +304,8 @@ def test_triton_kernels_equal_references_in_bf16():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 16, 64), (16, 8, 128)])
 def test_triton_attention_on_long_sequences_equals_the_reference(heads, kv_heads, dim, causal):
-    """ROSE's attention kernel is the built-in choice for bidirectional models at every length (it won
-    the H200 sweep to 8,192 tokens); the causal cases are for decoders, whose sweep it also won (to
-    4,096) but whose built-in choice is still varlen beyond 512 tokens. In bf16 against float32 SDPA
+    """ROSE's attention kernel is the built-in choice at every length (it won the H200 sweeps, to 8,192
+    tokens bidirectional and to 4,096 causal), for encoders and decoders alike. In bf16 against float32 SDPA
     per sequence at 4,096 and 8,192 tokens, with a short sequence beside a long one and a bucket's
     padding rows."""
     from rose.kernels import attention as kattn

@@ -51,7 +51,7 @@ def embed_norm(ids: torch.Tensor, positions: torch.Tensor, word: torch.Tensor, p
                type_row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                offset: int = 0) -> torch.Tensor:
     """LayerNorm(word[ids] + pos[positions + offset] + type_row) -> [T, hidden] in word's dtype.
-    ids, positions: int64 [T]; word [V, hidden], pos [P, hidden], type_row [hidden]."""
+    ids, positions: int64 [T]; word [V, hidden], pos [P, hidden] (contiguous, as loaded), type_row [hidden]."""
     T, N = ids.shape[0], word.shape[1]
     out = torch.empty(T, N, dtype=word.dtype, device=word.device)
     # one row per program, 8 warps: add_norm's measured tile for the same rows (`rose.kernels.gemm`)

@@ -62,6 +62,7 @@ def pool_fused(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, normal
     `pool`. "mean" divides by the sequence's tokens as `pool` does (no prompt left out)."""
     from rose.kernels import rows
 
+    hidden = hidden.contiguous()  # the kernels read [T, D] rows (a no-op for every block's output)
     if mode in ("cls", "last"):
         return rows.pool_rows(hidden, cu_seqlens, mode == "last", normalize)
     if mode == "mean":
