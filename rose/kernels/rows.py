@@ -11,7 +11,8 @@ torch's kernels do not launch early (`rose.kernels.pdl`). Here:
   L2-normalised where asked: sentence-transformers' CLS / last-token pooling and Normalize;
 - `pool_mean(hidden, cu_seqlens)` and `normalize_rows(x)`: mean pooling over each sequence's tokens
   (float32; torch takes seven kernels for it), and the L2 normalisation after it, in place.
-`*_reference` is the same maths in torch (float32), the CPU-runnable reference of the tests.
+`embed_norm_reference` is its maths in torch (float32), the CPU-runnable reference of the tests; the
+pooling kernels' reference is the torch path they replace (`rose.layers.pooling.pool`, `normalize`).
 """
 
 from __future__ import annotations
@@ -138,20 +139,9 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# References: the unfused maths, float32 (CPU-runnable).
+# Reference: the unfused maths, float32 (CPU-runnable).
 
 def embed_norm_reference(ids, positions, word, pos, type_row, weight, bias, eps, offset=0):
     x = word.float()[ids] + pos.float()[positions + offset] + type_row.float()
     return F.layer_norm(x, (x.shape[-1],), weight.float(), bias.float(), eps)
 
-
-def pool_rows_reference(hidden, cu_seqlens, last, normalize):
-    cu = cu_seqlens.long()
-    rows = (cu[1:] - 1).clamp(min=0) if last else cu[:-1].clamp(max=hidden.shape[0] - 1)
-    x = hidden.float()[rows]
-    return F.normalize(x, p=2, dim=-1) if normalize else x
-
-
-def pool_mean_reference(hidden, cu_seqlens):
-    cu = cu_seqlens.long().tolist()
-    return torch.stack([hidden[a:b].float().sum(0) / max(b - a, 1) for a, b in zip(cu[:-1], cu[1:])])
