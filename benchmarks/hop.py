@@ -12,7 +12,8 @@ Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread; the 
 awake `--spin-ms` after each step). `--client-spin-ms` lets the client poll while a reply is due. Where CUDA is
 present the null step is a real device-side sleep with a real CUDA event; elsewhere a timer stands
 in; with `--model` the real engine runs instead. Before serving, Tulip times its engine loop
-in-process (submit -> result, no gRPC). Both servers also listen on a Unix socket. The client, in this process, sends one
+in-process (submit -> result, no gRPC) and, with `--model`, the bare `Engine.step()` as
+`benchmarks.engine` times it (the baseline the request-path targets subtract). Both servers also listen on a Unix socket. The client, in this process, sends one
 pre-tokenized 128-token request at a time over TCP (unary, stream) and the socket (stream). Each
 row is one p50/p99 over `--n` requests; the differences between rows are the breakdown.
 
@@ -200,8 +201,14 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
             stages = 4 * args["n"] if kind == "tulip-stages" else 0
             loop = EngineLoop(engine, TulipConfig(spin_ms=args["spin_ms"], max_batch_tokens=16384,
                                                   stage_samples=stages))
+            if args["model"] and kind == "tulip":  # the bare step first, as benchmarks.engine times it
+                from benchmarks.engine import time_online
+
+                step = time_online(engine, 128, args["n"])
             loop.start()
-            info = await _in_process(loop, args["n"])
+            info = {"loop": await _in_process(loop, args["n"])}
+            if args["model"] and kind == "tulip":
+                info["step"] = step
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
         if kind == "echo":
@@ -465,7 +472,9 @@ def main(argv=None) -> int:
                     print_tail(transport, tail)
                 continue
             if tulip:
-                rec.emit(**common, transport="in-process engine loop", socket=None, **in_process)
+                rec.emit(**common, transport="in-process engine loop", socket=None, **in_process["loop"])
+            if "step" in in_process:  # the baseline: the bare Engine.step(), no loop
+                rec.emit(**common, transport="in-process engine step", socket=None, **in_process["step"])
             for transport, target in (("unary", f"127.0.0.1:{port}"), ("stream", f"127.0.0.1:{port}"),
                                       ("stream", f"unix:{uds}")):
                 r = run_client(_measure(target, transport, args.n, args.client_spin_ms))
