@@ -5,6 +5,8 @@
     python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
     python -m benchmarks.hop --device-ms 1 --tail-only     # only the stamping Tulip: where the slow requests went
 
+Every server runs with gRPC's I/O as `python -m tulip` sets it for itself (`trellis.grpcio`; `--server-io
+default`: grpc's own), the clients with grpc's default, as an independent client would be.
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
 (0: an already-complete LazyTensor; > 0: a step that completes that much later, watched as
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -52,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
+from trellis import grpcio
 from tulip.stages import POINTS
 
 
@@ -144,6 +148,21 @@ async def _in_process(loop, n: int) -> dict:
         await loop.submit(Request(ids, lengths))
         ts.append((time.perf_counter() - t0) * 1e3)
     return percentiles(ts[200:])
+
+
+@contextlib.contextmanager
+def _environ(env: dict):
+    """These environment variables set for the block, then as they were."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _wait_ready(p, ready, timeout: float):
@@ -430,6 +449,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-floors", action=argparse.BooleanOptionalAction, default=None,
                     help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows); "
                          "default: on with the null engine, off with --model (they do not depend on it)")
+    ap.add_argument("--server-io", choices=("tulip", "default"), default="tulip",
+                    help="the servers' gRPC I/O: as `python -m tulip` sets it for itself (`trellis.grpcio`), or "
+                         "grpc's default; the clients always keep grpc's default")
     ap.add_argument("--profile", default="", help="with --stages: write a cProfile of that Tulip to this directory")
     ap.add_argument("--tail-only", action="store_true",
                     help="serve only the stage-recording Tulip (hop-stages and hop-tail rows; no echo, no proto, "
@@ -441,16 +463,19 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
             else "tulip + null engine")
+    server_env = {"GRPC_EXPERIMENTS": grpcio.EXPERIMENTS} if args.server_io == "tulip" else {}
     kinds = ("tulip-stages",) if args.tail_only else ("echo", "tulip") + (("tulip-stages",) if args.stages else ())
     for kind in kinds:
         port, uds, ready, cmd = free_port(), tmp / f"{kind}.sock", ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready, cmd), daemon=True)
-        p.start()
+        with _environ(server_env):  # a spawned process reads its environment at start
+            p.start()
         try:
             in_process = _wait_ready(p, ready, 900)  # the server is listening (and measured itself in-process)
             tulip = kind != "echo"
             common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
-                          cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms)
+                          cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms,
+                          server_grpc_experiments=server_env.get("GRPC_EXPERIMENTS"))
             if tulip:
                 common.update(device_ms=None if args.model else args.device_ms, spin_ms=args.spin_ms)
             if kind == "tulip-stages":
@@ -490,12 +515,13 @@ def main(argv=None) -> int:
         port = free_port()
         root = Path(__file__).resolve().parent.parent
         p = subprocess.Popen([sys.executable, "-m", "benchmarks.syncserver", kind, str(port)], cwd=root,
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(root)))
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(root), **server_env))
         try:
             if p.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"benchmarks.syncserver {kind} did not start")
             common = dict(bench="hop-proto", server=f"grpc echo, sync server ({kind})", device_ms=None, spin_ms=None,
-                          cpus=os.cpu_count(), client_spin_ms=0.0)
+                          cpus=os.cpu_count(), client_spin_ms=0.0,
+                          server_grpc_experiments=server_env.get("GRPC_EXPERIMENTS"))
             for r in _proto_client(f"127.0.0.1:{port}", args.n):
                 rec.emit(**{**common, **r, "socket": "tcp"})
         finally:
