@@ -55,7 +55,10 @@ def install():
     wrap(graphs.GraphRunner, "_stage", "stage")
     wrap(graphs.GraphRunner, "_run_key", "run_key(launch)")
     wrap(graphs.GraphRunner, "key", "key")
-    wrap(graphs.CudaOps, "copy", "ops.copy(x2)")
+    if hasattr(graphs, "_checked_copy"):  # the driver copies, bound once per buffer pair (an older tree: CudaOps.copy)
+        wrap(graphs, "_checked_copy", "driver copies (x2)")
+    else:
+        wrap(graphs.CudaOps, "copy", "ops.copy(x2)")
     wrap(graphs.CudaOps, "use_stream", "use_stream")
 
 

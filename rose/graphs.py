@@ -174,12 +174,17 @@ class CudaOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`dst.copy_(src, non_blocking=True)` on the engine's stream, for contiguous tensors of one
         dtype and size (page-locked host memory on one side)."""
+        self.copier(dst, src)()
+
+    def copier(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        """`copy(dst, src)` bound once, for buffers that stay put (a ring slot's input copy: its
+        pointers and size are checked and read here, not on every step); torch's copy_ where the
+        driver cannot take it (another dtype, a strided view, no libcuda)."""
         if self._copy is None or dst.dtype != src.dtype or dst.nbytes != src.nbytes or not src.is_contiguous() \
                 or not dst.is_contiguous():
-            dst.copy_(src, non_blocking=True)
-        elif code := self._copy(dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle):
-            _refused("cuMemcpyAsync", code)  # e.g. no CUDA context on this thread
-            dst.copy_(src, non_blocking=True)
+            return functools.partial(dst.copy_, src, non_blocking=True)
+        return functools.partial(_checked_copy, self._copy, dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle,
+                                 dst, src)
 
     def launcher(self, g) -> Callable[[], object]:
         """The call that replays captured graph `g` on the engine's stream."""
@@ -212,6 +217,12 @@ class CudaOps:
         with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
             out = fn()
         return g, out
+
+
+def _checked_copy(copy, dst_ptr, src_ptr, nbytes, stream, dst, src) -> None:
+    if code := copy(dst_ptr, src_ptr, nbytes, stream):  # refused (e.g. no CUDA context on this thread)
+        _refused("cuMemcpyAsync", code)
+        dst.copy_(src, non_blocking=True)
 
 
 def _checked(launch, exec_, stream, replay) -> None:
@@ -266,7 +277,8 @@ class GraphRunner:
         self._hits: dict[GraphKey, int] = {}
         self._keys: dict[tuple, GraphKey | None] = {}  # (seqs, tokens, longest, extras) -> key, up to KEY_CACHE
         self._graphs: dict[GraphKey, tuple[Callable[[], object], torch.Tensor]] = {}  # key -> (replay, output)
-        self._in_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, bucket tokens)
+        self._in_copies: dict[tuple[int, int], Callable[[], None]] = {}  # (slot, bucket tokens) -> its input copy
+        self._staged: list[tuple | None] = [None] * R  # per slot: what its last staging wrote besides the ids
         self._out_views: dict[tuple[int, int], torch.Tensor] = {}  # (slot, sequences)
 
     def key(self, batch: Batch, extras: frozenset = frozenset()) -> GraphKey | None:
@@ -300,14 +312,20 @@ class GraphRunner:
                                               batch.seq_ids.numpy(), batch.cu_seqlens.numpy())
         tok = self._in_tok_np[slot]
         tok[0:T] = ids
-        tok[T:tb] = 0
-        tok[tb:tb + T] = pos
-        tok[tb + T:2 * tb] = 0
-        tok[2 * tb:2 * tb + T] = sid
-        tok[2 * tb + T:3 * tb] = nb  # padding tokens pool into a discarded row
-        cu = self._in_cu_np[slot]
-        cu[: N + 1] = cu_in
-        cu[N + 1: nb + 1] = T  # empty dummy sequences
+        last = self._staged[slot]
+        # Positions, sequence ids, cu_seqlens and all padding are what the slot's last step left where
+        # that step had the same arrays (a one-sequence batch's are shared per length: `rose.batch`) and
+        # shapes: then only the ids are new (an online request of a recurring length: 1 write, not 8).
+        if last is None or last[0] is not pos or last[1] is not sid or last[2] is not cu_in or last[3] != (T, nb, tb):
+            tok[T:tb] = 0
+            tok[tb:tb + T] = pos
+            tok[tb + T:2 * tb] = 0
+            tok[2 * tb:2 * tb + T] = sid
+            tok[2 * tb + T:3 * tb] = nb  # padding tokens pool into a discarded row
+            cu = self._in_cu_np[slot]
+            cu[: N + 1] = cu_in
+            cu[N + 1: nb + 1] = T  # empty dummy sequences
+            self._staged[slot] = (pos, sid, cu_in, (T, nb, tb))  # (held, so `is` cannot match a reused id)
         if self.segments:
             seg = self._in_seg_np[slot]
             seg[:N] = 0 if batch.segment_starts is None else batch.segment_starts.numpy()
@@ -325,8 +343,9 @@ class GraphRunner:
                 return self.forward(*args)
             return self.forward_extras(*args, key.extras)
 
-        if key in self._graphs:
-            launch, out = self._graphs[key]
+        graph = self._graphs.get(key)
+        if graph is not None:
+            launch, out = graph
             launch()
             self.stats.replays += 1
             return out
@@ -379,11 +398,11 @@ class GraphRunner:
         self._stage(batch, slot, nb, tb)
         self.ops.use_stream()  # the backend's plan copies (FlashInfer) are ordered with the replay: one stream
         self.prepare(key, self._in_cu_np[slot, : nb + 1], tb)
-        views = self._in_views.get((slot, tb))
-        if views is None:  # a slot's slices are made once per size (each costs host time per step)
+        copy_in = self._in_copies.get((slot, tb))
+        if copy_in is None:  # a slot's slices and their copy are made once per size (each costs host time per step)
             n = self._head + 24 * tb
-            views = self._in_views[(slot, tb)] = (self._inputs[:n], self._staging[slot, :n])
-        self.ops.copy(*views)
+            copy_in = self._in_copies[(slot, tb)] = self.ops.copier(self._inputs[:n], self._staging[slot, :n])
+        copy_in()
         host = self._out_views.get((slot, batch.num_seqs))
         if host is None:
             host = self._out_views[(slot, batch.num_seqs)] = self._out[slot, : batch.num_seqs]

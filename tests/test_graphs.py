@@ -77,6 +77,9 @@ class FakeOps:
     def copy(self, dst, src):
         dst.copy_(src)
 
+    def copier(self, dst, src):
+        return lambda: dst.copy_(src)
+
     def launcher(self, g):
         return g.replay
 
@@ -254,6 +257,29 @@ def test_a_batch_stages_the_same_from_its_host_arrays_as_from_its_tensors():
         assert np.array_equal(runner._staging[0].numpy(), runner._staging[1].numpy())
     skipped = Batch.from_sequences([np.arange(5, 40)], pool_from=[3])  # its own seq_ids: no host arrays
     assert skipped.host is None and int(skipped.seq_ids[0]) == 1
+
+
+def test_a_slot_restaged_writes_what_a_fresh_slot_would():
+    """A slot staged again with the same shared arrays (a one-sequence batch of a recurring length)
+    writes only the ids; with any other length, bucket, sequence count or arrays, everything. Each time
+    the bytes a step copies equal a fresh runner's staging of the same batch."""
+    g = np.random.default_rng(0)
+
+    def runner():
+        return GraphRunner(lambda *a: None, lambda *a: None, 8, torch.device("cpu"),
+                           GraphConfig(max_tokens=256, ring=2), ops=FakeOps())
+
+    used = runner()
+    for seqs, pool_from in ([[35], None], [[35], None], [[20], None], [[35], None], [[35], [4]], [[35], None],
+                            [[100], None], [[35], None], [[35, 12], None], [[35], None]):
+        batch = Batch.from_sequences([g.integers(5, 1000, n) for n in seqs], pool_from)
+        key = used.key(batch)
+        used._stage(batch, 0, key.seqs, key.tokens)
+        fresh = runner()
+        fresh._stage(batch, 0, key.seqs, key.tokens)
+        tb, cu = key.tokens, key.seqs + 1  # what the step's graph reads
+        assert np.array_equal(used._in_tok_np[0, :3 * tb], fresh._in_tok_np[0, :3 * tb]), (seqs, pool_from)
+        assert np.array_equal(used._in_cu_np[0, :cu], fresh._in_cu_np[0, :cu]), (seqs, pool_from)
 
 
 def test_use_stream_sets_the_engine_stream_when_the_stream_or_the_device_differs(monkeypatch):
