@@ -13,7 +13,8 @@ thread reads the sockets itself instead of EventEngine threads handing each mess
 thread wake-up fewer per message each way; grpc reads the variable at import) and `after+cspin` (this
 tree, the client's loop polling while a reply is due: `--client-spin-ms 2`; it tells whether the
 client's wake-up is the tail); `--variants` picks (default: all four with the null engine,
-`before,after,after+io` with `--model`). Each variant is one `benchmarks.hop` process with
+`before,after,after+io` with `--model`). Each variant is one `benchmarks.hop` process (its servers on
+the variant's gRPC I/O: `--server-io default`, so only `after+io` turns grpc's EventEngine off) with
 `--device-ms 1` (or `--model`), `--stages`, and `--proto` with the null engine; with `--model` only the
 stage-recording server is served (`--tail-only`: one model load and compile per variant, not two).
 JSON lines per variant go to `--out` (default: a temporary directory), the table to stdout.
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="tailab-"))
     out.mkdir(parents=True, exist_ok=True)
-    hop = ["--n", str(args.n), "--stages"]
+    hop = ["--n", str(args.n), "--stages", "--server-io", "default"]  # the variants set gRPC's I/O themselves
     hop += (["--model", args.model, "--tail-only"] + (["--compile"] if args.compile else [])) if args.model else \
         ["--device-ms", "1", "--proto", "--no-sync-floors"]
     wanted = args.variants.split(",") if args.variants else (
