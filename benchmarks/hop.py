@@ -223,11 +223,9 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
             if args["model"] and kind == "tulip":  # the bare step first, as benchmarks.engine times it
                 from benchmarks.engine import time_online
 
-                step = time_online(engine, 128, args["n"])
+                info["step"] = time_online(engine, 128, args["n"])
             loop.start()
-            info = {"loop": await _in_process(loop, args["n"])}
-            if args["model"] and kind == "tulip":
-                info["step"] = step
+            info["loop"] = await _in_process(loop, args["n"])
             servicer = TulipServicer(loop, "null")
         server = grpc.aio.server()
         if kind == "echo":

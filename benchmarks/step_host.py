@@ -1,23 +1,24 @@
 """Where Engine.step's host time goes: back to back, after idle gaps, in Tulip's loop, and served over gRPC.
 
-    python -m benchmarks.step_host OUTDIR [--model bge-m3] [--n 1500]       # OUTDIR/launchprobe.jsonl
+    python -m benchmarks.step_host OUTDIR [--model bge-m3] [--n 1500]       # OUTDIR/step_host.jsonl
 
 Wraps GraphRunner / CudaOps methods (class level) with wall and thread-CPU timers, then runs:
   b2b     engine.step + synchronize back to back (as benchmarks.engine)
   sleep   the same with a 0.5 ms time.sleep between steps
   spin    the same with a 0.5 ms busy wait between steps
-  loop    Tulip's EngineLoop in-process (submit -> result, as benchmarks.hop's in-process row)
-  stream  Tulip's servicer over gRPC, a tulip.client stream client in another process
+  loop    Tulip's EngineLoop in-process (submit -> result, benchmarks.hop's in-process row)
+  stream  Tulip's servicer over gRPC, benchmarks.hop's tulip.client in another process
   unary   the same, unary
 Prints and writes one JSON line per (scenario, part): p50 / p90 wall us and p50 CPU us; per served
 scenario also each busy thread's share of a core (`part: "thread"`) and the client's p50 / p99. This
 process runs gRPC's I/O as `python -m tulip` does (`trellis.grpcio`), and its client inherits it. A
-probe: the parts are timed by wrappers set on the classes, which add ~0.3 us each.
+probe: the parts are timed by wrappers set on the classes, which add a little to each.
 """
 from trellis.grpcio import use_inline_io
 
 use_inline_io()
 
+import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -28,12 +29,17 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import Recorder  # noqa: E402
+
 W, C = time.perf_counter_ns, time.thread_time_ns
 PARTS: dict[str, list] = {}
+# benchmarks.hop's client, in a process of its own: 200 requests of warm-up, then the timed ones
+CLIENT = ("import asyncio, json, sys; from benchmarks.hop import _measure; "
+          "print(json.dumps(asyncio.run(_measure(sys.argv[1], sys.argv[2], int(sys.argv[3])))))")
 
 
-def wrap(cls, name, label):
-    f = getattr(cls, name)
+def wrap(owner, name, label):
+    f = getattr(owner, name)
     acc = PARTS.setdefault(label, [])
 
     def w(*a, **k):
@@ -42,7 +48,7 @@ def wrap(cls, name, label):
         acc.append((W() - t0, C() - c0))
         return r
 
-    setattr(cls, name, w)
+    setattr(owner, name, w)
 
 
 def install():
@@ -67,87 +73,67 @@ def threads() -> dict:
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            name = open(f"/proc/self/task/{tid}/comm").read().strip()
-            f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
             out[tid] = (name, int(f[11]) + int(f[12]), int(f[36]))
         except OSError:
             pass
     return out
 
 
-def thread_usage(before: dict, after: dict, seconds: float, scenario: str, out: list):
+def thread_usage(rec: Recorder, before: dict, after: dict, seconds: float, scenario: str):
     tick = os.sysconf("SC_CLK_TCK")
     for tid, (name, t, cpu) in after.items():
         used = (t - before.get(tid, (name, 0, 0))[1]) / tick
         if used > 0.01 * seconds:
-            row = {"scenario": scenario, "part": "thread", "tid": tid, "name": name, "cpu_share": round(used / seconds, 3),
-                   "last_cpu": cpu}
-            out.append(row)
-            print(json.dumps(row), flush=True)
+            rec.emit(scenario=scenario, part="thread", tid=tid, name=name, cpu_share=round(used / seconds, 3),
+                     last_cpu=cpu)
 
 
-def summary(scenario: str, skip: int, out: list):
+def summary(rec: Recorder, scenario: str, skip: int):
     for label, v in PARTS.items():
         v = v[skip:]
-        if not v:
-            continue
-        a = np.array(v, dtype=np.float64) / 1e3
-        row = {"scenario": scenario, "part": label, "n": len(a), "wall_p50_us": round(float(np.median(a[:, 0])), 1),
-               "wall_p90_us": round(float(np.percentile(a[:, 0], 90)), 1),
-               "cpu_p50_us": round(float(np.median(a[:, 1])), 1)}
-        out.append(row)
-        print(json.dumps(row), flush=True)
+        if v:
+            a = np.array(v, dtype=np.float64) / 1e3
+            rec.emit(scenario=scenario, part=label, n=len(a), wall_p50_us=round(float(np.median(a[:, 0])), 1),
+                     wall_p90_us=round(float(np.percentile(a[:, 0], 90)), 1),
+                     cpu_p50_us=round(float(np.median(a[:, 1])), 1))
     for v in PARTS.values():
         v.clear()
 
 
-CLIENT = r"""
-import asyncio, json, sys, time
-import numpy as np
-from tulip.client import TulipClient
-async def main(target, transport, n):
-    seq = [np.arange(5, 133, dtype=np.int32)]
-    async with TulipClient(target, transport=transport) as c:
-        for _ in range(200):
-            await c.embed(seq)
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns(); await c.embed(seq); ts.append((time.perf_counter_ns() - t0) / 1e6)
-    print(json.dumps({"transport": transport, "n": n, "p50_ms": float(np.median(ts)), "p99_ms": float(np.percentile(ts, 99))}))
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
-"""
-
-
-def main() -> int:
-    out_dir = Path(sys.argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "bge-m3"
-    n = int(sys.argv[sys.argv.index("--n") + 1]) if "--n" in sys.argv else 1500
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--n", type=int, default=1500, help="steps (requests) per scenario")
+    args = ap.parse_args(argv)
+    n = args.n
     install()
     import torch
 
     from rose.batch import Batch
     from rose.engine import Engine, EngineConfig
 
-    e = Engine(EngineConfig(model=model, compile=torch.cuda.is_available()))
-    batch = Batch.from_sequences([np.arange(5, 133, dtype=np.int32)])
-    rows: list = []
+    rec = Recorder(args.out, "step_host")
+    rec.env["model"] = args.model
+    e = Engine(EngineConfig(model=args.model, compile=torch.cuda.is_available()))
+    ids = np.arange(5, 133, dtype=np.int32)
     for _ in range(10):
-        e.step(batch).synchronize()
+        e.step(Batch.from_sequences([ids])).synchronize()
     for v in PARTS.values():
         v.clear()
     print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout, flush=True)
     for scen in ("b2b", "sleep", "spin", "b2b"):
         for _ in range(n):
-            lazy = e.step(Batch.from_sequences([np.arange(5, 133, dtype=np.int32)]))
-            lazy.synchronize()
+            e.step(Batch.from_sequences([ids])).synchronize()
             if scen == "sleep":
                 time.sleep(0.0005)
             elif scen == "spin":
                 t = time.perf_counter() + 0.0005
                 while time.perf_counter() < t:
                     pass
-        summary(scen, 0, rows)
+        summary(rec, scen, 0)
 
     import gc
 
@@ -155,59 +141,39 @@ def main() -> int:
     import uvloop
     from grpc_health.v1 import health, health_pb2_grpc
 
+    from benchmarks.hop import _in_process
     from tulip.config import TulipConfig
-    from tulip.loop import EngineLoop, Request
+    from tulip.loop import EngineLoop
     from tulip.server import TulipServicer, add_tulip
 
     async def amain():
         loop = EngineLoop(e, TulipConfig(max_batch_tokens=16384))
         loop.start()
-        ids, lengths = np.arange(5, 133, dtype=np.int32), np.array([128])
-        for i in range(n + 200):
-            await loop.submit(Request(ids, lengths))
-        summary("loop", 200, rows)
+        await _in_process(loop, n)  # 200 of warm-up, then n
+        summary(rec, "loop", 200)
         server = grpc.aio.server()
         add_tulip(server, TulipServicer(loop, "probe"))
-        hs = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        for i in range(n + 200):  # in-process again, with the server up (idle)
-            await loop.submit(Request(ids, lengths))
-        summary("loop+server", 200, rows)
+        await _in_process(loop, n)  # in-process again, with the server up (idle)
+        summary(rec, "loop+server", 200)
         gc.collect()
         gc.freeze()
-        env = dict(os.environ)
         for transport in ("stream", "unary", "stream"):
-            spy = None
-            if transport == "stream" and os.environ.get("PROBE_SPY"):
-                spy = subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-r", "997", "-d", "60",
-                                        "--nonblocking", "--threads", "--format", "raw",
-                                        "-o", str(out_dir / "spy_stream.txt")], stdout=subprocess.DEVNULL)
-                await asyncio.sleep(1.0)
-            t_before, w0 = threads(), time.monotonic()
-            p = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, f"127.0.0.1:{port}", transport, str(n),
-                                                     stdout=subprocess.PIPE, env=env)
+            before, w0 = threads(), time.monotonic()
+            p = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, f"127.0.0.1:{port}", transport,
+                                                     str(n), stdout=subprocess.PIPE)
             o, _ = await p.communicate()
-            thread_usage(t_before, threads(), time.monotonic() - w0, transport, rows)
-            if spy is not None:
-                spy.terminate()
-                spy.wait()
-                os.environ.pop("PROBE_SPY")
-            client = json.loads(o.decode().strip().splitlines()[-1])
-            rows.append({"scenario": transport, "part": "client", **client})
-            print(json.dumps(rows[-1]), flush=True)
-            summary(transport, 200, rows)
+            thread_usage(rec, before, threads(), time.monotonic() - w0, transport)
+            rec.emit(scenario=transport, part="client", transport=transport,
+                     **json.loads(o.decode().strip().splitlines()[-1]))
+            summary(rec, transport, 200)
         await server.stop(0)
         await loop.stop()
 
     uvloop.install()
     asyncio.run(amain())
-    meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "git": os.environ.get("TRELLIS_GIT_REV"), "model": model, "n": n}
-    with open(out_dir / "launchprobe.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps({**r, **meta}) + "\n")
     return 0
 
 

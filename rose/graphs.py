@@ -174,17 +174,24 @@ class CudaOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`dst.copy_(src, non_blocking=True)` on the engine's stream, for contiguous tensors of one
         dtype and size (page-locked host memory on one side)."""
-        self.copier(dst, src)()
+        if self._driver_copies(dst, src):
+            _checked_copy(self._copy, dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle, dst, src)
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def copier(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
         """`copy(dst, src)` bound once, for buffers that stay put (a ring slot's input copy: its
-        pointers and size are checked and read here, not on every step); torch's copy_ where the
-        driver cannot take it (another dtype, a strided view, no libcuda)."""
-        if self._copy is None or dst.dtype != src.dtype or dst.nbytes != src.nbytes or not src.is_contiguous() \
-                or not dst.is_contiguous():
-            return functools.partial(dst.copy_, src, non_blocking=True)
-        return functools.partial(_checked_copy, self._copy, dst.data_ptr(), src.data_ptr(), dst.nbytes, self._handle,
-                                 dst, src)
+        pointers and size are checked and read here, not on every step)."""
+        if self._driver_copies(dst, src):
+            return functools.partial(_checked_copy, self._copy, dst.data_ptr(), src.data_ptr(), dst.nbytes,
+                                     self._handle, dst, src)
+        return functools.partial(dst.copy_, src, non_blocking=True)
+
+    def _driver_copies(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether the driver's plain byte copy does what torch's copy_ would: libcuda loaded, one dtype
+        and size, both contiguous (else torch's copy_ runs: it converts and strides)."""
+        return (self._copy is not None and dst.dtype == src.dtype and dst.nbytes == src.nbytes
+                and src.is_contiguous() and dst.is_contiguous())
 
     def launcher(self, g) -> Callable[[], object]:
         """The call that replays captured graph `g` on the engine's stream."""

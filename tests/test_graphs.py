@@ -312,3 +312,38 @@ def test_use_stream_sets_the_engine_stream_when_the_stream_or_the_device_differs
     state["stream"] = 5  # another stream current on this device
     ops.use_stream()
     assert len(sets) == 2 and state["stream"] == 77
+
+
+def test_cudaops_copies_go_to_the_driver_only_where_a_byte_copy_is_torchs_copy():
+    """CudaOps.copy and its bound form `copier` hand a copy to the driver (a stand-in for
+    cuMemcpyAsync here) only for contiguous tensors of one dtype and size; anything else, and a copy
+    the driver refuses, is torch's copy_. CPU tensors, no CUDA."""
+    import rose.graphs as graphs
+
+    calls, refuse = [], []
+
+    def driver(dst_ptr, src_ptr, nbytes, stream):
+        calls.append((dst_ptr, src_ptr, nbytes, stream))
+        return 1 if refuse else 0  # a CUDA error code, or success (the stand-in copies nothing)
+
+    ops = object.__new__(graphs.CudaOps)
+    ops._copy, ops._handle = driver, 42
+    src, dst = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+    for run in (lambda d, s: ops.copy(d, s), lambda d, s: ops.copier(d, s)()):
+        calls.clear()
+        run(dst, src)
+        assert calls == [(dst.data_ptr(), src.data_ptr(), 32, 42)] and not dst.any()  # the driver's, not torch's
+        half = torch.zeros(8, dtype=torch.float16)
+        run(half, src)  # another dtype: torch's copy_ converts
+        strided = torch.zeros(16)[::2]
+        run(strided, src)  # a strided view: torch's
+        assert len(calls) == 1 and torch.equal(half.float(), src) and torch.equal(strided, src)
+        refuse.append(True)
+        run(dst, src)  # refused: torch's copy_ after the driver's try
+        refuse.clear()
+        assert len(calls) == 2 and torch.equal(dst, src)
+        dst.zero_()
+    no_driver = object.__new__(graphs.CudaOps)
+    no_driver._copy, no_driver._handle = None, 0
+    no_driver.copier(dst, src)()
+    assert torch.equal(dst, src)
