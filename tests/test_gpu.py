@@ -301,28 +301,6 @@ def test_triton_kernels_equal_references_in_bf16():
         assert F.cosine_similarity(got, gemm.linear_reference(x, w, b, "gelu")).min().item() >= 0.9999
 
 
-def test_add_norm_prefetching_the_next_weights_changes_no_bit():
-    """`add_norm` prefetching weights into L2 (`ahead`, bulk prefetch hints issued before it waits for
-    its predecessor) computes exactly what it computes without them, at every region size: one
-    smaller than a prefetch chunk, one that is not a multiple of it, bge-m3's FFN weights."""
-    from rose import kernels
-    from rose.kernels import gemm
-
-    assert kernels.prefetch(), "the H200 prefetches (ROSE_PREFETCH unset)"
-    g = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    for m in (1, 128, 512):
-        parts = torch.randn(4, m, 1024, device="cuda", generator=g)
-        res, gamma, beta, b = r(m, 1024), r(1024), r(1024), r(1024)
-        plain = gemm.add_norm(parts, b, res, gamma, beta, 1e-5)
-        for ahead in [(r(8),), (r(3, 1000), r(4096, 1024)), (r(4096, 1024), r(1024, 4096))]:
-            torch.testing.assert_close(gemm.add_norm(parts, b, res, gamma, beta, 1e-5, ahead=ahead), plain,
-                                       rtol=0, atol=0)
-        total, normed = gemm.add_norm(parts, None, res, gamma, None, 1e-6, rms=True, ahead=(r(3072, 1024),))
-        want = gemm.add_norm(parts, None, res, gamma, None, 1e-6, rms=True)
-        torch.testing.assert_close((total, normed), want, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 16, 64), (16, 8, 128)])
 def test_triton_attention_on_long_sequences_equals_the_reference(heads, kv_heads, dim, causal):

@@ -5,9 +5,7 @@ unfused torch maths it must equal (`*_reference`, CPU-runnable).
 Triton's interpreter (`TRITON_INTERPRET=1`, how the CPU tests run these kernels). Without it the
 models keep their torch path. Kernels launch with programmatic dependent launch (PDL, Hopper and
 newer) when `pdl()` says so: each waits for its predecessor's writes (`gdc_wait`), then lets its
-successor launch, so a chain of them overlaps each launch with the previous kernel's work; where
-`prefetch()` says so, the add + norm kernel first asks L2 for the weights of the GEMMs after it,
-which depend on nothing (`rose.kernels.gemm.add_norm`'s `ahead`).
+successor launch, so a chain of them overlaps each launch with the previous kernel's work.
 `shape_class` is the class of a step's attention shape that every per-shape choice reads (the
 attention table's backend, the attention kernel's tile).
 """
@@ -41,13 +39,6 @@ def pdl() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-@functools.cache
-def prefetch() -> bool:
-    """Weights prefetched into L2 by the kernel before the GEMMs that read them (bulk prefetch, Hopper
-    and newer, so where `pdl()` is on), unless ROSE_PREFETCH=0."""
-    return pdl() and os.environ.get("ROSE_PREFETCH", "1") != "0"
 
 
 def shape_class(seqs: int, max_len: int) -> tuple[int, int]:

@@ -28,31 +28,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import launch, prefetch
-
+from rose.kernels import launch
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2, "geglu": 3, "geglu_tanh": 4}
 GATED = ("swiglu", "geglu", "geglu_tanh")  # w holds [gate; up] rows: the output is half as wide
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """This program's share of [ptr, ptr + nbytes) (nbytes a multiple of 16) into L2, as bulk
-    prefetches of CHUNK bytes (the last one cut to what is left): hints that do not block, issued
-    before the kernel waits for its predecessor, so the weights of the GEMMs after this kernel
-    stream from memory while the step's short kernels run."""
-    chunks = tl.cdiv(nbytes, CHUNK)
-    per = tl.cdiv(chunks, tl.num_programs(0))
-    first = tl.program_id(0) * per
-    for c0 in range(0, per, LANES):
-        c = first + c0 + tl.arange(0, LANES)
-        at = c.to(tl.int64) * CHUNK
-        size = tl.minimum(nbytes - at, CHUNK).to(tl.int32)
-        ok = ((c0 + tl.arange(0, LANES)) < per) & (size > 0)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [ptr.to(tl.pointer_type(tl.int8)) + at, ok.to(tl.int32), tl.maximum(size, 16)],
-            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -134,17 +113,13 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
 
 @triton.jit
 def _add_norm_kernel(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, gp_ptr, out_ptr, sum_ptr, M, N, eps,
-                     a0_ptr, a0_bytes, a1_ptr, a1_bytes, AHEAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      POST: tl.constexpr, RMS: tl.constexpr, PRE: tl.constexpr, HAS_BETA: tl.constexpr, USE_GDC: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask_c = cols[None, :] < N
     mask = (rows[:, None] < M) & mask_c
     at = rows[:, None] * N + cols[None, :]
-    if AHEAD >= 1:  # the next GEMMs' weights, which do not wait for anything
-        _prefetch_l2(a0_ptr, a0_bytes, 1024, 256)
-    if AHEAD >= 2:
-        _prefetch_l2(a1_ptr, a1_bytes, 1024, 256)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -294,7 +269,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, split: int | None = None, 
 
 def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
              norm_bias: torch.Tensor | None, eps: float, rms: bool = False, config: NormTile | None = None,
-             pre: bool | None = None, post: torch.Tensor | None = None, ahead: tuple = ()):
+             pre: bool | None = None, post: torch.Tensor | None = None):
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
     warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`).
 
@@ -303,22 +278,15 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     residual's dtype first, as the unfused model rounds it; else post-norm, as BERT: norm(sum), in
     residual's dtype. post: the weight of an RMSNorm (same eps) applied to the projection before the
     residual add, its output rounded to residual's dtype (Gemma3's post-attention / post-feedforward
-    norms, whose (1 + w) the caller passes). ahead: up to two weight tensors the GEMMs after this
-    kernel read, prefetched into L2 while it waits for its predecessor (where `prefetch()` says so;
-    a hint: the result does not change)."""
+    norms, whose (1 + w) the caller passes)."""
     split, M, N = partials.shape
-    regions = [(t, t.numel() * t.element_size() // 16 * 16) for t in ahead if t is not None and t.data_ptr() % 16 == 0]
-    regions = [(t, n) for t, n in regions if n][:2] if prefetch() else []
-    ahead = len(regions)
-    regions += [(weight, 0)] * (2 - ahead)
     pre = rms if pre is None else pre
     out = torch.empty_like(residual)
     total = torch.empty_like(residual) if pre else out
     rows, warps = config or _norm_override() or (1, 8)  # measured: 2.4 us against 3.3 with 4 warps (1024 wide)
     launch(_add_norm_kernel, (triton.cdiv(M, rows),), partials, bias if bias is not None else weight, residual,
            weight, norm_bias if norm_bias is not None else weight, post if post is not None else weight, out,
-           total, M, N, eps, regions[0][0], regions[0][1], regions[1][0], regions[1][1],
-           AHEAD=ahead, SPLIT=split, BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None,
+           total, M, N, eps, SPLIT=split, BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None,
            POST=post is not None, RMS=rms, PRE=pre, HAS_BETA=norm_bias is not None, num_warps=warps)
     return (total, out) if pre else out
 

@@ -24,12 +24,10 @@ TRITON_OPS = frozenset({"out", "down"})  # the measured default (`rose.kernels.g
 
 def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out: nn.Linear, norm1: nn.LayerNorm,
                     up: nn.Linear, down: nn.Linear, norm2: nn.LayerNorm, act: str = "gelu",
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None, ahead: tuple = ()) -> torch.Tensor:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One block on x [T, hidden] (bf16 / fp16 on CUDA, or Triton's interpreter) -> [T, hidden].
     act: the FFN's, "gelu" (tanh form) or "swiglu" (`up` holds [gate; up] rows, no bias);
-    rope: (positions [T], `Rotary.cos_sin` table) to rotate q and k by, or None; ahead: the next
-    block's first weights (its q/k/v and output projections), prefetched into L2 by the last kernel
-    (as the FFN's are by the first add + LayerNorm: `rose.kernels.gemm.add_norm`)."""
+    rope: (positions [T], `Rotary.cos_sin` table) to rotate q and k by, or None."""
     from rose.kernels import gemm
 
     T, h = x.shape
@@ -43,14 +41,12 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
 
         q, k, v = rotate(y, *rope, heads, d)
     a = attn(q, k, v, meta).reshape(T, h)
-    x = gemm.add_norm(gemm.linear_partials(a, out.weight), out.bias, x, norm1.weight, norm1.bias, norm1.eps,
-                      ahead=(up.weight, down.weight))
+    x = gemm.add_norm(gemm.linear_partials(a, out.weight), out.bias, x, norm1.weight, norm1.bias, norm1.eps)
     if act == "swiglu":
         f = gemm.linear(x, up.weight, None, "swiglu")
     else:
         f = gemm.linear(x, up.weight, up.bias, act="gelu") if "up" in ops else linear_gelu(x, up.weight, up.bias)
-    return gemm.add_norm(gemm.linear_partials(f, down.weight), down.bias, x, norm2.weight, norm2.bias, norm2.eps,
-                         ahead=ahead)
+    return gemm.add_norm(gemm.linear_partials(f, down.weight), down.bias, x, norm2.weight, norm2.bias, norm2.eps)
 
 
 class SmallStepKernels:

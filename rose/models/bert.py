@@ -111,14 +111,11 @@ class BertLayer(nn.Module):
     def forward(self, x, meta, attn):
         return self.feed_forward(self.attention.self(x, meta, attn), x)
 
-    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend,
-                   after: "BertLayer | None" = None) -> torch.Tensor:
-        """The same layer for small steps, in fewer kernels (`rose.layers.small_step`); `after`: the
-        next layer, whose first weights this one's last kernel prefetches."""
+    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """The same layer for small steps, in fewer kernels (`rose.layers.small_step`)."""
         sa, so = self.attention.self, self.attention.output
-        ahead = (after.attention.self.qkv.weight, after.attention.output.dense.weight) if after is not None else ()
         return post_norm_block(x, meta, attn, sa.num_heads, sa.qkv, so.dense, so.LayerNorm, self.intermediate.dense,
-                               self.output.dense, self.output.LayerNorm, ahead=ahead)
+                               self.output.dense, self.output.LayerNorm)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
@@ -195,10 +192,6 @@ class BertModel(SmallStepKernels, Family):
             x = self.embeddings.fused(input_ids, positions, self.offset)
         else:
             x = self.embeddings(input_ids, positions + self.offset if self.offset else positions, token_type_ids)
-        layers = self.encoder.layer
-        for i, layer in enumerate(layers):
-            if small:
-                x = layer.small_step(x, meta, attn, layers[i + 1] if i + 1 < len(layers) else None)
-            else:
-                x = layer(x, meta, attn)
+        for layer in self.encoder.layer:
+            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
         return x

@@ -24,16 +24,14 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, qkv_bias, o_bias, qk_norm=True)
 
     def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
-                   attn: AttentionBackend, next_norm: RMSNorm, ahead: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                   attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block for small steps, in fewer kernels: x is the residual stream and h its
         `input_layernorm`; returns the new stream and `next_norm` of it (the next block's input
         norm, or the model's final one), each residual add fused with the norm that follows it
         (`rose.kernels.gemm.add_norm`), q/k norm and rotary in one kernel (`rose.kernels.rope`), the
         output and down projections split-K in Triton, the SwiGLU inside the gate/up GEMM's epilogue
         (`TRITON_OPS`; measured on an H200, pplx-embed-1-0.6b step 1x128 in graphs: 1.285 ms with the
-        gate/up in Triton, 1.459 with it in cuBLAS then silu * up). ahead: the next block's q/k/v and
-        output weights, which the last kernel prefetches into L2 (as the first add + norm does the
-        FFN's)."""
+        gate/up in Triton, 1.459 with it in cuBLAS then silu * up)."""
         from rose.kernels import gemm
         from rose.kernels.rope import qk_norm_rope
 
@@ -45,14 +43,14 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
                                sa.h, sa.hk, sa.d)
         a = attn(q, k, v, meta).reshape(T, -1)
         x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
-                             post.eps, rms=True, ahead=(mlp.gate_up_proj.weight, mlp.down_proj.weight))
+                             post.eps, rms=True)
         if "up" in ops:
             m = gemm.linear(h, mlp.gate_up_proj.weight, None, "swiglu")
         else:
             gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
             m = F.silu(gate) * up
         return gemm.add_norm(gemm.linear_partials(m, mlp.down_proj.weight), None, x, next_norm.weight, None,
-                             next_norm.eps, rms=True, ahead=ahead)
+                             next_norm.eps, rms=True)
 
 
 class Qwen3Model(SmallStepKernels, LlamaModel):
@@ -84,8 +82,6 @@ class Qwen3Model(SmallStepKernels, LlamaModel):
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            nxt = after.input_layernorm if after is not None else self.norm
-            ahead = (after.self_attn.qkv_proj.weight, after.self_attn.o_proj.weight) if after is not None else ()
-            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt, ahead)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt)
         return h
