@@ -1,11 +1,10 @@
-"""Tokenization with the model's own tokenizer.json: a faster token-exact encoder where one applies
-(tokie, for Unigram vocabularies such as XLM-RoBERTa's), else Hugging Face `tokenizers`."""
+"""Tokenization with the model's own tokenizer.json: Ivy's own Unigram encoder (`ivy.unigram`, in C,
+token-exact) for XLM-RoBERTa-style tokenizers (BGE-M3, its rerankers), else Hugging Face `tokenizers`."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from pathlib import Path
 
@@ -16,80 +15,59 @@ from ivy.errors import APIError
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 
 log = logging.getLogger("ivy.tokenizer")
-# Model kinds the fast encoder is used for: it has been checked token-exact on them (tests/test_tokenizer.py);
-# on WordPiece (all-MiniLM-L6-v2) it differs (private-use characters), on BPE it was not checked.
-FAST_MODELS = {"Unigram"}
 YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
+BACKENDS = ("auto", "unigram", "tokenizers")
 
 
-# tokie keeps what it has seen of each distinct word, without bound (measured: ~60 bytes of memory per
-# distinct word; none for words seen before): a fresh copy replaces it after this many characters,
-# which bounds the growth to ~250 MB even if every word were new. A copy loads in ~60 ms from tokie's
-# own format (saved once at start-up), once per 32 M characters (~15,000 requests of 512 tokens).
-RELOAD_CHARS = 32_000_000
+def fixed_wrap(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The special tokens `tok` puts around a single text ([CLS] ... [SEP], <s> ... </s>), as (prefix,
+    suffix); None where its post-processor is not a fixed prefix and suffix."""
+    enc = tok.encode("a")
+    mask, ids = enc.special_tokens_mask, enc.ids
+    if 0 not in mask:
+        return None
+    first, last = mask.index(0), len(mask) - mask[::-1].index(0)
+    prefix, suffix = ids[:first], ids[last:]
+    return (prefix, suffix) if tok.encode("").ids == prefix + suffix else None
 
 
 class FastEncoder:
-    """tokie over the same tokenizer.json, encoding without special tokens; the post-processor's
-    prefix and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them."""
+    """`ivy.unigram` over the same tokenizer.json, encoding the content; the post-processor's prefix
+    and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them, and the
+    texts it hands back (see ivy/unigram.py) are encoded by `reference` (no truncation)."""
 
     def __init__(self, path: Path, reference: Tokenizer):
-        import atexit
-        import shutil
-        import tempfile
+        from ivy.unigram import UnigramEncoder
 
-        import tokie
-
-        self._tokie = tokie
-        # every copy, the one checked included, comes from tokie's own format (.tkz)
-        scratch = tempfile.mkdtemp(prefix="ivy-tokie-")
-        atexit.register(shutil.rmtree, scratch, True)
-        self._tkz = str(Path(scratch) / "tokenizer.tkz")
-        tokie.Tokenizer.from_json(str(path)).save(self._tkz)
-        self.tok = tokie.Tokenizer.from_file(self._tkz)
-        self._chars = 0
-        enc = reference.encode("a")
-        mask, ids = enc.special_tokens_mask, enc.ids
-        first = mask.index(0)
-        last = len(mask) - mask[::-1].index(0)
-        self.prefix, self.suffix = ids[:first], ids[last:]
-        self.n_special = len(self.prefix) + len(self.suffix)
-        if reference.encode("").ids != self.prefix + self.suffix:
+        wrap = fixed_wrap(reference)
+        if wrap is None:
             raise ValueError("the post-processor is not a fixed prefix and suffix")
+        self.prefix, self.suffix = wrap
+        self.n_special = len(self.prefix) + len(self.suffix)
+        self.reference = reference
+        self.unigram = UnigramEncoder(path)
 
     def ids(self, text: str, budget: int | None = None) -> np.ndarray:
         """Token ids of `text` with the special tokens; content cut to `budget` tokens if given."""
         return self.ids_many([text], budget)[0]
 
     def ids_many(self, texts: list[str], budget: int | None = None) -> list[np.ndarray]:
-        """`ids` of each text, from one call into tokie that hands back one flat id array (no Python
-        int per token: on one 512-token text 14 us against 32-52 us through `encode(...).ids` and a
-        list to array copy, on the 2-core CPU machine)."""
-        self._chars += sum(map(len, texts))
-        if self._chars > RELOAD_CHARS:
-            self.reload()
-        flat, lengths = self.tok.encode_batch_flat(texts, add_special_tokens=False)
+        """`ids` of each text: one call into the C per text, straight into the array returned."""
         pre, suf = self.prefix, self.suffix
-        head, out, start = len(pre), [], 0
-        for n in lengths.tolist():
-            body = flat[start:start + n]
-            start += n
-            if budget is not None and n > budget:
-                body = body[:budget]
-            a = np.empty(head + len(body) + len(suf), dtype=np.int32)
-            a[:head] = pre
-            a[head:head + len(body)] = body  # uint32 -> int32: ids are below the vocabulary size
-            a[head + len(body):] = suf
+        head, tail, out = len(pre), len(suf), []
+        content = self.unigram.content
+        for text in texts:
+            a = content(text, budget, head, tail)
+            if a is None:  # the exact path for this text
+                self.unigram.fallbacks += 1
+                ids = self.reference.encode(text).ids
+                body = ids[head:len(ids) - tail]
+                a = np.asarray(pre + (body if budget is None else body[:budget]) + suf, dtype=np.int32)
+            else:
+                a[:head] = pre
+                a[len(a) - tail:] = suf
             out.append(a)
         return out
-
-    def reload(self) -> None:
-        """A fresh copy of the tokenizer (what the old one had gathered is freed with it)."""
-        self._chars = 0
-        try:
-            self.tok = self._tokie.Tokenizer.from_file(self._tkz)
-        except Exception as e:  # the scratch file gone: keep the one we have, and say so
-            log.warning("could not reload tokie from %s (%s); its memory keeps growing", self._tkz, e)
 
     def mismatches(self, reference: Tokenizer, texts: list[str]) -> list[str]:
         """The texts (of `texts`) on which this encoder and `reference` give different ids."""
@@ -97,28 +75,24 @@ class FastEncoder:
 
 
 def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> FastEncoder | None:
-    """A FastEncoder where `backend` allows it ("auto" or "tokie"), tokie is installed, the model is
-    one of FAST_MODELS and the encoder reproduces `reference` on the check texts; else None (logged)."""
+    """A FastEncoder where `backend` allows it ("auto" or "unigram"), ivy/unigram.c builds here, the
+    tokenizer is one it covers and it reproduces `reference` on the check texts; else None (logged;
+    an error for "unigram")."""
     if backend == "tokenizers":
         return None
-    kind = json.loads(path.read_text()).get("model", {}).get("type")
-    why = None
-    if kind not in FAST_MODELS:
-        why = f"a {kind} model (fast path only for {sorted(FAST_MODELS)})"
+    try:
+        enc = FastEncoder(path, reference)
+    except ImportError as e:  # no C compiler, or the build failed
+        why = str(e)
+    except ValueError as e:  # a tokenizer it does not cover
+        why = str(e)
     else:
-        try:
-            enc = FastEncoder(path, reference)
-        except ImportError:
-            why = "tokie is not installed"
-        except Exception as e:  # a tokenizer.json tokie cannot read, or an unusual post-processor
-            why = f"{type(e).__name__}: {e}"
-        else:
-            bad = enc.mismatches(reference, EDGE_CASES + SENTENCES)
-            if not bad:
-                return enc
-            why = f"it differs from tokenizers on {len(bad)} check texts, e.g. {bad[0][:40]!r}"
-    if backend == "tokie":
-        raise ValueError(f"tokenizer backend tokie cannot serve {path}: {why}")
+        bad = enc.mismatches(reference, EDGE_CASES + SENTENCES)
+        if not bad:
+            return enc
+        why = f"it differs from tokenizers on {len(bad)} check texts, e.g. {bad[0][:40]!r}"
+    if backend == "unigram":
+        raise ValueError(f"tokenizer backend unigram cannot serve {path}: {why}")
     log.info("tokenizing with tokenizers: %s", why)
     return None
 
@@ -126,14 +100,15 @@ def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> Fas
 class TextTokenizer:
     """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request.
 
-    `backend`: "auto" (tokie where it is token-exact, else tokenizers), "tokie" or "tokenizers"."""
+    `backend`: "auto" (ivy.unigram where it applies and is token-exact, else tokenizers), "unigram"
+    or "tokenizers"."""
 
     def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto"):
         path = Path(model_path) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_path} has no tokenizer.json")
-        if backend not in ("auto", "tokie", "tokenizers"):
-            raise ValueError(f"tokenizer backend must be auto, tokie or tokenizers, not {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"tokenizer backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
         self.exact = Tokenizer.from_file(str(path))
         self.exact.no_truncation()
         self.exact.no_padding()
@@ -143,7 +118,7 @@ class TextTokenizer:
         self.max_len = max_len
         self.offload_chars = offload_chars
         self.fast = fast_encoder(path, self.exact, backend)
-        self.backend = "tokie" if self.fast else "tokenizers"
+        self.backend = "unigram" if self.fast else "tokenizers"
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
@@ -214,13 +189,7 @@ class TextTokenizer:
     def wrap(self) -> tuple[list[int], list[int]] | None:
         """The special tokens the tokenizer puts around a single text ([CLS] ... [SEP], <s> ... </s>),
         as (prefix, suffix); None where its post-processor is not a fixed prefix and suffix."""
-        enc = self.exact.encode("a")
-        mask, ids = enc.special_tokens_mask, enc.ids
-        if 0 not in mask:
-            return None
-        first, last = mask.index(0), len(mask) - mask[::-1].index(0)
-        prefix, suffix = ids[:first], ids[last:]
-        return (prefix, suffix) if self.exact.encode("").ids == prefix + suffix else None
+        return fixed_wrap(self.exact)
 
     def windows(self, seq: np.ndarray, mode: str, keep: int = 0) -> list[np.ndarray]:
         """A whole encoded text (`seq`, special tokens included) longer than the maximum, cut to it:
@@ -258,7 +227,7 @@ class TextTokenizer:
 
     async def _encode_yielding(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         """The fast encoder on a large batch: in slices of ~YIELD_CHARS characters, letting the event
-        loop run between them (a worker thread would not help: tokie holds the GIL while it encodes)."""
+        loop run between them (a worker thread would not help: ivy.unigram holds the GIL while it encodes)."""
         out: list[np.ndarray] = []
         start, chars = 0, 0
         for i, t in enumerate(texts):
@@ -280,7 +249,7 @@ class TextTokenizer:
             seqs = self._encode(texts, truncate)
         elif self.fast is not None and max(map(len, texts)) <= YIELD_CHARS:
             seqs = await self._encode_yielding(texts, truncate)
-        else:  # tokie cannot yield inside one long text: `tokenizers` (same tokens) in a thread
+        else:  # the fast encoder cannot yield inside one long text: `tokenizers` (same tokens) in a thread
             seqs = await asyncio.to_thread(self._encode_exact, texts, truncate)
         if not truncate and check_length:
             for i, s in enumerate(seqs):

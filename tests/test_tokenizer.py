@@ -1,21 +1,28 @@
-"""Ivy's tokenizer: the fast path (tokie) is token-exact against `tokenizers` on the same tokenizer.json,
-for the XLM-R-like stand-in of the bge-m3 preset; all-MiniLM-L6-v2 (WordPiece) is served by the
-fallback, `tokenizers` itself, because tokie differs from it there (shown below)."""
+"""Ivy's tokenizer: the fast path (ivy.unigram, Ivy's own C encoder) is token-exact against `tokenizers`
+on the same tokenizer.json, for the XLM-R-like stand-in of the bge-m3 preset; all-MiniLM-L6-v2
+(WordPiece) is served by the fallback, `tokenizers` itself (the fast path does not cover it)."""
 
 import asyncio
 import json
 import os
+import random
+import string
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from ivy.tokenizer import FastEncoder, TextTokenizer
+from ivy.tokenizer import TextTokenizer
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 from trellis import standin
 from tests.sentences import SENTENCES as MORE_SENTENCES
 
-tokie = pytest.importorskip("tokie")
+try:
+    from ivy.unigram import library
+
+    library()
+except ImportError as e:  # no C compiler here
+    pytest.skip(f"ivy/unigram.c cannot be built: {e}", allow_module_level=True)
 
 
 def varied_texts() -> list[str]:
@@ -99,7 +106,7 @@ def test_standin_sentencepiece_model(standin_dir):
 def test_fast_path_is_token_exact_on_the_standin(standin_dir):
     texts = varied_texts() + [standin.sample_text(200, 7, tuple(standin.LANGS))]  # and one over 4,000 tokens
     tt = TextTokenizer(standin_dir, 8192, 1 << 30)
-    assert tt.backend == "tokie"
+    assert tt.backend == "unigram"
     ref = reference(standin_dir)
     got = tt._encode(texts, False)
     for text, ids in zip(texts, got):
@@ -148,23 +155,20 @@ def test_reranker_preset_pairs_as_xlm_r(standin_dir):
 
 
 def test_minilm_is_served_by_the_fallback(minilm_dir):
-    """WordPiece: the fast path does not apply, and would not be exact (tokie leaves out the [UNK]s of
-    private-use and unassigned characters that tokenizers gives), so tokenizers serves it."""
+    """WordPiece: the fast path does not cover it (and says so when asked for), so tokenizers serves it."""
     tt = TextTokenizer(minilm_dir, 256, 1 << 30)
     assert tt.backend == "tokenizers" and tt.fast is None
     ref = reference(minilm_dir)
     texts = varied_texts()
     for text, ids in zip(texts, tt._encode(texts, False)):
         assert ids.tolist() == ref.encode(text).ids
-    fast = FastEncoder(minilm_dir / "tokenizer.json", ref)
-    assert fast.mismatches(ref, EDGE_CASES)  # the reason: forcing it is refused
-    with pytest.raises(ValueError, match="tokie cannot serve"):
-        TextTokenizer(minilm_dir, 256, 1 << 30, backend="tokie")
+    with pytest.raises(ValueError, match="unigram cannot serve .*WordPiece model, not Unigram"):
+        TextTokenizer(minilm_dir, 256, 1 << 30, backend="unigram")
 
 
 def test_backend_can_be_chosen(standin_dir):
     assert TextTokenizer(standin_dir, 512, 1 << 30, backend="tokenizers").backend == "tokenizers"
-    assert TextTokenizer(standin_dir, 512, 1 << 30, backend="tokie").backend == "tokie"
+    assert TextTokenizer(standin_dir, 512, 1 << 30, backend="unigram").backend == "unigram"
     with pytest.raises(ValueError, match="backend must be"):
         TextTokenizer(standin_dir, 512, 1 << 30, backend="fast")
 
@@ -193,22 +197,8 @@ def test_large_batch_lets_the_loop_run(standin_dir):
     assert [s.tolist() for s in seqs] == [s.tolist() for s in tt._encode(texts, False)]
 
 
-def test_fast_encoder_reloads_and_stays_exact(standin_dir, monkeypatch):
-    """tokie's memory grows with every new word: Ivy replaces it with a fresh copy every RELOAD_CHARS."""
-    import ivy.tokenizer as it
-
-    tt = TextTokenizer(standin_dir, 8192, 1 << 30)
-    first = tt.fast.tok
-    monkeypatch.setattr(it, "RELOAD_CHARS", 500)
-    texts = [standin.sample_text(3, s, ("en", "ru")) for s in range(10)]
-    got = tt._encode(texts, False)
-    assert tt.fast.tok is not first
-    ref = reference(standin_dir)
-    assert [g.tolist() for g in got] == [ref.encode(t).ids for t in texts]
-
-
 def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypatch):
-    """tokie holds the GIL and can only yield between texts, so one text over YIELD_CHARS would stall
+    """The fast encoder holds the GIL and can only yield between texts, so one text over YIELD_CHARS would stall
     every other request on the worker: such a batch is encoded by `tokenizers` (the same tokens) in
     a thread."""
     import asyncio
@@ -216,7 +206,7 @@ def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypa
     from ivy import tokenizer as tkz
 
     tt = TextTokenizer(standin_dir, 8192, 1000)
-    assert tt.backend == "tokie"
+    assert tt.backend == "unigram"
     text = "the long document keeps going " * 2000  # 60,000 characters
     monkeypatch.setattr(tt, "_encode_yielding", lambda *a: (_ for _ in ()).throw(AssertionError("on the loop")))
     threads = []
@@ -231,3 +221,92 @@ def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypa
     assert threads == ["_encode_exact"]
     assert [len(g) for g in got] == [8192, len(tt.truncating.encode("short").ids)]
     assert got[0].tolist() == tt.truncating.encode(text).ids
+
+
+# --- ivy.unigram, Ivy's own encoder ----------------------------------------------------------------
+
+TRICKY = [
+    string.ascii_letters, string.digits + string.punctuation, " ", "  ", "\t\n\r\n\r", "\u2581",
+    "éèêëàâäôöüçñßÅ", "\u0300\u0301\u0302\u0308\u0323\u0338\u034f", "ﬁﬂ①½™…\u00a0\u3000ＡｂＣ１\u2126\u212b",
+    "ｶﾞﾊﾟｱﾞ\u3099\u309a", "\u1100\u1161\u11a8\uac00\ub098", "नमस्ते\u0958\u093c\u094d", "สวัสดีำ\u0e33",
+    "مرحبا\u064e\u0650\u0600\ufdfa", "😀👍🏽\u200d❤\ufe0f🇩🇪🇫", "\u200b\u200c\u200d\u2060\ufeff\u00ad\u200f",
+    "東京日本語中文", "\x00\x01\x1f\x7f\x85\u2028\u2029", "<>/s", "\U00020000\U000e0041\U0010fffd",
+]
+
+
+def tricky_texts(n: int, seed: int) -> list[str]:
+    """Random strings over the characters normalization, pre-tokenization and Viterbi treat
+    specially (combining marks beside rewritten characters, graphemes of every size, controls,
+    the word mark itself), mixed with the stand-in's own words."""
+    rng = random.Random(seed)
+    words = [w for ws in standin.lexicons().values() for w in ws[:300]]
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(0, 12)):
+            if rng.random() < 0.3:
+                parts.append(rng.choice(words) + rng.choice(" ,."))
+            else:
+                pool = rng.choice(TRICKY)
+                parts.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 4))))
+        out.append("".join(parts))
+    return out
+
+
+def test_unigram_is_token_exact_on_random_tricky_text(standin_dir):
+    """Whatever the text, Ivy's encoder and tokenizers agree (the encoder decides, or hands the text
+    to tokenizers); and on ordinary text in every script of the stand-in it decides itself."""
+    tt = TextTokenizer(standin_dir, 1 << 20, 1 << 30)
+    ref = reference(standin_dir)
+    texts = tricky_texts(3000, 5)
+    for _ in range(2):  # the second time from the remembered words
+        for text, ids in zip(texts, tt._encode(texts, False)):
+            assert ids.tolist() == ref.encode(text).ids, repr(text)
+    assert 0 < tt.fast.unigram.fallbacks < len(texts)  # some texts are handed back, most are not
+    tt.fast.unigram.fallbacks = 0
+    ordinary = [standin.sample_text(8, s, (lang,)) for s, lang in enumerate(standin.LANGS)]
+    ordinary += [standin.sample_text(20, 50 + s, tuple(standin.LANGS)) for s in range(20)]
+    for text, ids in zip(ordinary, tt._encode(ordinary, False)):
+        assert ids.tolist() == ref.encode(text).ids
+    assert tt.fast.unigram.fallbacks == 0
+
+
+def test_unigram_truncates_expands_and_forgets_as_it_should(standin_dir):
+    """A budget cuts the content as tokenizers' truncation does; a rewrite far longer than its text
+    (U+FDFA: 18 characters) gets the room it needs; a tiny word cache forgets (resets) and stays exact."""
+    from ivy.tokenizer import FastEncoder
+    from ivy.unigram import UnigramEncoder
+
+    ref = reference(standin_dir)
+    fast = FastEncoder(standin_dir / "tokenizer.json", ref)
+    fast.unigram = UnigramEncoder(standin_dir / "tokenizer.json", cache_bits=4)
+    texts = [standin.sample_text(3, s, ("en", "ru", "zh")) for s in range(60)] + ["\ufdfa " * 40, "\ufdfa" * 40]
+    for t, ids in zip(texts, fast.ids_many(texts)):
+        assert ids.tolist() == ref.encode(t).ids, repr(t[:40])
+    stats = fast.unigram.stats()
+    assert stats["resets"] > 0 and stats["hits"] > 0 and stats["fallbacks"] == 0, stats
+    for budget in (0, 1, 7):
+        cut = reference(standin_dir, budget + 2)
+        for t, ids in zip(texts, fast.ids_many(texts, budget)):
+            assert ids.tolist() == cut.encode(t).ids
+
+
+def test_unigram_is_built_on_first_use_and_missed_without_a_compiler(standin_dir, monkeypatch, tmp_path, caplog):
+    """Nothing built yet: the first use compiles it into the cache directory; with no working
+    compiler Ivy says why and tokenizes with tokenizers."""
+    import ivy.unigram as unigram
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
+    monkeypatch.setattr(unigram, "built_name", lambda: "unigram-test.so")
+    unigram.library.cache_clear()
+    try:
+        assert TextTokenizer(standin_dir, 512, 1 << 30).backend == "unigram"
+        assert (tmp_path / "ivy" / "unigram-test.so").is_file()
+        unigram.library.cache_clear()
+        monkeypatch.setattr(unigram, "built_name", lambda: "unigram-none.so")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        with caplog.at_level("INFO", logger="ivy.tokenizer"):
+            assert TextTokenizer(standin_dir, 512, 1 << 30).backend == "tokenizers"
+        assert "no-such-cc" in caplog.text
+    finally:
+        unigram.library.cache_clear()

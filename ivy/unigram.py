@@ -1,0 +1,213 @@
+"""Ivy's own Unigram encoder for XLM-RoBERTa's converted tokenizer.json (BGE-M3, its rerankers, most
+multilingual SentencePiece models): the charsmap, Metaspace and Viterbi of `tokenizers`, in C
+(`ivy/unigram.c`, compiled here on first use with the system's C compiler and kept by source hash
+under the cache directory), ids only, each distinct short word's ids remembered.
+
+What it covers, exactly as `tokenizers` does it: a tokenizer.json whose normalizer is Precompiled then
+`Replace(" {2,}", " ")`, pre-tokenizer Metaspace ("▁", prepended always, split), model Unigram
+without byte fallback. A text it does not decide goes to `tokenizers` itself (the same ids, slower):
+one containing an added token's text (`<s>`, `<mask>`, ...: `tokenizers` cuts those out first), one
+that is not valid UTF-8 (lone surrogates), and one where the charsmap rewrites a character that may
+share a grapheme with its neighbour (`tokenizers` rewrites graphemes of up to 5 bytes whole there;
+which characters may is over-approximated from Unicode categories, so this is rare on ordinary text:
+decomposed accents, half-width kana with voicing marks). `fallbacks` counts them.
+
+No C compiler (or a failed build): `library()` raises ImportError and Ivy tokenizes with `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("ivy.unigram")
+SOURCE = Path(__file__).with_name("unigram.c")
+NCP = 0x110000
+CACHE_BITS = 19  # 2^19 remembered words at most (32 MB; all forgotten at 70 %, ~367,000 distinct words)
+# UAX #29's grapheme rules, over-approximated from Unicode categories (the Rust crate `tokenizers`
+# uses may know a newer Unicode; unassigned code points count as anything): JOIN, characters that
+# may extend a grapheme or (before a non-ASCII one) carry it on: marks, format characters, unassigned
+# code points, and the ones UAX #29 names outside them (Thai / Lao sara am, half-width voicing marks,
+# emoji modifiers, regional indicators, Hangul jamo); PREPEND, the Prepend characters, which join
+# whatever follows them.
+JOIN_CATEGORIES = {"Mn", "Mc", "Me", "Cf", "Cn"}
+PREPEND = ((0x0600, 0x0605), (0x06DD, 0x06DD), (0x070F, 0x070F), (0x0890, 0x0891), (0x08E2, 0x08E2), (0x0D4E, 0x0D4E),
+           (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x111C2, 0x111C3), (0x1193F, 0x1193F), (0x11941, 0x11941),
+           (0x11A3A, 0x11A3A), (0x11A84, 0x11A89), (0x11D46, 0x11D46), (0x11F02, 0x11F02), (0x1100, 0x115F),
+           (0xA960, 0xA97F), (0x30000, NCP - 1))  # Hangul L jamo join the syllable after them
+JOIN = ((0x0E33, 0x0E33), (0x0EB3, 0x0EB3), (0xFF9E, 0xFF9F), (0x1F3FB, 0x1F3FF), (0x1F1E6, 0x1F1FF),
+        (0x1100, 0x11FF), (0xA960, 0xA97F), (0xD7B0, 0xD7FF), (0x200C, 0x200D)) + PREPEND
+# format characters that are not UAX #29's Control: ZWNJ / ZWJ (Extend), the prepended concatenation
+# marks (Prepend), the tags (Extend); CR and LF (their own rule, in the C)
+NOT_CONTROL = ((0x0A, 0x0A), (0x0D, 0x0D), (0x200C, 0x200D), (0x0600, 0x0605), (0x06DD, 0x06DD), (0x070F, 0x070F),
+               (0x0890, 0x0891), (0x08E2, 0x08E2), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0xE0020, 0xE007F))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TRELLIS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "trellis")
+    return Path(base) / "ivy"
+
+
+def built_name() -> str:
+    return f"unigram-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+
+
+def build(path: Path) -> Path:
+    """Compile ivy/unigram.c into `path` (atomically: processes building at once each get a whole
+    file). ImportError without a C compiler or when the build fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise ImportError("no C compiler (cc / gcc, or $CC) to build ivy/unigram.c")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        try:
+            run = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+                                 capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ImportError(f"building ivy/unigram.c with {cc} failed: {e}") from e
+        if run.returncode:
+            raise ImportError(f"building ivy/unigram.c failed: {run.stderr.strip()[:500]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.PyDLL:
+    """The compiled encoder: built beside the source (`python -m ivy.unigram`, as the gateway image
+    does), else in the cache directory, built there on first use. PyDLL: calls hold the GIL, so one
+    instance is never entered twice at once. ImportError when it cannot be built."""
+    name = built_name()
+    path = SOURCE.with_name(name)
+    if not path.is_file():
+        path = cache_dir() / name
+        if not path.is_file():
+            build(path)
+    lib = ctypes.PyDLL(str(path))
+    lib.ut_new.restype = ctypes.c_void_p
+    lib.ut_new.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                           ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_int]
+    lib.ut_free.restype = None
+    lib.ut_free.argtypes = [ctypes.c_void_p]
+    lib.ut_encode.restype = ctypes.c_long
+    lib.ut_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long, ctypes.c_void_p,
+                              ctypes.c_long]
+    lib.ut_stats.restype = None
+    lib.ut_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def join_bits() -> bytes:
+    """Three bitmaps over the code points (~0.1 s): JOIN and PREPEND (above), then characters that
+    are a grapheme of their own whatever their neighbours (Control: an under-approximation)."""
+    cats = [unicodedata.category(chr(c)) for c in range(0x30000)]
+    join, prepend, alone = (np.zeros(NCP, dtype=bool) for _ in range(3))
+    join[:0x30000] = [c in JOIN_CATEGORIES for c in cats]
+    prepend[:0x30000] = [c == "Cn" for c in cats]
+    for bits, ranges in ((join, JOIN), (prepend, PREPEND)):
+        for a, b in ranges:
+            bits[a:b + 1] = True
+    alone[:0x30000] = [c in ("Cc", "Cf", "Zl", "Zp") for c in cats]
+    for a, b in NOT_CONTROL:
+        alone[a:b + 1] = False
+    join &= ~alone
+    return b"".join(np.packbits(x, bitorder="little").tobytes() for x in (join, prepend, alone))
+
+
+def unsupported(config: dict) -> str | None:
+    """Why this encoder cannot serve a tokenizer.json (parsed), or None."""
+    model, norm, pre = config.get("model") or {}, config.get("normalizer") or {}, config.get("pre_tokenizer") or {}
+    if model.get("type") != "Unigram":
+        return f"a {model.get('type')} model, not Unigram"
+    if model.get("byte_fallback") or model.get("unk_id") is None:
+        return "a Unigram model with byte fallback or without <unk>"
+    parts = norm.get("normalizers") if norm.get("type") == "Sequence" else None
+    if not (parts and len(parts) == 2 and parts[0].get("type") == "Precompiled"
+            and parts[1] == {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}):
+        return "a normalizer other than Precompiled then Replace(' {2,}', ' ')"
+    prepend = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space", True) else "never")
+    if not (pre.get("type") == "Metaspace" and pre.get("replacement") == "\u2581" and prepend == "always"
+            and pre.get("split", True)):
+        return "a pre-tokenizer other than Metaspace('▁', prepend always, split)"
+    return None
+
+
+class UnigramEncoder:
+    """`tokenizer.json` encoded to content ids (no special tokens) by ivy/unigram.c; the texts it hands
+    back are the caller's to encode exactly."""
+
+    def __init__(self, path: Path, cache_bits: int = CACHE_BITS):
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+        why = unsupported(config)
+        if why:
+            raise ValueError(why)
+        lib = library()
+        model = config["model"]
+        pieces = [p.encode("utf-8") for p, _ in model["vocab"]]
+        offsets = np.zeros(len(pieces) + 1, dtype=np.uint32)
+        np.cumsum([len(p) for p in pieces], out=offsets[1:])
+        scores = np.asarray([s for _, s in model["vocab"]], dtype=np.float64)
+        charsmap = base64.b64decode(config["normalizer"]["normalizers"][0]["precompiled_charsmap"])
+        handle = lib.ut_new(b"".join(pieces), offsets.ctypes.data, scores.ctypes.data, len(pieces),
+                            int(model["unk_id"]), charsmap, len(charsmap), join_bits(), cache_bits)
+        if not handle:
+            raise ValueError("ivy/unigram.c could not read this tokenizer.json (its charsmap or pieces)")
+        self._lib, self._handle = lib, ctypes.c_void_p(handle)
+        self._encode = lib.ut_encode
+        self.added = sorted({t["content"] for t in config.get("added_tokens", []) if t.get("content")})
+        self._starts = sorted({a[0] for a in self.added})  # XLM-R's: "<" alone
+        self.fallbacks = 0
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.ut_free(handle)
+
+    def content(self, text: str, budget: int | None, head: int, tail: int) -> np.ndarray | None:
+        """int32 array of `head` free slots, the content ids (at most `budget`), `tail` free slots; None:
+        a text for `tokenizers` (see the module's doc)."""
+        if any(c in text for c in self._starts) and any(a in text for a in self.added):
+            return None
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        cap = len(raw) + 8
+        while True:
+            out = np.empty(head + cap + tail, dtype=np.int32)
+            n = self._encode(self._handle, raw, len(raw), -1 if budget is None else budget,
+                             out.ctypes.data + 4 * head, cap)
+            if n == -1:
+                return None
+            if n < -1:
+                raise MemoryError("ivy/unigram.c ran out of memory")
+            if n <= cap:
+                return out[:head + n + tail]
+            cap = n  # rewrites longer than the text (rare): again, with room
+
+    def stats(self) -> dict[str, int]:
+        """Remembered-word hits and misses, cache resets, words held, trie nodes; texts handed back."""
+        out = np.zeros(5, dtype=np.uint64)
+        self._lib.ut_stats(self._handle, out.ctypes.data)
+        return dict(zip(("hits", "misses", "resets", "words", "nodes"), map(int, out)), fallbacks=self.fallbacks)
+
+
+if __name__ == "__main__":  # python -m ivy.unigram: build the encoder beside its source (images)
+    print(build(SOURCE.with_name(built_name())))
