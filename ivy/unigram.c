@@ -49,6 +49,7 @@ typedef struct {
     double *best; int32_t *from, *bid; size_t vit_cap;
     uint32_t *wnode; int32_t *wact, *nm; uint64_t *wslot;  /* the walks from every start */
     int32_t *mpiece; size_t m_cap;                          /* their matches: start x depth */
+    uint32_t *wpos; size_t wpos_cap; uint64_t *whash; size_t whash_cap;  /* a text's words */
     int maxlen;                                             /* the longest piece, in code points */
     int32_t *tmp; size_t tmp_cap;
     /* remembered words */
@@ -285,7 +286,7 @@ void ut_free(UT *u) {
     free(u->edges); free(u->scores); free(u->map); free(u->repl); free(u->repl_off); free(u->repl_len);
     free(u->multi); free(u->join); free(u->cps); free(u->norm); free(u->best); free(u->from); free(u->bid);
     free(u->tmp); free(u->cache); free(u->ckeys); free(u->cids);
-    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece);
+    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece); free(u->wpos); free(u->whash);
     free(u);
 }
 
@@ -431,12 +432,15 @@ static inline int inline_key(const uint32_t *w, int n) {
 }
 
 /* ids of one word: remembered, or computed (and remembered when short). Pointer to them in *ids. */
-static long word_ids(UT *u, const uint32_t *w, int n, const int32_t **ids) {
-    uint64_t h = 0;
+static inline uint64_t word_hash(const uint32_t *w, int n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int j = 0; j < n; j++) h = (h ^ w[j]) * 0x100000001b3ull;
+    return h | 1;  /* 0 marks an empty slot */
+}
+
+/* h: word_hash(w, n) */
+static long word_ids(UT *u, const uint32_t *w, int n, uint64_t h, const int32_t **ids) {
     if (n <= CACHE_WORD) {
-        h = 0xcbf29ce484222325ull;
-        for (int j = 0; j < n; j++) h = (h ^ w[j]) * 0x100000001b3ull;
-        h |= 1;  /* 0 marks an empty slot */
         uint64_t i = h & u->cmask;
         int short_key = inline_key(w, n);
         for (;;) {
@@ -541,14 +545,27 @@ long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, lon
     if (k == 1) return 0;  /* nothing left: no mark is prepended to an empty string */
     size_t first = 1;
     if (norm[1] != WB) { norm[0] = WB; first = 0; }
-    /* words: each starts at a mark */
-    long count = 0;
-    size_t a = first;
-    while (a < k) {
+    /* words: each starts at a mark; their hashes first, so that each word's cache line is asked
+     * for a few words before it is read */
+    if (grow((void **)&u->wpos, &u->wpos_cap, k + 1, sizeof(uint32_t))) return -3;
+    if (grow((void **)&u->whash, &u->whash_cap, k + 1, sizeof(uint64_t))) return -3;
+    uint32_t *pos = u->wpos; uint64_t *hs = u->whash;
+    size_t nw = 0;
+    for (size_t a = first; a < k;) {
         size_t b = a + 1;
         while (b < k && norm[b] != WB) b++;
+        pos[nw] = (uint32_t)a;
+        hs[nw++] = word_hash(norm + a, (int)(b - a));
+        a = b;
+    }
+    pos[nw] = (uint32_t)k;
+    enum { AHEAD = 6 };
+    for (size_t q = 0; q < nw && q < AHEAD; q++) __builtin_prefetch(&u->cache[hs[q] & u->cmask]);
+    long count = 0;
+    for (size_t q = 0; q < nw; q++) {
+        if (q + AHEAD < nw) __builtin_prefetch(&u->cache[hs[q + AHEAD] & u->cmask]);
         const int32_t *ids;
-        long got = word_ids(u, norm + a, (int)(b - a), &ids);
+        long got = word_ids(u, norm + pos[q], (int)(pos[q + 1] - pos[q]), hs[q], &ids);
         if (got < 0) return -3;
         for (long j = 0; j < got; j++) {
             if (budget >= 0 && count >= budget) return count;
@@ -556,7 +573,6 @@ long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, lon
             count++;
         }
         if (budget >= 0 && count >= budget) return count;
-        a = b;
     }
     return count;
 }

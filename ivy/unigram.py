@@ -82,6 +82,9 @@ def build(path: Path) -> Path:
         if run.returncode:
             raise ImportError(f"building ivy/unigram.c failed: {run.stderr.strip()[:500]}")
         os.replace(tmp, path)
+        for old in path.parent.glob("unigram-*.so"):  # builds of earlier sources
+            if old != path:
+                old.unlink(missing_ok=True)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
