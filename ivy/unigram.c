@@ -225,7 +225,8 @@ UT *ut_new(const uint8_t *pieces, const uint32_t *offsets, const double *scores,
     uint32_t buf[1024];
     for (int32_t i = 0; i < npieces; i++) {
         size_t len = offsets[i + 1] - offsets[i];
-        if (len == 0 || len > sizeof(buf) / sizeof(buf[0])) continue;
+        if (len == 0) continue;  /* matches nothing */
+        if (len > sizeof(buf) / sizeof(buf[0])) { ut_free(u); return NULL; }  /* no vocabulary has such pieces */
         long k = decode(pieces + offsets[i], len, buf);
         if (k <= 0) { ut_free(u); return NULL; }
         uint32_t node = 0; Edge *e = NULL;
