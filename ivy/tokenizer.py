@@ -45,29 +45,22 @@ class FastEncoder:
         self.prefix, self.suffix = wrap
         self.n_special = len(self.prefix) + len(self.suffix)
         self.reference = reference
-        self.unigram = UnigramEncoder(path)
+        self.unigram = UnigramEncoder(path, wrap)
 
     def ids(self, text: str, budget: int | None = None) -> np.ndarray:
         """Token ids of `text` with the special tokens; content cut to `budget` tokens if given."""
-        return self.ids_many([text], budget)[0]
+        a = self.unigram.ids(text, budget)
+        if a is None:  # the exact path for this text
+            self.unigram.fallbacks += 1
+            ids = self.reference.encode(text).ids
+            head, tail = len(self.prefix), len(self.suffix)
+            body = ids[head:len(ids) - tail]
+            a = np.asarray(self.prefix + (body if budget is None else body[:budget]) + self.suffix, dtype=np.int32)
+        return a
 
     def ids_many(self, texts: list[str], budget: int | None = None) -> list[np.ndarray]:
-        """`ids` of each text: one call into the C per text, straight into the array returned."""
-        pre, suf = self.prefix, self.suffix
-        head, tail, out = len(pre), len(suf), []
-        content = self.unigram.content
-        for text in texts:
-            a = content(text, budget, head, tail)
-            if a is None:  # the exact path for this text
-                self.unigram.fallbacks += 1
-                ids = self.reference.encode(text).ids
-                body = ids[head:len(ids) - tail]
-                a = np.asarray(pre + (body if budget is None else body[:budget]) + suf, dtype=np.int32)
-            else:
-                a[:head] = pre
-                a[len(a) - tail:] = suf
-            out.append(a)
-        return out
+        """`ids` of each text (one call into the C per text)."""
+        return [self.ids(t, budget) for t in texts]
 
     def mismatches(self, reference: Tokenizer, texts: list[str]) -> list[str]:
         """The texts (of `texts`) on which this encoder and `reference` give different ids."""

@@ -57,6 +57,7 @@ typedef struct {
     uint32_t *ckeys; size_t ckeys_len, ckeys_cap;
     int32_t *cids; size_t cids_len, cids_cap;
     uint64_t hits, misses, resets;
+    int32_t pre[8], suf[8]; int npre, nsuf;  /* the special tokens around a text */
 } UT;
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
@@ -491,10 +492,10 @@ static long word_ids(UT *u, const uint32_t *w, int n, uint64_t h, const int32_t 
     return k;
 }
 
-/* Content ids of `s` (no special tokens) into out[0 .. cap), stopping after `budget` ids (budget < 0: all).
- * Returns the count (a count over cap: nothing past cap was written; call again with room), -1 for the
- * caller's exact path (see the top), -3 out of memory. */
-long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
+/* Content ids of `s` (no special tokens) into out[0 .. cap), stopping after `budget` ids (budget < 0: all):
+ * their count (over cap: nothing past cap was written), -1 for the caller's exact path (see the top),
+ * -3 out of memory. */
+static long encode_content(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
     if (grow((void **)&u->cps, &u->cps_cap, n + 1, sizeof(uint32_t))) return -3;
     long m = decode(s, n, u->cps);
     if (m < 0) return -1;
@@ -576,4 +577,26 @@ long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, lon
         if (budget >= 0 && count >= budget) return count;
     }
     return count;
+}
+
+/* The special tokens around every text (the post-processor's fixed prefix and suffix), up to 8 each. */
+int ut_wrap(UT *u, const int32_t *pre, int npre, const int32_t *suf, int nsuf) {
+    if (npre < 0 || npre > 8 || nsuf < 0 || nsuf > 8) return -1;
+    memcpy(u->pre, pre, npre * sizeof(int32_t)); u->npre = npre;
+    memcpy(u->suf, suf, nsuf * sizeof(int32_t)); u->nsuf = nsuf;
+    return 0;
+}
+
+/* The ids of `s`: prefix, content (cut to `budget` ids when budget >= 0), suffix, into out[0 .. cap).
+ * Returns their count (over cap: call again with that much room), -1 for the caller's exact path
+ * (see the top), -3 out of memory. */
+long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
+    long room = cap - u->npre - u->nsuf;
+    long c = encode_content(u, s, n, budget, out + u->npre, room < 0 ? 0 : room);
+    if (c < 0) return c;
+    long total = c + u->npre + u->nsuf;
+    if (total > cap) return total;
+    memcpy(out, u->pre, u->npre * sizeof(int32_t));
+    memcpy(out + u->npre + c, u->suf, u->nsuf * sizeof(int32_t));
+    return total;
 }

@@ -110,7 +110,9 @@ def library() -> ctypes.PyDLL:
     lib.ut_free.argtypes = [ctypes.c_void_p]
     lib.ut_encode.restype = ctypes.c_long
     lib.ut_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long, ctypes.c_void_p,
-                              ctypes.c_long]
+                              ctypes.c_long]  # the out pointer goes in as an int: no ctypes object per call
+    lib.ut_wrap.restype = ctypes.c_int
+    lib.ut_wrap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ut_stats.restype = None
     lib.ut_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
@@ -153,10 +155,10 @@ def unsupported(config: dict) -> str | None:
 
 
 class UnigramEncoder:
-    """`tokenizer.json` encoded to content ids (no special tokens) by ivy/unigram.c; the texts it hands
-    back are the caller's to encode exactly."""
+    """`tokenizer.json` encoded by ivy/unigram.c, the content wrapped in `wrap` (the post-processor's
+    fixed prefix and suffix); the texts it hands back are the caller's to encode exactly."""
 
-    def __init__(self, path: Path, cache_bits: int = CACHE_BITS):
+    def __init__(self, path: Path, wrap: tuple[list[int], list[int]] = ([], []), cache_bits: int = CACHE_BITS):
         config = json.loads(Path(path).read_text(encoding="utf-8"))
         why = unsupported(config)
         if why:
@@ -173,37 +175,46 @@ class UnigramEncoder:
         if not handle:
             raise ValueError("ivy/unigram.c could not read this tokenizer.json (its charsmap or pieces)")
         self._lib, self._handle = lib, ctypes.c_void_p(handle)
+        pre, suf = (np.asarray(x, dtype=np.int32) for x in wrap)
+        if lib.ut_wrap(self._handle, pre.ctypes.data, len(pre), suf.ctypes.data, len(suf)):
+            raise ValueError("more than 8 special tokens around a text")
         self._encode = lib.ut_encode
-        self.added = sorted({t["content"] for t in config.get("added_tokens", []) if t.get("content")})
-        self._starts = sorted({a[0] for a in self.added})  # XLM-R's: "<" alone
+        self._grow(1 << 15)
+        added = sorted({t["content"] for t in config.get("added_tokens", []) if t.get("content")})
+        self.added = added
+        self._starts = "".join(sorted({a[0] for a in added}))  # XLM-R's: "<" alone
         self.fallbacks = 0
+
+    def _grow(self, cap: int) -> None:
+        """The scratch array the C writes a text's ids into (its address passed as a plain int)."""
+        self._buf = np.empty(cap, dtype=np.int32)
+        self._cap, self._addr = cap, self._buf.ctypes.data
 
     def __del__(self):
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
             self._lib.ut_free(handle)
 
-    def content(self, text: str, budget: int | None, head: int, tail: int) -> np.ndarray | None:
-        """int32 array of `head` free slots, the content ids (at most `budget`), `tail` free slots; None:
-        a text for `tokenizers` (see the module's doc)."""
-        if any(c in text for c in self._starts) and any(a in text for a in self.added):
+    def ids(self, text: str, budget: int | None = None) -> np.ndarray | None:
+        """int32 ids of `text`, wrapped, its content cut to `budget` ids if given; None: a text for
+        `tokenizers` (see the module's doc)."""
+        starts = self._starts
+        if (text.find(starts) >= 0 if len(starts) == 1 else any(c in text for c in starts)) \
+                and any(a in text for a in self.added):
             return None
         try:
             raw = text.encode("utf-8")
         except UnicodeEncodeError:
             return None
-        cap = len(raw) + 8
         while True:
-            out = np.empty(head + cap + tail, dtype=np.int32)
-            n = self._encode(self._handle, raw, len(raw), -1 if budget is None else budget,
-                             out.ctypes.data + 4 * head, cap)
+            n = self._encode(self._handle, raw, len(raw), -1 if budget is None else budget, self._addr, self._cap)
             if n == -1:
                 return None
             if n < -1:
                 raise MemoryError("ivy/unigram.c ran out of memory")
-            if n <= cap:
-                return out[:head + n + tail]
-            cap = n  # rewrites longer than the text (rare): again, with room
+            if n <= self._cap:
+                return self._buf[:n].copy()
+            self._grow(n)  # a text longer than any before (or rewrites longer than it): again, with room
 
     def stats(self) -> dict[str, int]:
         """Remembered-word hits and misses, cache resets, words held, trie nodes; texts handed back."""

@@ -279,7 +279,7 @@ def test_unigram_truncates_expands_and_forgets_as_it_should(standin_dir):
 
     ref = reference(standin_dir)
     fast = FastEncoder(standin_dir / "tokenizer.json", ref)
-    fast.unigram = UnigramEncoder(standin_dir / "tokenizer.json", cache_bits=4)
+    fast.unigram = UnigramEncoder(standin_dir / "tokenizer.json", (fast.prefix, fast.suffix), cache_bits=4)
     texts = [standin.sample_text(3, s, ("en", "ru", "zh")) for s in range(60)] + ["\ufdfa " * 40, "\ufdfa" * 40]
     for t, ids in zip(texts, fast.ids_many(texts)):
         assert ids.tolist() == ref.encode(t).ids, repr(t[:40])
