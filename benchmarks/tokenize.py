@@ -6,7 +6,7 @@ Candidates, where installed: Hugging Face `tokenizers` (`encode`, `encode_batch_
 text), `sentencepiece` (`encode` on the model's `sentencepiece.bpe.model`: its own ids, and mapped
 to tokenizer.json's), `tokie` (`encode`, its own special tokens), `kitoken` (from the SentencePiece
 model, raw and mapped), `fastokens`, and Ivy's own path (`ivy.tokenizer.TextTokenizer`: the backend
-it picked, `ivy.unigram` on XLM-R-style tokenizers; ids into a numpy array). Pinned to one core
+it picked, `ivy.native` on XLM-R-style and BERT tokenizers; ids into a numpy array). Pinned to one core
 (`--cpu`; Rayon / OpenMP pools of one thread).
 Per text length two modes: `distinct` (every call a new generated text, after each candidate has
 encoded `--warm` other texts, so word caches hold what earlier traffic would have left, not the

@@ -1,5 +1,6 @@
-"""Tokenization with the model's own tokenizer.json: Ivy's own Unigram encoder (`ivy.unigram`, in C,
-token-exact) for XLM-RoBERTa-style tokenizers (BGE-M3, its rerankers), else Hugging Face `tokenizers`."""
+"""Tokenization with the model's own tokenizer.json: Ivy's native encoders (`ivy.native`, in C,
+token-exact) for XLM-RoBERTa-style Unigram tokenizers (BGE-M3, its rerankers) and BERT's WordPiece
+(all-MiniLM-L6-v2; ASCII text), else Hugging Face `tokenizers`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 
 log = logging.getLogger("ivy.tokenizer")
 YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
-BACKENDS = ("auto", "unigram", "tokenizers")
+BACKENDS = ("auto", "native", "tokenizers")
 
 
 def fixed_wrap(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
@@ -32,12 +33,12 @@ def fixed_wrap(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
 
 
 class FastEncoder:
-    """`ivy.unigram` over the same tokenizer.json, encoding the content; the post-processor's prefix
+    """`ivy.native` over the same tokenizer.json, encoding the content; the post-processor's prefix
     and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them, and the
-    texts it hands back (see ivy/unigram.py) are encoded by `reference` (no truncation)."""
+    texts it hands back (see ivy/native.py) are encoded by `reference` (no truncation)."""
 
     def __init__(self, path: Path, reference: Tokenizer):
-        from ivy.unigram import UnigramEncoder
+        from ivy.native import NativeEncoder
 
         wrap = fixed_wrap(reference)
         if wrap is None:
@@ -45,13 +46,13 @@ class FastEncoder:
         self.prefix, self.suffix = wrap
         self.n_special = len(self.prefix) + len(self.suffix)
         self.reference = reference
-        self.unigram = UnigramEncoder(path, wrap)
+        self.native = NativeEncoder(path, wrap)
 
     def ids(self, text: str, budget: int | None = None) -> np.ndarray:
         """Token ids of `text` with the special tokens; content cut to `budget` tokens if given."""
-        a = self.unigram.ids(text, budget)
+        a = self.native.ids(text, budget)
         if a is None:  # the exact path for this text
-            self.unigram.fallbacks += 1
+            self.native.fallbacks += 1
             ids = self.reference.encode(text).ids
             head, tail = len(self.prefix), len(self.suffix)
             body = ids[head:len(ids) - tail]
@@ -68,9 +69,9 @@ class FastEncoder:
 
 
 def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> FastEncoder | None:
-    """A FastEncoder where `backend` allows it ("auto" or "unigram"), ivy/unigram.c builds here, the
+    """A FastEncoder where `backend` allows it ("auto" or "native"), ivy/native.c builds here, the
     tokenizer is one it covers and it reproduces `reference` on the check texts; else None (logged;
-    an error for "unigram")."""
+    an error for "native")."""
     if backend == "tokenizers":
         return None
     try:
@@ -84,8 +85,8 @@ def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> Fas
         if not bad:
             return enc
         why = f"it differs from tokenizers on {len(bad)} check texts, e.g. {bad[0][:40]!r}"
-    if backend == "unigram":
-        raise ValueError(f"tokenizer backend unigram cannot serve {path}: {why}")
+    if backend == "native":
+        raise ValueError(f"tokenizer backend native cannot serve {path}: {why}")
     log.info("tokenizing with tokenizers: %s", why)
     return None
 
@@ -93,7 +94,7 @@ def fast_encoder(path: Path, reference: Tokenizer, backend: str = "auto") -> Fas
 class TextTokenizer:
     """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request.
 
-    `backend`: "auto" (ivy.unigram where it applies and is token-exact, else tokenizers), "unigram"
+    `backend`: "auto" (ivy.native where it applies and is token-exact, else tokenizers), "native"
     or "tokenizers"."""
 
     def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto"):
@@ -111,7 +112,7 @@ class TextTokenizer:
         self.max_len = max_len
         self.offload_chars = offload_chars
         self.fast = fast_encoder(path, self.exact, backend)
-        self.backend = "unigram" if self.fast else "tokenizers"
+        self.backend = "native" if self.fast else "tokenizers"
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
@@ -220,7 +221,7 @@ class TextTokenizer:
 
     async def _encode_yielding(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         """The fast encoder on a large batch: in slices of ~YIELD_CHARS characters, letting the event
-        loop run between them (a worker thread would not help: ivy.unigram holds the GIL while it encodes)."""
+        loop run between them (a worker thread would not help: ivy.native holds the GIL while it encodes)."""
         out: list[np.ndarray] = []
         start, chars = 0, 0
         for i, t in enumerate(texts):

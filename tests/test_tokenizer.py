@@ -1,6 +1,6 @@
-"""Ivy's tokenizer: the fast path (ivy.unigram, Ivy's own C encoder) is token-exact against `tokenizers`
-on the same tokenizer.json, for the XLM-R-like stand-in of the bge-m3 preset; all-MiniLM-L6-v2
-(WordPiece) is served by the fallback, `tokenizers` itself (the fast path does not cover it)."""
+"""Ivy's tokenizer: the fast path (ivy.native, Ivy's own C encoders) is token-exact against `tokenizers`
+on the same tokenizer.json: Unigram for the XLM-R-like stand-in of the bge-m3 preset, WordPiece on
+ASCII text for all-MiniLM-L6-v2 (its other texts go to `tokenizers` itself)."""
 
 import asyncio
 import json
@@ -18,11 +18,11 @@ from trellis import standin
 from tests.sentences import SENTENCES as MORE_SENTENCES
 
 try:
-    from ivy.unigram import library
+    from ivy.native import library
 
     library()
 except ImportError as e:  # no C compiler here
-    pytest.skip(f"ivy/unigram.c cannot be built: {e}", allow_module_level=True)
+    pytest.skip(f"ivy/native.c cannot be built: {e}", allow_module_level=True)
 
 
 def varied_texts() -> list[str]:
@@ -106,7 +106,7 @@ def test_standin_sentencepiece_model(standin_dir):
 def test_fast_path_is_token_exact_on_the_standin(standin_dir):
     texts = varied_texts() + [standin.sample_text(200, 7, tuple(standin.LANGS))]  # and one over 4,000 tokens
     tt = TextTokenizer(standin_dir, 8192, 1 << 30)
-    assert tt.backend == "unigram"
+    assert tt.backend == "native"
     ref = reference(standin_dir)
     got = tt._encode(texts, False)
     for text, ids in zip(texts, got):
@@ -154,21 +154,43 @@ def test_reranker_preset_pairs_as_xlm_r(standin_dir):
         assert enc["input_ids"] == ids.tolist() and set(enc["token_type_ids"]) == {0}
 
 
-def test_minilm_is_served_by_the_fallback(minilm_dir):
-    """WordPiece: the fast path does not cover it (and says so when asked for), so tokenizers serves it."""
+def test_minilm_wordpiece_is_exact_natively_on_ascii_and_by_tokenizers_elsewhere(minilm_dir, tmp_path):
+    """WordPiece: the native encoder takes ASCII text (random printable and control characters, every
+    punctuation mark, words split into pieces or unknown, over-long words), `tokenizers` the rest."""
     tt = TextTokenizer(minilm_dir, 256, 1 << 30)
-    assert tt.backend == "tokenizers" and tt.fast is None
+    assert tt.backend == "native" and tt.fast.native.kind == "WordPiece"
     ref = reference(minilm_dir)
-    texts = varied_texts()
-    for text, ids in zip(texts, tt._encode(texts, False)):
-        assert ids.tolist() == ref.encode(text).ids
-    with pytest.raises(ValueError, match="unigram cannot serve .*WordPiece model, not Unigram"):
-        TextTokenizer(minilm_dir, 256, 1 << 30, backend="unigram")
+    rng = random.Random(3)
+    alphabet = string.printable + "\x00\x01\x0b\x0c\x1f\x7f" + "aaaeeeiiootn" * 4
+    ascii_texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(1500)]
+    ascii_texts += ["x" * 99 + " " + "y" * 101, "unaffable Unaffable UNAFFABLE supercalifragilistic",
+                    "don't stop-believing!!! (really?) e-mail: a.b@c.d $100 #1 ~/path_to/file",
+                    "[CLS] starts [SEP] here [MASK] [UNK] [PAD]", "x[CLS]y [ cls ]"]
+    texts = ascii_texts + varied_texts()
+    tt.fast.native.fallbacks = 0  # not the load's own check
+    for _ in range(2):  # the second time from the remembered words
+        for text, ids in zip(texts, tt._encode(texts, False)):
+            assert ids.tolist() == ref.encode(text).ids, repr(text)
+        # handed to tokenizers: the non-ASCII texts and the ASCII ones holding an added token, no other
+        assert tt.fast.native.fallbacks == sum(not t.isascii() or "[CLS]" in t for t in texts)
+        tt.fast.native.fallbacks = 0
+    short = TextTokenizer(minilm_dir, 16, 1 << 30)
+    ref16 = reference(minilm_dir, 16)
+    for text, ids in zip(texts, short._encode(texts, True)):
+        assert ids.tolist() == ref16.encode(text).ids, repr(text)
+    from tokenizers import models, pre_tokenizers
+
+    bpe = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    assert TextTokenizer(tmp_path, 64, 1 << 30).backend == "tokenizers"
+    with pytest.raises(ValueError, match="native cannot serve .*BPE model"):
+        TextTokenizer(tmp_path, 64, 1 << 30, backend="native")
 
 
 def test_backend_can_be_chosen(standin_dir):
     assert TextTokenizer(standin_dir, 512, 1 << 30, backend="tokenizers").backend == "tokenizers"
-    assert TextTokenizer(standin_dir, 512, 1 << 30, backend="unigram").backend == "unigram"
+    assert TextTokenizer(standin_dir, 512, 1 << 30, backend="native").backend == "native"
     with pytest.raises(ValueError, match="backend must be"):
         TextTokenizer(standin_dir, 512, 1 << 30, backend="fast")
 
@@ -206,7 +228,7 @@ def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypa
     from ivy import tokenizer as tkz
 
     tt = TextTokenizer(standin_dir, 8192, 1000)
-    assert tt.backend == "unigram"
+    assert tt.backend == "native"
     text = "the long document keeps going " * 2000  # 60,000 characters
     monkeypatch.setattr(tt, "_encode_yielding", lambda *a: (_ for _ in ()).throw(AssertionError("on the loop")))
     threads = []
@@ -223,7 +245,7 @@ def test_one_long_text_goes_to_a_thread_not_the_event_loop(standin_dir, monkeypa
     assert got[0].tolist() == tt.truncating.encode(text).ids
 
 
-# --- ivy.unigram, Ivy's own encoder ----------------------------------------------------------------
+# --- ivy.native's Unigram, Ivy's own encoder ---------------------------------------------------------
 
 TRICKY = [
     string.ascii_letters, string.digits + string.punctuation, " ", "  ", "\t\n\r\n\r", "\u2581",
@@ -253,7 +275,7 @@ def tricky_texts(n: int, seed: int) -> list[str]:
     return out
 
 
-def test_unigram_is_token_exact_on_random_tricky_text(standin_dir):
+def test_native_unigram_is_token_exact_on_random_tricky_text(standin_dir):
     """Whatever the text, Ivy's encoder and tokenizers agree (the encoder decides, or hands the text
     to tokenizers); and on ordinary text in every script of the stand-in it decides itself."""
     tt = TextTokenizer(standin_dir, 1 << 20, 1 << 30)
@@ -262,28 +284,28 @@ def test_unigram_is_token_exact_on_random_tricky_text(standin_dir):
     for _ in range(2):  # the second time from the remembered words
         for text, ids in zip(texts, tt._encode(texts, False)):
             assert ids.tolist() == ref.encode(text).ids, repr(text)
-    assert 0 < tt.fast.unigram.fallbacks < len(texts)  # some texts are handed back, most are not
-    tt.fast.unigram.fallbacks = 0
+    assert 0 < tt.fast.native.fallbacks < len(texts)  # some texts are handed back, most are not
+    tt.fast.native.fallbacks = 0
     ordinary = [standin.sample_text(8, s, (lang,)) for s, lang in enumerate(standin.LANGS)]
     ordinary += [standin.sample_text(20, 50 + s, tuple(standin.LANGS)) for s in range(20)]
     for text, ids in zip(ordinary, tt._encode(ordinary, False)):
         assert ids.tolist() == ref.encode(text).ids
-    assert tt.fast.unigram.fallbacks == 0
+    assert tt.fast.native.fallbacks == 0
 
 
-def test_unigram_truncates_expands_and_forgets_as_it_should(standin_dir):
+def test_native_unigram_truncates_expands_and_forgets_as_it_should(standin_dir):
     """A budget cuts the content as tokenizers' truncation does; a rewrite far longer than its text
     (U+FDFA: 18 characters) gets the room it needs; a tiny word cache forgets (resets) and stays exact."""
     from ivy.tokenizer import FastEncoder
-    from ivy.unigram import UnigramEncoder
+    from ivy.native import NativeEncoder
 
     ref = reference(standin_dir)
     fast = FastEncoder(standin_dir / "tokenizer.json", ref)
-    fast.unigram = UnigramEncoder(standin_dir / "tokenizer.json", (fast.prefix, fast.suffix), cache_bits=4)
+    fast.native = NativeEncoder(standin_dir / "tokenizer.json", (fast.prefix, fast.suffix), cache_bits=4)
     texts = [standin.sample_text(3, s, ("en", "ru", "zh")) for s in range(60)] + ["\ufdfa " * 40, "\ufdfa" * 40]
     for t, ids in zip(texts, fast.ids_many(texts)):
         assert ids.tolist() == ref.encode(t).ids, repr(t[:40])
-    stats = fast.unigram.stats()
+    stats = fast.native.stats()
     assert stats["resets"] > 0 and stats["hits"] > 0 and stats["fallbacks"] == 0, stats
     for budget in (0, 1, 7):
         cut = reference(standin_dir, budget + 2)
@@ -291,22 +313,22 @@ def test_unigram_truncates_expands_and_forgets_as_it_should(standin_dir):
             assert ids.tolist() == cut.encode(t).ids
 
 
-def test_unigram_is_built_on_first_use_and_missed_without_a_compiler(standin_dir, monkeypatch, tmp_path, caplog):
+def test_native_is_built_on_first_use_and_missed_without_a_compiler(standin_dir, monkeypatch, tmp_path, caplog):
     """Nothing built yet: the first use compiles it into the cache directory; with no working
     compiler Ivy says why and tokenizes with tokenizers."""
-    import ivy.unigram as unigram
+    import ivy.native as native
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
-    monkeypatch.setattr(unigram, "built_name", lambda: "unigram-test.so")
-    unigram.library.cache_clear()
+    monkeypatch.setattr(native, "built_name", lambda: "native-test.so")
+    native.library.cache_clear()
     try:
-        assert TextTokenizer(standin_dir, 512, 1 << 30).backend == "unigram"
-        assert (tmp_path / "ivy" / "unigram-test.so").is_file()
-        unigram.library.cache_clear()
-        monkeypatch.setattr(unigram, "built_name", lambda: "unigram-none.so")
+        assert TextTokenizer(standin_dir, 512, 1 << 30).backend == "native"
+        assert (tmp_path / "ivy" / "native-test.so").is_file()
+        native.library.cache_clear()
+        monkeypatch.setattr(native, "built_name", lambda: "native-none.so")
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         with caplog.at_level("INFO", logger="ivy.tokenizer"):
             assert TextTokenizer(standin_dir, 512, 1 << 30).backend == "tokenizers"
         assert "no-such-cc" in caplog.text
     finally:
-        unigram.library.cache_clear()
+        native.library.cache_clear()

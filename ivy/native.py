@@ -1,16 +1,22 @@
-"""Ivy's own Unigram encoder for XLM-RoBERTa's converted tokenizer.json (BGE-M3, its rerankers, most
-multilingual SentencePiece models): the charsmap, Metaspace and Viterbi of `tokenizers`, in C
-(`ivy/unigram.c`, compiled here on first use with the system's C compiler and kept by source hash
-under the cache directory), ids only, each distinct short word's ids remembered.
+"""Ivy's native encoders (`ivy/native.c`, compiled here on first use with the system's C compiler and
+kept by source hash under the cache directory, or beside the source by `python -m ivy.native`),
+ids only, exactly as `tokenizers` computes them, each distinct short word's ids remembered:
 
-What it covers, exactly as `tokenizers` does it: a tokenizer.json whose normalizer is Precompiled then
-`Replace(" {2,}", " ")`, pre-tokenizer Metaspace ("▁", prepended always, split), model Unigram
-without byte fallback. A text it does not decide goes to `tokenizers` itself (the same ids, slower):
-one containing an added token's text (`<s>`, `<mask>`, ...: `tokenizers` cuts those out first), one
-that is not valid UTF-8 (lone surrogates), and one where the charsmap rewrites a character that may
-share a grapheme with its neighbour (`tokenizers` rewrites graphemes of up to 5 bytes whole there;
-which characters may is over-approximated from Unicode categories, so this is rare on ordinary text:
-decomposed accents, half-width kana with voicing marks). `fallbacks` counts them.
+- **Unigram**, XLM-RoBERTa's converted tokenizer.json (BGE-M3, its rerankers, most multilingual
+  SentencePiece models): normalizer Precompiled then `Replace(" {2,}", " ")`, pre-tokenizer Metaspace
+  ("▁", prepended always, split), model Unigram without byte fallback: the charsmap, Metaspace and
+  Viterbi of `tokenizers`.
+- **WordPiece**, BERT's (all-MiniLM-L6-v2, the default model): BertNormalizer (cleaning text),
+  BertPreTokenizer, WordPiece; on ASCII text only.
+
+A text an encoder does not decide goes to `tokenizers` itself (the same ids, slower): one containing
+an added token's text (`<s>`, `[CLS]`, ...: `tokenizers` cuts those out first); for Unigram one that
+is not valid UTF-8 (lone surrogates) or where the charsmap rewrites a character that may share a
+grapheme with its neighbour (`tokenizers` rewrites graphemes of up to 5 bytes whole there; which
+characters may is over-approximated from Unicode categories, so this is rare on ordinary text:
+decomposed accents, half-width kana with voicing marks); for WordPiece any text with a non-ASCII
+character (Unicode lower-casing, accent stripping and punctuation stay `tokenizers`' own).
+`FastEncoder.ids` counts them (`fallbacks`).
 
 No C compiler (or a failed build): `library()` raises ImportError and Ivy tokenizes with `tokenizers`.
 """
@@ -32,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("ivy.unigram")
-SOURCE = Path(__file__).with_name("unigram.c")
+log = logging.getLogger("ivy.native")
+SOURCE = Path(__file__).with_name("native.c")
 NCP = 0x110000
 CACHE_BITS = 19  # 2^19 remembered words at most (32 MB; all forgotten at 70 %, ~367,000 distinct words)
 # UAX #29's grapheme rules, over-approximated from Unicode categories (the Rust crate `tokenizers`
@@ -61,15 +67,15 @@ def cache_dir() -> Path:
 
 
 def built_name() -> str:
-    return f"unigram-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    return f"native-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
 
 
 def build(path: Path) -> Path:
-    """Compile ivy/unigram.c into `path` (atomically: processes building at once each get a whole
+    """Compile ivy/native.c into `path` (atomically: processes building at once each get a whole
     file). ImportError without a C compiler or when the build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise ImportError("no C compiler (cc / gcc, or $CC) to build ivy/unigram.c")
+        raise ImportError("no C compiler (cc / gcc, or $CC) to build ivy/native.c")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -78,11 +84,11 @@ def build(path: Path) -> Path:
             run = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
                                  capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise ImportError(f"building ivy/unigram.c with {cc} failed: {e}") from e
+            raise ImportError(f"building ivy/native.c with {cc} failed: {e}") from e
         if run.returncode:
-            raise ImportError(f"building ivy/unigram.c failed: {run.stderr.strip()[:500]}")
+            raise ImportError(f"building ivy/native.c failed: {run.stderr.strip()[:500]}")
         os.replace(tmp, path)
-        for old in path.parent.glob("unigram-*.so"):  # builds of earlier sources
+        for old in path.parent.glob("native-*.so"):  # builds of earlier sources
             if old != path:
                 old.unlink(missing_ok=True)
     finally:
@@ -93,7 +99,7 @@ def build(path: Path) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.PyDLL:
-    """The compiled encoder: built beside the source (`python -m ivy.unigram`, as the gateway image
+    """The compiled encoders: built beside the source (`python -m ivy.native`, as the gateway image
     does), else in the cache directory, built there on first use. PyDLL: calls hold the GIL, so one
     instance is never entered twice at once. ImportError when it cannot be built."""
     name = built_name()
@@ -111,6 +117,9 @@ def library() -> ctypes.PyDLL:
     lib.ut_encode.restype = ctypes.c_long
     lib.ut_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long, ctypes.c_void_p,
                               ctypes.c_long]  # the out pointer goes in as an int: no ctypes object per call
+    lib.ut_new_wordpiece.restype = ctypes.c_void_p
+    lib.ut_new_wordpiece.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int,
+                                     ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
     lib.ut_wrap.restype = ctypes.c_int
     lib.ut_wrap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ut_stats.restype = None
@@ -137,10 +146,21 @@ def join_bits() -> bytes:
 
 
 def unsupported(config: dict) -> str | None:
-    """Why this encoder cannot serve a tokenizer.json (parsed), or None."""
+    """Why neither encoder can serve a tokenizer.json (parsed), or None."""
     model, norm, pre = config.get("model") or {}, config.get("normalizer") or {}, config.get("pre_tokenizer") or {}
-    if model.get("type") != "Unigram":
-        return f"a {model.get('type')} model, not Unigram"
+    kind = model.get("type")
+    if any(t.get("normalized") for t in config.get("added_tokens", [])):
+        return "added tokens matched after normalization"
+    if kind == "WordPiece":
+        if not (norm.get("type") == "BertNormalizer" and norm.get("clean_text")):
+            return "a WordPiece model without BertNormalizer(clean_text)"
+        if pre.get("type") != "BertPreTokenizer":
+            return "a WordPiece model without BertPreTokenizer"
+        if not all(ord(c) < 0x80 for c in model.get("continuing_subword_prefix", "##")):
+            return "a non-ASCII continuing-subword prefix"
+        return None
+    if kind != "Unigram":
+        return f"a {kind} model, not Unigram or WordPiece"
     if model.get("byte_fallback") or model.get("unk_id") is None:
         return "a Unigram model with byte fallback or without <unk>"
     parts = norm.get("normalizers") if norm.get("type") == "Sequence" else None
@@ -154,9 +174,18 @@ def unsupported(config: dict) -> str | None:
     return None
 
 
-class UnigramEncoder:
-    """`tokenizer.json` encoded by ivy/unigram.c, the content wrapped in `wrap` (the post-processor's
-    fixed prefix and suffix); the texts it hands back are the caller's to encode exactly."""
+def _pieces(pieces: list[str]) -> tuple[bytes, np.ndarray]:
+    """The pieces as UTF-8 back to back, and their offsets (n + 1)."""
+    raw = [p.encode("utf-8") for p in pieces]
+    offsets = np.zeros(len(raw) + 1, dtype=np.uint32)
+    np.cumsum([len(p) for p in raw], out=offsets[1:])
+    return b"".join(raw), offsets
+
+
+class NativeEncoder:
+    """`tokenizer.json` encoded by ivy/native.c (Unigram or WordPiece, as the file says), the content
+    wrapped in `wrap` (the post-processor's fixed prefix and suffix); the texts it hands back are the
+    caller's to encode exactly. ValueError: a tokenizer it does not cover; ImportError: no build."""
 
     def __init__(self, path: Path, wrap: tuple[list[int], list[int]] = ([], []), cache_bits: int = CACHE_BITS):
         config = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -165,15 +194,29 @@ class UnigramEncoder:
             raise ValueError(why)
         lib = library()
         model = config["model"]
-        pieces = [p.encode("utf-8") for p, _ in model["vocab"]]
-        offsets = np.zeros(len(pieces) + 1, dtype=np.uint32)
-        np.cumsum([len(p) for p in pieces], out=offsets[1:])
-        scores = np.asarray([s for _, s in model["vocab"]], dtype=np.float64)
-        charsmap = base64.b64decode(config["normalizer"]["normalizers"][0]["precompiled_charsmap"])
-        handle = lib.ut_new(b"".join(pieces), offsets.ctypes.data, scores.ctypes.data, len(pieces),
-                            int(model["unk_id"]), charsmap, len(charsmap), join_bits(), cache_bits)
+        self.kind = model["type"]
+        if self.kind == "Unigram":
+            pieces, offsets = _pieces([p for p, _ in model["vocab"]])
+            scores = np.asarray([s for _, s in model["vocab"]], dtype=np.float64)
+            charsmap = base64.b64decode(config["normalizer"]["normalizers"][0]["precompiled_charsmap"])
+            handle = lib.ut_new(pieces, offsets.ctypes.data, scores.ctypes.data, len(offsets) - 1,
+                                int(model["unk_id"]), charsmap, len(charsmap), join_bits(), cache_bits)
+        else:  # WordPiece: vocab is token -> id
+            vocab = model["vocab"]
+            by_id = [""] * (max(vocab.values()) + 1)
+            for token, i in vocab.items():
+                by_id[i] = token
+            unk = vocab.get(model.get("unk_token", "[UNK]"))
+            if unk is None:
+                raise ValueError("a WordPiece vocabulary without its unk_token")
+            pieces, offsets = _pieces(by_id)
+            prefix = model.get("continuing_subword_prefix", "##").encode()
+            handle = lib.ut_new_wordpiece(pieces, offsets.ctypes.data, len(offsets) - 1, unk,
+                                          int(model.get("max_input_chars_per_word", 100)),
+                                          int(bool(config["normalizer"].get("lowercase", True))),
+                                          prefix, len(prefix), cache_bits)
         if not handle:
-            raise ValueError("ivy/unigram.c could not read this tokenizer.json (its charsmap or pieces)")
+            raise ValueError("ivy/native.c could not read this tokenizer.json (its charsmap or pieces)")
         self._lib, self._handle = lib, ctypes.c_void_p(handle)
         pre, suf = (np.asarray(x, dtype=np.int32) for x in wrap)
         if lib.ut_wrap(self._handle, pre.ctypes.data, len(pre), suf.ctypes.data, len(suf)):
@@ -182,7 +225,7 @@ class UnigramEncoder:
         self._grow(1 << 15)
         added = sorted({t["content"] for t in config.get("added_tokens", []) if t.get("content")})
         self.added = added
-        self._starts = "".join(sorted({a[0] for a in added}))  # XLM-R's: "<" alone
+        self._starts = "".join(sorted({a[0] for a in added}))  # XLM-R's: "<" alone; BERT's "["
         self.fallbacks = 0
 
     def _grow(self, cap: int) -> None:
@@ -211,7 +254,7 @@ class UnigramEncoder:
             if n == -1:
                 return None
             if n < -1:
-                raise MemoryError("ivy/unigram.c ran out of memory")
+                raise MemoryError("ivy/native.c ran out of memory")
             if n <= self._cap:
                 return self._buf[:n].copy()
             self._grow(n)  # a text longer than any before (or rewrites longer than it): again, with room
@@ -223,5 +266,5 @@ class UnigramEncoder:
         return dict(zip(("hits", "misses", "resets", "words", "nodes"), map(int, out)), fallbacks=self.fallbacks)
 
 
-if __name__ == "__main__":  # python -m ivy.unigram: build the encoder beside its source (images)
+if __name__ == "__main__":  # python -m ivy.native: build the encoders beside their source (images)
     print(build(SOURCE.with_name(built_name())))

@@ -1,11 +1,13 @@
-/* Ivy's Unigram encoder: XLM-RoBERTa's converted tokenizer.json (Precompiled charsmap, spaces
- * collapsed, Metaspace, Unigram), ids only, as Hugging Face `tokenizers` computes them.
- * Built and loaded by ivy/unigram.py (which says what it covers and when it hands a text back).
+/* Ivy's native encoders, ids only, as Hugging Face `tokenizers` computes them: XLM-RoBERTa's converted
+ * tokenizer.json (Precompiled charsmap, spaces collapsed, Metaspace, Unigram) and BERT's (BertNormalizer,
+ * BertPreTokenizer, WordPiece) on ASCII text. Built and loaded by ivy/native.py (which says what they
+ * cover and when they hand a text back).
  *
  * Returns of ut_encode: >= 0 ids written (or needed, when more than `cap`); -1 a text this encoder
- * does not decide (invalid UTF-8, or a character the charsmap rewrites inside what may be a
- * multi-code-point grapheme of under 6 bytes: `tokenizers` rewrites those whole), for the caller's
- * exact path. Graphemes of 6 bytes or more are rewritten character by character, as here.
+ * does not decide, for the caller's exact path: for Unigram invalid UTF-8, or a character the
+ * charsmap rewrites inside what may be a multi-code-point grapheme of under 6 bytes (`tokenizers`
+ * rewrites those whole; graphemes of 6 bytes or more character by character, as here); for
+ * WordPiece any non-ASCII character.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,6 +60,10 @@ typedef struct {
     int32_t *cids; size_t cids_len, cids_cap;
     uint64_t hits, misses, resets;
     int32_t pre[8], suf[8]; int npre, nsuf;  /* the special tokens around a text */
+    int kind;                /* 0 Unigram, 1 WordPiece */
+    int max_chars, lower;    /* WordPiece: longest word split, lower-casing */
+    int64_t cont;            /* WordPiece: the trie node after the continuing prefix, -1 none */
+    uint32_t *wend; size_t wend_cap;  /* a text's words' ends */
 } UT;
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
@@ -194,26 +200,12 @@ static inline int bit(const uint8_t *b, uint32_t c) { return (b[c >> 3] >> (c & 
 /* pieces: the vocabulary's pieces as UTF-8, back to back (offsets[npieces + 1]); scores per piece;
  * charsmap: the Precompiled normalizer's bytes; join: three bitmaps of NCP / 8 bytes (join, prepend, alone);
  * 2^cache_bits remembered words at most (64 bytes each; all forgotten at 70 %). NULL on failure. */
-UT *ut_new(const uint8_t *pieces, const uint32_t *offsets, const double *scores, int32_t npieces, int32_t unk_id,
-           const uint8_t *charsmap, size_t ncharsmap, const uint8_t *join, int cache_bits) {
+/* What both models share: the pieces' trie (pieces as UTF-8, back to back, offsets[npieces + 1]) and
+ * 2^cache_bits remembered words at most (64 bytes each; all forgotten at 70 %). NULL on failure. */
+static UT *new_common(const uint8_t *pieces, const uint32_t *offsets, int32_t npieces, int32_t unk_id, int cache_bits) {
     UT *u = calloc(1, sizeof(UT));
     if (!u) return NULL;
     u->npieces = npieces; u->unk_id = unk_id;
-    u->scores = malloc(sizeof(double) * (size_t)(npieces ? npieces : 1));
-    u->map = malloc(sizeof(int32_t) * NCP);
-    u->multi = calloc(NCP / 8, 1);
-    u->join = malloc(3 * (NCP / 8));
-    if (!u->scores || !u->map || !u->multi || !u->join) { ut_free(u); return NULL; }
-    memcpy(u->join, join, 3 * (NCP / 8));
-    u->prepend = u->join + NCP / 8;
-    u->alone = u->join + 2 * (NCP / 8);
-    for (uint32_t c = 0; c < NCP; c++) u->map[c] = -1;
-    double lo = 0.0;
-    for (int32_t i = 0; i < npieces; i++) {
-        u->scores[i] = scores[i];
-        if (i == 0 || scores[i] < lo) lo = scores[i];
-    }
-    u->unk_score = lo - 10.0;  /* tokenizers' K_UNK_PENALTY */
     /* the trie: sized for every code point of every piece at a load below 0.6 */
     size_t total = 0;
     for (int32_t i = 0; i < npieces; i++) total += offsets[i + 1] - offsets[i];
@@ -252,6 +244,35 @@ UT *ut_new(const uint8_t *pieces, const uint32_t *offsets, const double *scores,
         }
         free(old);
     }
+    if (cache_bits < 4 || cache_bits > 26) { ut_free(u); return NULL; }
+    u->cmask = (1ull << cache_bits) - 1;
+    u->cache = aligned_alloc(64, sizeof(Word) << cache_bits);
+    if (!u->cache) { ut_free(u); return NULL; }
+    memset(u->cache, 0, sizeof(Word) << cache_bits);
+    return u;
+}
+
+/* Unigram (XLM-R): the pieces with their scores; charsmap: the Precompiled normalizer's bytes; join:
+ * three bitmaps of NCP / 8 bytes (join, prepend, alone). NULL on failure. */
+UT *ut_new(const uint8_t *pieces, const uint32_t *offsets, const double *scores, int32_t npieces, int32_t unk_id,
+           const uint8_t *charsmap, size_t ncharsmap, const uint8_t *join, int cache_bits) {
+    UT *u = new_common(pieces, offsets, npieces, unk_id, cache_bits);
+    if (!u) return NULL;
+    u->scores = malloc(sizeof(double) * (size_t)(npieces ? npieces : 1));
+    u->map = malloc(sizeof(int32_t) * NCP);
+    u->multi = calloc(NCP / 8, 1);
+    u->join = malloc(3 * (NCP / 8));
+    if (!u->scores || !u->map || !u->multi || !u->join) { ut_free(u); return NULL; }
+    memcpy(u->join, join, 3 * (NCP / 8));
+    u->prepend = u->join + NCP / 8;
+    u->alone = u->join + 2 * (NCP / 8);
+    for (uint32_t c = 0; c < NCP; c++) u->map[c] = -1;
+    double lo = 0.0;
+    for (int32_t i = 0; i < npieces; i++) {
+        u->scores[i] = scores[i];
+        if (i == 0 || scores[i] < lo) lo = scores[i];
+    }
+    u->unk_score = lo - 10.0;  /* tokenizers' K_UNK_PENALTY */
     /* the charsmap */
     if (ncharsmap < 4) { ut_free(u); return NULL; }
     uint32_t tsize; memcpy(&tsize, charsmap, 4);
@@ -275,11 +296,24 @@ UT *ut_new(const uint8_t *pieces, const uint32_t *offsets, const double *scores,
     free(arr);
     if (d.bad) { ut_free(u); return NULL; }
     for (uint32_t c = 0; c < 128; c++) u->plain[c] = u->map[c] < 0 && c != '\r';
-    if (cache_bits < 4 || cache_bits > 26) { ut_free(u); return NULL; }
-    u->cmask = (1ull << cache_bits) - 1;
-    u->cache = aligned_alloc(64, sizeof(Word) << cache_bits);
-    if (u->cache) memset(u->cache, 0, sizeof(Word) << cache_bits);
-    if (!u->cache) { ut_free(u); return NULL; }
+    return u;
+}
+
+/* WordPiece (BERT) over ASCII text: the pieces (the continuing ones with their prefix, e.g. "##"),
+ * the longest word it splits (longer ones are <unk> whole), whether BertNormalizer lower-cases. */
+UT *ut_new_wordpiece(const uint8_t *pieces, const uint32_t *offsets, int32_t npieces, int32_t unk_id,
+                     int max_chars, int lowercase, const uint8_t *prefix, size_t nprefix, int cache_bits) {
+    UT *u = new_common(pieces, offsets, npieces, unk_id, cache_bits);
+    if (!u) return NULL;
+    u->kind = 1; u->max_chars = max_chars; u->lower = lowercase;
+    uint32_t node = 0; const Edge *e = NULL;
+    for (size_t i = 0; i < nprefix && (i == 0 || e); i++) {
+        e = child(u, node, prefix[i]);
+        if (e) node = e->child;
+    }
+    for (size_t i = 0; i < nprefix; i++)
+        if (prefix[i] >= 0x80) { ut_free(u); return NULL; }  /* an ASCII prefix ("##") */
+    u->cont = nprefix == 0 ? 0 : e ? (int64_t)node : -1;  /* -1: no piece continues a word */
     return u;
 }
 
@@ -288,7 +322,7 @@ void ut_free(UT *u) {
     free(u->edges); free(u->scores); free(u->map); free(u->repl); free(u->repl_off); free(u->repl_len);
     free(u->multi); free(u->join); free(u->cps); free(u->norm); free(u->best); free(u->from); free(u->bid);
     free(u->tmp); free(u->cache); free(u->ckeys); free(u->cids);
-    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece); free(u->wpos); free(u->whash);
+    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece); free(u->wpos); free(u->whash); free(u->wend);
     free(u);
 }
 
@@ -440,6 +474,8 @@ static inline uint64_t word_hash(const uint32_t *w, int n) {
     return h | 1;  /* 0 marks an empty slot */
 }
 
+static long wordpiece(UT *u, const uint32_t *w, int n);
+
 /* h: word_hash(w, n) */
 static long word_ids(UT *u, const uint32_t *w, int n, uint64_t h, const int32_t **ids) {
     if (n <= CACHE_WORD) {
@@ -466,7 +502,7 @@ static long word_ids(UT *u, const uint32_t *w, int n, uint64_t h, const int32_t 
         }
     }
     u->misses++;
-    long k = viterbi(u, w, n);
+    long k = u->kind ? wordpiece(u, w, n) : viterbi(u, w, n);
     if (k < 0) return -1;
     *ids = u->tmp;
     if (n > CACHE_WORD) return k;
@@ -490,6 +526,31 @@ static long word_ids(UT *u, const uint32_t *w, int n, uint64_t h, const int32_t 
     e->hash = h;
     u->cused++;
     return k;
+}
+
+/* The ids of the words norm[wpos[q] .. wend[q]) into out[0 .. cap), `budget` at most (< 0: all); their
+ * count (over cap: nothing past cap written). Each word's hash first, so that its cache line is asked
+ * for a few words before it is read. */
+static long emit(UT *u, const uint32_t *norm, size_t nw, long budget, int32_t *out, long cap) {
+    if (grow((void **)&u->whash, &u->whash_cap, nw + 1, sizeof(uint64_t))) return -3;
+    const uint32_t *pos = u->wpos, *end = u->wend; uint64_t *hs = u->whash;
+    for (size_t q = 0; q < nw; q++) hs[q] = word_hash(norm + pos[q], (int)(end[q] - pos[q]));
+    enum { AHEAD = 6 };
+    for (size_t q = 0; q < nw && q < AHEAD; q++) __builtin_prefetch(&u->cache[hs[q] & u->cmask]);
+    long count = 0;
+    for (size_t q = 0; q < nw; q++) {
+        if (budget >= 0 && count >= budget) return count;
+        if (q + AHEAD < nw) __builtin_prefetch(&u->cache[hs[q + AHEAD] & u->cmask]);
+        const int32_t *ids;
+        long got = word_ids(u, norm + pos[q], (int)(end[q] - pos[q]), hs[q], &ids);
+        if (got < 0) return -3;
+        for (long j = 0; j < got; j++) {
+            if (budget >= 0 && count >= budget) return count;
+            if (count < cap) out[count] = ids[j];
+            count++;
+        }
+    }
+    return count;
 }
 
 /* Content ids of `s` (no special tokens) into out[0 .. cap), stopping after `budget` ids (budget < 0: all):
@@ -547,36 +608,71 @@ static long encode_content(UT *u, const uint8_t *s, size_t n, long budget, int32
     if (k == 1) return 0;  /* nothing left: no mark is prepended to an empty string */
     size_t first = 1;
     if (norm[1] != WB) { norm[0] = WB; first = 0; }
-    /* words: each starts at a mark; their hashes first, so that each word's cache line is asked
-     * for a few words before it is read */
+    /* words: each starts at a mark */
     if (grow((void **)&u->wpos, &u->wpos_cap, k + 1, sizeof(uint32_t))) return -3;
-    if (grow((void **)&u->whash, &u->whash_cap, k + 1, sizeof(uint64_t))) return -3;
-    uint32_t *pos = u->wpos; uint64_t *hs = u->whash;
+    if (grow((void **)&u->wend, &u->wend_cap, k + 1, sizeof(uint32_t))) return -3;
     size_t nw = 0;
     for (size_t a = first; a < k;) {
         size_t b = a + 1;
         while (b < k && norm[b] != WB) b++;
-        pos[nw] = (uint32_t)a;
-        hs[nw++] = word_hash(norm + a, (int)(b - a));
+        u->wpos[nw] = (uint32_t)a; u->wend[nw++] = (uint32_t)b;
         a = b;
     }
-    pos[nw] = (uint32_t)k;
-    enum { AHEAD = 6 };
-    for (size_t q = 0; q < nw && q < AHEAD; q++) __builtin_prefetch(&u->cache[hs[q] & u->cmask]);
-    long count = 0;
-    for (size_t q = 0; q < nw; q++) {
-        if (q + AHEAD < nw) __builtin_prefetch(&u->cache[hs[q + AHEAD] & u->cmask]);
-        const int32_t *ids;
-        long got = word_ids(u, norm + pos[q], (int)(pos[q + 1] - pos[q]), hs[q], &ids);
-        if (got < 0) return -3;
-        for (long j = 0; j < got; j++) {
-            if (budget >= 0 && count >= budget) return count;
-            if (count < cap) out[count] = ids[j];
-            count++;
+    return emit(u, norm, nw, budget, out, cap);
+}
+
+/* WordPiece over ASCII text (else -1: the caller's exact path): BertNormalizer (NUL and control
+ * characters dropped, tab / newline / return as spaces, lower-cased where it lower-cases; accents and
+ * CJK spacing do nothing to ASCII), BertPreTokenizer (split at spaces, each punctuation mark a word
+ * of its own), then the words' ids. */
+static long wordpiece_content(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
+    if (grow((void **)&u->norm, &u->norm_cap, n + 1, sizeof(uint32_t))) return -3;
+    if (grow((void **)&u->wpos, &u->wpos_cap, n + 1, sizeof(uint32_t))) return -3;
+    if (grow((void **)&u->wend, &u->wend_cap, n + 1, sizeof(uint32_t))) return -3;
+    uint32_t *norm = u->norm;
+    size_t k = 0, nw = 0;
+    long open = -1;  /* where the word being read began */
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = s[i];
+        if (c >= 0x80) return -1;
+        if (c == '\t' || c == '\n' || c == '\r') c = ' ';
+        else if (c < 0x20 || c == 0x7F) continue;
+        else if (u->lower && c >= 'A' && c <= 'Z') c += 32;
+        int punct = (c >= 0x21 && c <= 0x2F) || (c >= 0x3A && c <= 0x40) || (c >= 0x5B && c <= 0x60) || (c >= 0x7B && c <= 0x7E);
+        if (c == ' ' || punct) {
+            if (open >= 0) { u->wpos[nw] = (uint32_t)open; u->wend[nw++] = (uint32_t)k; open = -1; }
+            if (punct) { u->wpos[nw] = (uint32_t)k; norm[k++] = c; u->wend[nw++] = (uint32_t)k; }
+            continue;
         }
-        if (budget >= 0 && count >= budget) return count;
+        if (open < 0) open = (long)k;
+        norm[k++] = c;
     }
-    return count;
+    if (open >= 0) { u->wpos[nw] = (uint32_t)open; u->wend[nw++] = (uint32_t)k; }
+    return emit(u, norm, nw, budget, out, cap);
+}
+
+/* WordPiece of one word (tokenizers' greedy longest match: the first piece bare, the next ones
+ * continuing; a word it cannot cover, or over max_chars, is <unk> whole): ids to u->tmp. */
+static long wordpiece(UT *u, const uint32_t *w, int n) {
+    if (grow((void **)&u->tmp, &u->tmp_cap, (size_t)n + 1, sizeof(int32_t))) return -1;
+    if (n > u->max_chars) { u->tmp[0] = u->unk_id; return 1; }
+    long k = 0;
+    int start = 0;
+    while (start < n) {
+        if (start > 0 && u->cont < 0) { u->tmp[0] = u->unk_id; return 1; }
+        uint32_t node = start == 0 ? 0 : (uint32_t)u->cont;
+        int end = -1; int32_t piece = -1;
+        for (int j = start; j < n; j++) {
+            const Edge *e = child(u, node, w[j]);
+            if (!e) break;
+            node = e->child;
+            if (e->piece >= 0) { end = j + 1; piece = e->piece; }
+        }
+        if (end < 0) { u->tmp[0] = u->unk_id; return 1; }
+        u->tmp[k++] = piece;
+        start = end;
+    }
+    return k;
 }
 
 /* The special tokens around every text (the post-processor's fixed prefix and suffix), up to 8 each. */
@@ -592,7 +688,7 @@ int ut_wrap(UT *u, const int32_t *pre, int npre, const int32_t *suf, int nsuf) {
  * (see the top), -3 out of memory. */
 long ut_encode(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
     long room = cap - u->npre - u->nsuf;
-    long c = encode_content(u, s, n, budget, out + u->npre, room < 0 ? 0 : room);
+    long c = (u->kind ? wordpiece_content : encode_content)(u, s, n, budget, out + u->npre, room < 0 ? 0 : room);
     if (c < 0) return c;
     long total = c + u->npre + u->nsuf;
     if (total > cap) return total;
