@@ -32,6 +32,43 @@ def fixed_wrap(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
     return (prefix, suffix) if tok.encode("").ids == prefix + suffix else None
 
 
+def fixed_pair_wrap(tok: Tokenizer) -> tuple[list[int], list[int], list[int], int] | None:
+    """The special tokens `tok`'s pair template puts around and between two texts (`<s> A </s></s> B
+    </s>`, `[CLS] A [SEP] B [SEP]`) as (prefix, middle, suffix, k): token type 1 starts k tokens into
+    the middle (len(middle): at B; -1: every token typed 0). None where the template is anything else."""
+    enc = tok.encode("a", "b")
+    seq, types, ids = enc.sequence_ids, enc.type_ids, enc.ids
+    a = [i for i, x in enumerate(seq) if x == 0]
+    b = [i for i, x in enumerate(seq) if x == 1]
+    if not a or not b or a != list(range(a[0], a[-1] + 1)) or b != list(range(b[0], b[-1] + 1)) or a[-1] >= b[0]:
+        return None
+    prefix, middle, suffix = ids[:a[0]], ids[a[-1] + 1:b[0]], ids[b[-1] + 1:]
+    if tok.encode("", "").ids != prefix + middle + suffix:
+        return None
+    if 1 not in types:
+        return prefix, middle, suffix, -1
+    first = types.index(1)
+    if not a[-1] < first <= b[0] or types != [0] * first + [1] * (len(types) - first):
+        return None
+    return prefix, middle, suffix, first - a[-1] - 1
+
+
+def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text a pair keeps under `room` content tokens, as `tokenizers`'
+    LongestFirst truncation cuts them (the shorter one kept whole where the longer can take the cut,
+    else both to about half)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > room else max(n1, room - n1)
+    if n1 + n2 > room:
+        n1 = room // 2
+        n2 = n1 + room % 2
+    return (n2, n1) if swap else (n1, n2)
+
+
 class FastEncoder:
     """`ivy.native` over the same tokenizer.json, encoding the content; the post-processor's prefix
     and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them, and the
@@ -113,6 +150,16 @@ class TextTokenizer:
         self.offload_chars = offload_chars
         self.fast = fast_encoder(path, self.exact, backend)
         self.backend = "native" if self.fast else "tokenizers"
+        # pairs natively too where the pair template is fixed and the native pairs match tokenizers'
+        self._pair_wrap = fixed_pair_wrap(self.exact) if self.fast else None
+        if self._pair_wrap is not None:
+            checks = [(q, d) for q in SENTENCES[:3] for d in EDGE_CASES + SENTENCES]
+            for truncate in (False, True):
+                native, exact = self._pairs_native(checks, truncate), self._pairs_exact(checks, truncate)
+                if native[1] != exact[1] or any(x.tolist() != y.tolist() for x, y in zip(native[0], exact[0])):
+                    log.info("pairs tokenized with tokenizers: the native pairs differ on the check texts")
+                    self._pair_wrap = None
+                    break
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
@@ -124,6 +171,30 @@ class TextTokenizer:
         return 1 not in types or types == sorted(types)
 
     def _pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+        if self._pair_wrap is not None:
+            return self._pairs_native(pairs, truncate)
+        return self._pairs_exact(pairs, truncate)
+
+    def _pairs_native(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+        """Each text of a pair by the native encoder alone, cut as LongestFirst cuts them, put into the
+        pair template."""
+        prefix, middle, suffix, k = self._pair_wrap
+        pre, mid, suf = (np.asarray(x, dtype=np.int32) for x in (prefix, middle, suffix))
+        head, tail = len(self.fast.prefix), len(self.fast.suffix)
+        room = self.max_len - len(pre) - len(mid) - len(suf)
+        ids = self.fast.ids
+        seqs, starts = [], []
+        for q, d in pairs:
+            a, b = ids(q), ids(d)
+            a, b = a[head:len(a) - tail], b[head:len(b) - tail]
+            if truncate:
+                n1, n2 = longest_first(len(a), len(b), max(room, 0))
+                a, b = a[:n1], b[:n2]
+            seqs.append(np.concatenate([pre, a, mid, b, suf]))
+            starts.append(0 if k < 0 else len(pre) + len(a) + k)
+        return seqs, starts
+
+    def _pairs_exact(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
         tok = self.truncating if truncate else self.exact
         seqs, starts = [], []
         for e in tok.encode_batch_fast(pairs):
@@ -150,7 +221,7 @@ class TextTokenizer:
         if sum(map(len, queries)) + sum(map(len, documents)) <= self.offload_chars:
             seqs, starts = self._pairs(pairs, truncate)
         else:  # `tokenizers` releases the GIL: off the event loop
-            seqs, starts = await asyncio.to_thread(self._pairs, pairs, truncate)
+            seqs, starts = await asyncio.to_thread(self._pairs_exact, pairs, truncate)
         if not truncate:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:

@@ -332,3 +332,27 @@ def test_native_is_built_on_first_use_and_missed_without_a_compiler(standin_dir,
         assert "no-such-cc" in caplog.text
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize("model", ["bge-reranker-v2-m3", "default"])
+def test_native_pairs_are_the_pair_template_and_longest_first_truncation(model):
+    """A cross-encoder's (query, document) pairs from the native encoder: each text alone, cut as
+    tokenizers' LongestFirst cuts a pair, put in the pair template (XLM-R's all-0 types; BERT's type 1
+    from B on), equal to tokenizers' own pair encoding at several maximum lengths."""
+    from trellis.modeldir import resolve_model_path
+    from trellis.presets import materialize
+
+    path = resolve_model_path("default") if model == "default" else materialize(model)
+    rng = random.Random(11)
+    texts = varied_texts() + tricky_texts(100, 2) + [standin.sample_text(rng.randint(1, 20), s, ("en",)) for s in range(60)]
+    pairs = [(rng.choice(texts), rng.choice(texts)) for _ in range(400)]
+    for max_len in (9, 24, 77, 512):
+        tt = TextTokenizer(path, max_len, 1 << 30)
+        assert tt.backend == "native" and tt._pair_wrap is not None
+        for truncate in (False, True):
+            ref = reference(path, max_len if truncate else None)
+            seqs, starts = tt._pairs(pairs, truncate)
+            for (q, d), ids, start in zip(pairs, seqs, starts):
+                e = ref.encode(q, d)
+                assert ids.tolist() == e.ids, (q[:30], d[:30], max_len, truncate)
+                assert start == (e.type_ids.index(1) if 1 in e.type_ids else 0)
