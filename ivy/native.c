@@ -7,7 +7,7 @@
  * does not decide, for the caller's exact path: for Unigram invalid UTF-8, or a character the
  * charsmap rewrites inside what may be a multi-code-point grapheme of under 6 bytes (`tokenizers`
  * rewrites those whole; graphemes of 6 bytes or more character by character, as here); for
- * WordPiece any non-ASCII character.
+ * WordPiece a character its table does not cover (past the BMP, or one ivy/native.py could not derive).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,6 +63,7 @@ typedef struct {
     int kind;                /* 0 Unigram, 1 WordPiece */
     int max_chars, lower;    /* WordPiece: longest word split, lower-casing */
     int64_t cont;            /* WordPiece: the trie node after the continuing prefix, -1 none */
+    uint8_t *wp_class;       /* WordPiece: per BMP character, see ut_wordpiece_table (NULL: ASCII only) */
     uint32_t *wend; size_t wend_cap;  /* a text's words' ends */
 } UT;
 
@@ -322,7 +323,7 @@ void ut_free(UT *u) {
     free(u->edges); free(u->scores); free(u->map); free(u->repl); free(u->repl_off); free(u->repl_len);
     free(u->multi); free(u->join); free(u->cps); free(u->norm); free(u->best); free(u->from); free(u->bid);
     free(u->tmp); free(u->cache); free(u->ckeys); free(u->cids);
-    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece); free(u->wpos); free(u->whash); free(u->wend);
+    free(u->wnode); free(u->wact); free(u->nm); free(u->wslot); free(u->mpiece); free(u->wpos); free(u->whash); free(u->wend); free(u->wp_class);
     free(u);
 }
 
@@ -621,10 +622,11 @@ static long encode_content(UT *u, const uint8_t *s, size_t n, long budget, int32
     return emit(u, norm, nw, budget, out, cap);
 }
 
-/* WordPiece over ASCII text (else -1: the caller's exact path): BertNormalizer (NUL and control
- * characters dropped, tab / newline / return as spaces, lower-cased where it lower-cases; accents and
- * CJK spacing do nothing to ASCII), BertPreTokenizer (split at spaces, each punctuation mark a word
- * of its own), then the words' ids. */
+/* WordPiece (else -1: the caller's exact path): BertNormalizer (NUL and control characters dropped,
+ * whitespace as spaces, CJK ideographs spaced, accents stripped and lower-cased where it does both),
+ * BertPreTokenizer (split at spaces, each punctuation mark a word of its own), then the words' ids.
+ * ASCII here; other BMP characters by ut_wordpiece_table's table (what ivy/native.py could derive
+ * exactly; a character it could not is class 0: the exact path). */
 static long wordpiece_content(UT *u, const uint8_t *s, size_t n, long budget, int32_t *out, long cap) {
     if (grow((void **)&u->norm, &u->norm_cap, n + 1, sizeof(uint32_t))) return -3;
     if (grow((void **)&u->wpos, &u->wpos_cap, n + 1, sizeof(uint32_t))) return -3;
@@ -632,23 +634,79 @@ static long wordpiece_content(UT *u, const uint8_t *s, size_t n, long budget, in
     uint32_t *norm = u->norm;
     size_t k = 0, nw = 0;
     long open = -1;  /* where the word being read began */
+#define CLOSE() do { if (open >= 0) { u->wpos[nw] = (uint32_t)open; u->wend[nw++] = (uint32_t)k; open = -1; } } while (0)
     for (size_t i = 0; i < n; i++) {
         uint32_t c = s[i];
-        if (c >= 0x80) return -1;
+        if (c >= 0x80) {
+            if (!u->wp_class) return -1;
+            uint32_t c2;
+            if ((c & 0xE0) == 0xC0 && i + 1 < n && (s[i + 1] & 0xC0) == 0x80) {
+                c2 = ((c & 0x1F) << 6) | (s[i + 1] & 0x3F); i += 1;
+                if (c2 < 0x80) return -1;
+            } else if ((c & 0xF0) == 0xE0 && i + 2 < n && (s[i + 1] & 0xC0) == 0x80 && (s[i + 2] & 0xC0) == 0x80) {
+                c2 = ((c & 0x0F) << 12) | ((s[i + 1] & 0x3F) << 6) | (s[i + 2] & 0x3F); i += 2;
+                if (c2 < 0x800) return -1;
+            } else {
+                return -1;  /* past the BMP, or not UTF-8 */
+            }
+            uint8_t cls = u->wp_class[c2];
+            if (cls == 0) return -1;
+            if (cls == 1) continue;
+            if (cls == 2) { CLOSE(); continue; }
+            const uint32_t *r = u->repl + u->repl_off[c2];
+            uint32_t rl = u->repl_len[c2];
+            size_t need = k + rl + (n - i) + 2;
+            if (need > u->norm_cap) {
+                if (grow((void **)&u->norm, &u->norm_cap, need, sizeof(uint32_t))) return -3;
+                norm = u->norm;
+            }
+            if (grow((void **)&u->wpos, &u->wpos_cap, u->norm_cap, sizeof(uint32_t))) return -3;
+            if (grow((void **)&u->wend, &u->wend_cap, u->norm_cap, sizeof(uint32_t))) return -3;
+            if (cls == 3) {  /* a word of its own: a CJK ideograph, a punctuation mark */
+                CLOSE();
+                u->wpos[nw] = (uint32_t)k;
+                for (uint32_t j = 0; j < rl; j++) norm[k++] = r[j];
+                u->wend[nw++] = (uint32_t)k;
+                continue;
+            }
+            if (rl && open < 0) open = (long)k;  /* class 4: part of a word (a lone combining mark: nothing) */
+            for (uint32_t j = 0; j < rl; j++) norm[k++] = r[j];
+            continue;
+        }
         if (c == '\t' || c == '\n' || c == '\r') c = ' ';
         else if (c < 0x20 || c == 0x7F) continue;
         else if (u->lower && c >= 'A' && c <= 'Z') c += 32;
         int punct = (c >= 0x21 && c <= 0x2F) || (c >= 0x3A && c <= 0x40) || (c >= 0x5B && c <= 0x60) || (c >= 0x7B && c <= 0x7E);
         if (c == ' ' || punct) {
-            if (open >= 0) { u->wpos[nw] = (uint32_t)open; u->wend[nw++] = (uint32_t)k; open = -1; }
+            CLOSE();
             if (punct) { u->wpos[nw] = (uint32_t)k; norm[k++] = c; u->wend[nw++] = (uint32_t)k; }
             continue;
         }
         if (open < 0) open = (long)k;
         norm[k++] = c;
     }
-    if (open >= 0) { u->wpos[nw] = (uint32_t)open; u->wend[nw++] = (uint32_t)k; }
+    CLOSE();
+#undef CLOSE
     return emit(u, norm, nw, budget, out, cap);
+}
+
+/* WordPiece's table for the BMP's non-ASCII characters: cls[c] 0 the exact path, 1 dropped, 2 a
+ * space, 3 a word of its own, 4 part of a word; the characters it becomes, cps[off[c] .. + len[c]). */
+int ut_wordpiece_table(UT *u, const uint8_t *cls, const uint32_t *off, const uint32_t *len, const uint32_t *cps,
+                       size_t ncps) {
+    if (u->kind != 1) return -1;
+    u->wp_class = malloc(0x10000);
+    u->repl_off = malloc(0x10000 * sizeof(uint32_t));
+    u->repl_len = malloc(0x10000 * sizeof(uint32_t));
+    u->repl = malloc((ncps ? ncps : 1) * sizeof(uint32_t));
+    if (!u->wp_class || !u->repl_off || !u->repl_len || !u->repl) return -1;
+    for (uint32_t c = 0; c < 0x10000; c++)
+        if (cls[c] > 4 || (cls[c] >= 3 && off[c] + len[c] > ncps)) return -1;
+    memcpy(u->wp_class, cls, 0x10000);
+    memcpy(u->repl_off, off, 0x10000 * sizeof(uint32_t));
+    memcpy(u->repl_len, len, 0x10000 * sizeof(uint32_t));
+    memcpy(u->repl, cps, ncps * sizeof(uint32_t));
+    return 0;
 }
 
 /* WordPiece of one word (tokenizers' greedy longest match: the first piece bare, the next ones

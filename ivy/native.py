@@ -6,16 +6,17 @@ ids only, exactly as `tokenizers` computes them, each distinct short word's ids 
   SentencePiece models): normalizer Precompiled then `Replace(" {2,}", " ")`, pre-tokenizer Metaspace
   ("▁", prepended always, split), model Unigram without byte fallback: the charsmap, Metaspace and
   Viterbi of `tokenizers`.
-- **WordPiece**, BERT's (all-MiniLM-L6-v2, the default model): BertNormalizer (cleaning text),
-  BertPreTokenizer, WordPiece; on ASCII text only.
+- **WordPiece**, BERT's (all-MiniLM-L6-v2, the default model): BertNormalizer (cleaning text, CJK
+  spacing, accents, lower-casing), BertPreTokenizer, WordPiece; ASCII in the C, the BMP's other
+  characters through a table derived here (`wordpiece_table`) where that can be done exactly.
 
 A text an encoder does not decide goes to `tokenizers` itself (the same ids, slower): one containing
 an added token's text (`<s>`, `[CLS]`, ...: `tokenizers` cuts those out first); for Unigram one that
 is not valid UTF-8 (lone surrogates) or where the charsmap rewrites a character that may share a
 grapheme with its neighbour (`tokenizers` rewrites graphemes of up to 5 bytes whole there; which
 characters may is over-approximated from Unicode categories, so this is rare on ordinary text:
-decomposed accents, half-width kana with voicing marks); for WordPiece any text with a non-ASCII
-character (Unicode lower-casing, accent stripping and punctuation stay `tokenizers`' own).
+decomposed accents, half-width kana with voicing marks); for WordPiece one with a character past
+the BMP or one the table leaves out (characters Unicode 3.2 did not have, or whose category moved).
 `FastEncoder.ids` counts them (`fallbacks`).
 
 No C compiler (or a failed build): `library()` raises ImportError and Ivy tokenizes with `tokenizers`.
@@ -120,6 +121,9 @@ def library() -> ctypes.PyDLL:
     lib.ut_new_wordpiece.restype = ctypes.c_void_p
     lib.ut_new_wordpiece.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int,
                                      ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+    lib.ut_wordpiece_table.restype = ctypes.c_int
+    lib.ut_wordpiece_table.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_size_t]
     lib.ut_wrap.restype = ctypes.c_int
     lib.ut_wrap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.ut_stats.restype = None
@@ -143,6 +147,62 @@ def join_bits() -> bytes:
         alone[a:b + 1] = False
     join &= ~alone
     return b"".join(np.packbits(x, bitorder="little").tobytes() for x in (join, prepend, alone))
+
+
+# BertNormalizer / BertPreTokenizer as `tokenizers` runs them: Rust's White_Space, the CJK ideographs
+# it spaces, and Unicode categories from a crate of Unicode 9.0's day
+WHITE_SPACE = {0x20, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000}
+CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0xF900, 0xFAFF))  # the BMP's share of tokenizers' list
+
+
+@functools.lru_cache(maxsize=4)
+def wordpiece_table(lowercase: bool, strip_accents: bool, chinese: bool) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
+    """Per BMP character (ASCII excluded: the C's own), what BertNormalizer then BertPreTokenizer make of
+    it: class (0 the exact path, 1 dropped, 2 a space, 3 a word of its own, 4 part of a word) and the
+    characters it becomes. Only characters Unicode 3.2 already had with today's category are derived
+    (their decomposition and category cannot have moved since, and `tokenizers`' category tables are
+    of Unicode 9.0); any other, or one whose result holds such a character, is class 0. ~0.3 s."""
+    old = unicodedata.ucd_3_2_0
+    cat, nfd, comb = unicodedata.category, unicodedata.normalize, unicodedata.combining
+
+    def stable(ch: str) -> bool:
+        c = cat(ch)
+        return c != "Cn" and c != "Cs" and old.category(ch) == c and (c == "Mn" or comb(ch) == 0)
+
+    cls = np.zeros(0x10000, dtype=np.uint8)
+    off = np.zeros(0x10000, dtype=np.uint32)
+    length = np.zeros(0x10000, dtype=np.uint32)
+    out: list[int] = []
+    for c in range(0x80, 0x10000):
+        ch = chr(c)
+        if not stable(ch):
+            continue
+        if c in WHITE_SPACE:
+            cls[c] = 2
+            continue
+        if cat(ch)[0] == "C" or c == 0xFFFD:  # clean_text: controls, format, private use dropped
+            cls[c] = 1
+            continue
+        text = nfd("NFD", ch) if strip_accents else ch
+        if strip_accents:
+            text = "".join(x for x in text if cat(x) != "Mn")
+        if lowercase:
+            text = "".join(x.lower() for x in text)
+        if not all(stable(x) and ord(x) < 0x10000 for x in text):
+            continue
+        kinds = {"space" if ord(x) in WHITE_SPACE or x in "\t\n\r" else "punct" if cat(x)[0] == "P" or
+                 (ord(x) < 0x80 and not x.isalnum()) else "control" if cat(x)[0] == "C" else "word" for x in text}
+        if chinese and any(a <= c <= b for a, b in CJK):
+            if kinds <= {"word"} and text:
+                cls[c] = 3
+        elif kinds <= {"word"}:
+            cls[c] = 4
+        elif kinds == {"punct"} and len(text) == 1:
+            cls[c] = 3
+        if cls[c] >= 3:
+            off[c], length[c] = len(out), len(text)
+            out.extend(map(ord, text))
+    return cls.tobytes(), off, length, np.asarray(out or [0], dtype=np.uint32)
 
 
 def unsupported(config: dict) -> str | None:
@@ -211,10 +271,18 @@ class NativeEncoder:
                 raise ValueError("a WordPiece vocabulary without its unk_token")
             pieces, offsets = _pieces(by_id)
             prefix = model.get("continuing_subword_prefix", "##").encode()
+            norm = config["normalizer"]
+            lower = bool(norm.get("lowercase", True))
+            strip = norm.get("strip_accents")
             handle = lib.ut_new_wordpiece(pieces, offsets.ctypes.data, len(offsets) - 1, unk,
-                                          int(model.get("max_input_chars_per_word", 100)),
-                                          int(bool(config["normalizer"].get("lowercase", True))),
+                                          int(model.get("max_input_chars_per_word", 100)), int(lower),
                                           prefix, len(prefix), cache_bits)
+            if handle:
+                cls, off, length, cps = wordpiece_table(lower, lower if strip is None else bool(strip),
+                                                        bool(norm.get("handle_chinese_chars", True)))
+                if lib.ut_wordpiece_table(handle, cls, off.ctypes.data, length.ctypes.data, cps.ctypes.data, len(cps)):
+                    lib.ut_free(handle)
+                    handle = None
         if not handle:
             raise ValueError("ivy/native.c could not read this tokenizer.json (its charsmap or pieces)")
         self._lib, self._handle = lib, ctypes.c_void_p(handle)

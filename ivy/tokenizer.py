@@ -1,6 +1,6 @@
 """Tokenization with the model's own tokenizer.json: Ivy's native encoders (`ivy.native`, in C,
 token-exact) for XLM-RoBERTa-style Unigram tokenizers (BGE-M3, its rerankers) and BERT's WordPiece
-(all-MiniLM-L6-v2; ASCII text), else Hugging Face `tokenizers`."""
+(all-MiniLM-L6-v2), else Hugging Face `tokenizers`."""
 
 from __future__ import annotations
 

@@ -347,9 +347,9 @@ def test_ivy_refuses_at_once_while_every_queue_is_full(tmp_path):
     try:
         ivy.wait_for(lambda: _status(url + "/ready") == 200, timeout=60)
         headers = {"content-type": "application/json"}
-        # non-ASCII text, which Ivy's native WordPiece hands to `tokenizers` (~15x slower): 4, 8, 16 MB until
-        # tokenizing it takes the 0.4 s this test needs to tell
-        slow = "tulipes et roses près de la rivière "
+        # text with characters past the BMP, which Ivy's native WordPiece hands to `tokenizers` (~15x
+        # slower): 4, 8, 16 MB until tokenizing it takes the 0.4 s this test needs to tell
+        slow = "tulips \U0001f337 and roses \U0001f339 by the "
         for repeat in (60, 120, 240):
             huge = json.dumps({"input": [f"{i} " + slow * repeat for i in range(2048)], "truncate": True})
             t0 = time.monotonic()
