@@ -46,6 +46,7 @@ class IvyAPI(FastAPI):
 def create_app(cfg: IvyConfig) -> FastAPI:
     models = Models(cfg)
     metrics = Metrics()
+    metrics.watch_tokenizers(models)
     tracing = None
     if cfg.otlp_endpoint:  # imported only then: without it no OpenTelemetry SDK module is loaded
         from ivy.tracing import Tracing

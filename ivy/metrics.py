@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 
 class Metrics:
@@ -16,3 +17,30 @@ class Metrics:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
         )
         self.tokens = Counter("ivy_prompt_tokens", "tokens embedded or scored", ["model"], registry=self.registry)
+
+    def watch_tokenizers(self, models) -> None:
+        """Per served model, from its native tokenizer where it has one (read at each scrape):
+        ivy_tokenizer_fallback_texts (texts handed to `tokenizers`, which it could not decide exactly)
+        and ivy_tokenizer_words (its word cache: hits, misses, resets)."""
+        self.registry.register(_TokenizerCollector(models))
+
+
+class _TokenizerCollector:
+    def __init__(self, models):
+        self.models = models
+
+    def collect(self):
+        fallbacks = CounterMetricFamily("ivy_tokenizer_fallback_texts", "texts the native tokenizer handed to "
+                                        "tokenizers (it could not decide them exactly)", labels=["model"])
+        words = CounterMetricFamily("ivy_tokenizer_words", "the native tokenizer's word cache: hits, misses, resets",
+                                    labels=["model", "outcome"])
+        for m in self.models.all:
+            fast = m.tokenizer.fast
+            if fast is None:
+                continue
+            stats = fast.native.stats()
+            fallbacks.add_metric([m.name], stats["fallbacks"])
+            for outcome in ("hits", "misses", "resets"):
+                words.add_metric([m.name, outcome], stats[outcome])
+        yield fallbacks
+        yield words

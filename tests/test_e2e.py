@@ -213,6 +213,10 @@ def test_metrics_count_requests(stack):
     assert metric(text, "ivy_requests_total", route="/v1/embeddings", status="200", model="all-MiniLM-L6-v2") >= 1
     assert metric(text, "ivy_requests_total", route="/v1/embeddings", status="400") >= 1
     assert metric(text, "ivy_prompt_tokens_total", model="all-MiniLM-L6-v2") >= 1
+    # the native tokenizer's own counts: words remembered and found again, texts handed to tokenizers
+    assert metric(text, "ivy_tokenizer_words_total", model="all-MiniLM-L6-v2", outcome="hits") >= 1
+    assert metric(text, "ivy_tokenizer_words_total", model="all-MiniLM-L6-v2", outcome="misses") >= 1
+    assert metric(text, "ivy_tokenizer_fallback_texts_total", model="all-MiniLM-L6-v2") >= 0
 
 
 def _port_open(port: int) -> bool:
