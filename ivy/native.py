@@ -304,7 +304,10 @@ class NativeEncoder:
     def __del__(self):
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
-            self._lib.ut_free(handle)
+            try:
+                self._lib.ut_free(handle)
+            except Exception:  # interpreter shutdown: the library may already be gone
+                pass
 
     def ids(self, text: str, budget: int | None = None) -> np.ndarray | None:
         """int32 ids of `text`, wrapped, its content cut to `budget` ids if given; None: a text for
