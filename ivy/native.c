@@ -35,7 +35,7 @@ typedef struct {
 typedef struct {
     /* the pieces' trie: (node, code point) -> child, and the piece ending there */
     Edge *edges; uint64_t mask; int shift; uint32_t nodes;
-    double *scores; int32_t npieces, unk_id; double unk_score;
+    double *scores; int32_t unk_id; double unk_score;
     /* the charsmap: per code point its rewrite (index into repl_*), or -1 */
     int32_t *map;
     uint32_t *repl, *repl_off, *repl_len; uint32_t nrepl;
@@ -198,15 +198,12 @@ static void d_walk(Darts *d, size_t pos, uint8_t *key, int depth, ReplState *rs)
 void ut_free(UT *u);
 static inline int bit(const uint8_t *b, uint32_t c) { return (b[c >> 3] >> (c & 7)) & 1; }
 
-/* pieces: the vocabulary's pieces as UTF-8, back to back (offsets[npieces + 1]); scores per piece;
- * charsmap: the Precompiled normalizer's bytes; join: three bitmaps of NCP / 8 bytes (join, prepend, alone);
- * 2^cache_bits remembered words at most (64 bytes each; all forgotten at 70 %). NULL on failure. */
 /* What both models share: the pieces' trie (pieces as UTF-8, back to back, offsets[npieces + 1]) and
  * 2^cache_bits remembered words at most (64 bytes each; all forgotten at 70 %). NULL on failure. */
 static UT *new_common(const uint8_t *pieces, const uint32_t *offsets, int32_t npieces, int32_t unk_id, int cache_bits) {
     UT *u = calloc(1, sizeof(UT));
     if (!u) return NULL;
-    u->npieces = npieces; u->unk_id = unk_id;
+    u->unk_id = unk_id;
     /* the trie: sized for every code point of every piece at a load below 0.6 */
     size_t total = 0;
     for (int32_t i = 0; i < npieces; i++) total += offsets[i + 1] - offsets[i];

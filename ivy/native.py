@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trellis import cache_root
+
 log = logging.getLogger("ivy.native")
 SOURCE = Path(__file__).with_name("native.c")
 NCP = 0x110000
@@ -63,8 +65,7 @@ NOT_CONTROL = ((0x0A, 0x0A), (0x0D, 0x0D), (0x200C, 0x200D), (0x0600, 0x0605), (
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("TRELLIS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "trellis")
-    return Path(base) / "ivy"
+    return cache_root() / "ivy"
 
 
 def built_name() -> str:

@@ -70,9 +70,9 @@ def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
 
 
 class FastEncoder:
-    """`ivy.native` over the same tokenizer.json, encoding the content; the post-processor's prefix
-    and suffix (<s> ... </s>) and truncation are applied here, as `tokenizers` applies them, and the
-    texts it hands back (see ivy/native.py) are encoded by `reference` (no truncation)."""
+    """`ivy.native` over the same tokenizer.json, with the post-processor's fixed prefix and suffix
+    (<s> ... </s>, written by the C) and truncation as `tokenizers` applies them; the texts it hands
+    back (see ivy/native.py) are encoded here by `reference` (no truncation)."""
 
     def __init__(self, path: Path, reference: Tokenizer):
         from ivy.native import NativeEncoder
@@ -151,7 +151,10 @@ class TextTokenizer:
         self.fast = fast_encoder(path, self.exact, backend)
         self.backend = "native" if self.fast else "tokenizers"
         # pairs natively too where the pair template is fixed and the native pairs match tokenizers'
-        self._pair_wrap = fixed_pair_wrap(self.exact) if self.fast else None
+        pair_wrap = fixed_pair_wrap(self.exact) if self.fast else None
+        # the template's special tokens as arrays, and where type 1 starts in the middle (-1: none)
+        self._pair_wrap = None if pair_wrap is None else (
+            *(np.asarray(x, dtype=np.int32) for x in pair_wrap[:3]), pair_wrap[3])
         if self._pair_wrap is not None:
             checks = [(q, d) for q in SENTENCES[:3] for d in EDGE_CASES + SENTENCES]
             for truncate in (False, True):
@@ -176,17 +179,22 @@ class TextTokenizer:
         return self._pairs_exact(pairs, truncate)
 
     def _pairs_native(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
-        """Each text of a pair by the native encoder alone, cut as LongestFirst cuts them, put into the
-        pair template."""
-        prefix, middle, suffix, k = self._pair_wrap
-        pre, mid, suf = (np.asarray(x, dtype=np.int32) for x in (prefix, middle, suffix))
+        """Each text of a pair by the native encoder alone (each distinct text once: a query comes
+        with every document), cut as LongestFirst cuts them, put into the pair template."""
+        pre, mid, suf, k = self._pair_wrap
         head, tail = len(self.fast.prefix), len(self.fast.suffix)
         room = self.max_len - len(pre) - len(mid) - len(suf)
-        ids = self.fast.ids
+        ids, content = self.fast.ids, {}
+
+        def of(text: str) -> np.ndarray:
+            if text not in content:
+                a = ids(text)
+                content[text] = a[head:len(a) - tail]
+            return content[text]
+
         seqs, starts = [], []
         for q, d in pairs:
-            a, b = ids(q), ids(d)
-            a, b = a[head:len(a) - tail], b[head:len(b) - tail]
+            a, b = of(q), of(d)
             if truncate:
                 n1, n2 = longest_first(len(a), len(b), max(room, 0))
                 a, b = a[:n1], b[:n2]

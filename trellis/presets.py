@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from trellis import cache_root
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
 FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
@@ -185,7 +186,7 @@ PRESETS["gte-reranker-modernbert-base"] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TRELLIS_CACHE", Path.home() / ".cache" / "trellis")) / "presets"
+    return cache_root() / "presets"
 
 
 def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:
