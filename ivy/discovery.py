@@ -187,7 +187,7 @@ class ReplicaSet:
         while (r.client.outstanding or r.outstanding) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if stream_only:
-            if r.health != SERVING:  # still out of routing: let a draining Tulip finish early
+            if r.health != SERVING and r.client.stream is not None:  # still out of routing: let a draining Tulip finish early
                 await r.client.stream.close()
         else:
             self._leaving.discard(r)

@@ -199,7 +199,7 @@ def test_not_serving_stops_new_requests_at_once_and_serving_brings_it_back():
             seen = b.requests
             await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(40)))
             assert b.requests == seen  # nothing new once the watch said NOT_SERVING
-            stream_closed = bal.replicas[1].client.stream._call is None  # idle: let it drain and go
+            stream_closed = bal.replicas[1].client.stream._conn is None  # idle: let it drain and go
             await b.health.set("", SERVING)  # found by the Check probe
             await until(lambda: bal.replicas[1].health == SERVING, timeout=5)
             await asyncio.gather(*(bal.embed(seqs(2, 16), EmbedOptions(deadline=time.monotonic() + 10)) for _ in range(20)))

@@ -464,13 +464,13 @@ def test_a_caller_cancelled_mid_write_does_not_end_the_stream(tulip_server):
         async with TulipClient(target, transport="stream") as c:
             first = asyncio.create_task(c.embed(seqs(*[200] * 10), timeout=60))
             await asyncio.sleep(0.05)
-            stream = c.stream._call
+            stream = c.stream._conn
             big = asyncio.create_task(c.embed(seqs(*[4096] * 800), timeout=60))  # 13 MB of ids, over the queue
             await asyncio.sleep(0.005)  # its message is being written
             big.cancel()
             out = await first
             after = await c.embed(seqs(6), timeout=30)
-            return out, after, c.stream._call is stream
+            return out, after, c.stream._conn is stream
 
     out, after, same_stream = asyncio.run(main())
     assert out.shape == (10, 384) and after.shape == (1, 384) and same_stream

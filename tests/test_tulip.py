@@ -195,8 +195,8 @@ class _HoldingServicer(tulip_pb2_grpc.TulipServicer):
 
 
 def test_stream_callers_that_leave_are_taken_back_or_cancelled_behind_their_message():
-    """TulipStream never lets a caller await a write (grpc.aio would cancel the whole call with it):
-    messages go out in order from an outbox. A caller cancelled while its message still waits there
+    """TulipStream's messages go out in order, as far as the peer's flow-control window lets them
+    (a 16 MB message waits for it). A caller cancelled while its message still waits behind another
     takes it back (the peer never sees it); one whose message went out is cancelled on the stream
     (behind it), also when its deadline passes (a timer, DEADLINE_EXCEEDED); the stream stays open."""
     port = free_port()
@@ -210,14 +210,14 @@ def test_stream_callers_that_leave_are_taken_back_or_cancelled_behind_their_mess
         try:
             async with TulipClient(f"127.0.0.1:{port}") as c:
                 assert (await c.embed([[5, 6, 7]])).shape == (1, 2)  # "0": the stream is open
-                stream = c.stream._call
+                stream = c.stream._conn
                 big = asyncio.create_task(c.embed([np.zeros(4_000_000, np.int32)], timeout=30))  # "1": 16 MB
                 small = asyncio.create_task(c.embed([[8, 9]], timeout=30))  # "2": queued behind it
                 for _ in range(100):
                     await asyncio.sleep(0)
-                    if len(c.stream._outbox) == 1:
+                    if len(c.stream._conn.queued) == 2:
                         break
-                assert len(c.stream._outbox) == 1, "the small message was not waiting behind the big one"
+                assert len(c.stream._conn.queued) == 2, "the small message was not waiting behind the big one"
                 small.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await small
@@ -234,7 +234,7 @@ def test_stream_callers_that_leave_are_taken_back_or_cancelled_behind_their_mess
                     if len(servicer.cancels) == 2:
                         break
                     await asyncio.sleep(0.01)
-                return late.value, after, c.stream._call is stream, c.stream._pending, servicer
+                return late.value, after, c.stream._conn is stream, c.stream._pending, servicer
         finally:
             await server.stop(None)
 

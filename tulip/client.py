@@ -5,8 +5,9 @@
         vecs = await c.embed([[101, 7592, 102], [101, 2088, 102]])   # float32 [2, dim]
 
 Sequences are pre-tokenized (token ids); the client packs them as int32 bytes. With
-transport="stream" (the default) every call of one client shares one open EmbedStream,
-which costs less per request than a unary call; "unary" uses Embed. With `spin_ms` > 0 the
+transport="stream" (the default) every call of one client shares one open EmbedStream, on an
+HTTP/2 connection of its own (`tulip.h2stream`), which costs less per request than a unary call;
+"unary" uses Embed on the client's grpc.aio channel (as Info and health always do). With `spin_ms` > 0 the
 client keeps its event loop polling while a reply is due (for up to that long per request,
 `tulip.spin.Spinner`): lower latency for one busy core; for callers on hosts with cores to spare.
 """
@@ -14,9 +15,7 @@ client keeps its event loop polling while a reply is due (for up to that long pe
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -26,10 +25,12 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+from tulip import h2stream
 from tulip.spin import Spinner
 
 KEEPALIVE_S = 4.0  # a ping after this long without hearing from the peer
 KEEPALIVE_TIMEOUT_S = 4.0  # unanswered this long: the connection is closed
+CONNECT_TIMEOUT_S = KEEPALIVE_TIMEOUT_S  # a stream's connection not made by then: UNAVAILABLE (retried elsewhere)
 
 
 _I4 = np.dtype("<i4")
@@ -153,16 +154,6 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-def _started(coro) -> asyncio.Task:
-    """`coro` as a task that has already run up to its first wait (Python >= 3.12: eager start, so a
-    write is handed to gRPC before this returns); before 3.12 an ordinary task (it starts on the next
-    loop iteration)."""
-    loop = asyncio.get_running_loop()
-    if sys.version_info >= (3, 12):
-        return asyncio.Task(coro, loop=loop, eager_start=True)
-    return loop.create_task(coro)
-
-
 class _Expired(Exception):
     """A stream request's deadline passed (set on its future by the timer)."""
 
@@ -176,132 +167,134 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class TulipStream:
-    """One long-lived EmbedStream call multiplexing concurrent requests by request_id.
+    """One long-lived EmbedStream call multiplexing concurrent requests by request_id, on an HTTP/2
+    connection of its own (`tulip.h2stream`: cheaper per message than grpc.aio's call).
 
     Tulip matches replies (and cancels) by request_id, so every message on the stream carries one
     of its own: the caller's request_id with "#n" added (n counts this stream's requests), or n.
 
-    Opened on first use; if it breaks, the requests waiting on it fail with UNAVAILABLE (so a
-    balancer retries them elsewhere) and the next request opens a new one.
+    Opened on first use (within CONNECT_TIMEOUT_S, or what is left of the first caller's timeout);
+    if it breaks, the requests waiting on it fail with UNAVAILABLE (so a balancer retries them
+    elsewhere) and the next request opens a new one.
 
-    The reply path is one hop: the reader task sets the caller's future, which is all the caller
-    awaits (a deadline is a timer on the loop that fails that future, not `asyncio.wait_for`). Writes
-    go through an outbox that one writer task empties in order (started eagerly where Python has it,
-    so an idle stream's message is handed to gRPC before `request` first waits): grpc.aio cancels the
-    whole call when a write on it is cancelled, so no caller ever awaits a write; a caller that leaves
-    takes its message out of the outbox if it is not sent yet, and otherwise queues a cancel behind it."""
+    The reply path is one hop: the connection's data_received sets the caller's future, which is all
+    the caller awaits (a deadline is a timer on the loop that fails that future). Messages go out in
+    order, as far as the peer's flow-control window lets them; a caller that leaves takes its message
+    back if none of it is out yet, and otherwise queues a cancel behind it."""
 
-    def __init__(self, stub: tulip_pb2_grpc.TulipStub):
-        self._stub = stub
-        self._call = None
-        self._pending: dict[str, asyncio.Future] = {}
+    def __init__(self, target: str, max_message: int):
+        self.target, self.max_message = target, max_message
+        self._where = h2stream.address(target)  # ValueError for a target it cannot reach
+        self._conn: h2stream.StreamConnection | None = None
+        self._opening: asyncio.Future | None = None
         self._ids = itertools.count()
-        self._outbox: collections.deque = collections.deque()  # (call, request, its future or None)
-        self._writing = False  # a writer task is emptying the outbox
-        self._writer: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()  # a reference to each reader until it is done
 
-    async def _read(self, call) -> None:
-        err = rpc_error(grpc.StatusCode.UNAVAILABLE, "Tulip closed the stream")
+    @property
+    def _pending(self) -> dict[str, asyncio.Future]:
+        return self._conn.pending if self._conn is not None else {}
+
+    def _reply(self, conn: h2stream.StreamConnection, data: bytes) -> None:
         try:
-            async for reply in call:
-                fut = self._pending.pop(reply.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(reply)
-                    if not self._pending:  # its caller was the only one: let it run before the next read is armed
-                        await asyncio.sleep(0)
-        except grpc.aio.AioRpcError as e:
-            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip broke: {e.details()}")
-        except asyncio.CancelledError:
-            pass
-        finally:
-            if self._call is call:
-                self._call = None
-            pending, self._pending = self._pending, {}
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(err)
+            reply = tulip_pb2.EmbedReply.FromString(data)
+        except Exception as e:  # not an EmbedReply: the stream cannot be trusted
+            conn._end(f"Tulip sent a message that is not an EmbedReply ({e})")
+            return
+        fut = conn.pending.pop(reply.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
 
-    def _background(self, task: asyncio.Task) -> None:
-        self._tasks.add(task)  # the loop keeps only a weak reference
-        task.add_done_callback(self._tasks.discard)
+    def _closed(self, conn: h2stream.StreamConnection, details: str) -> None:
+        if self._conn is conn:
+            self._conn = None
+        err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip broke: {details}")
+        pending, conn.pending = conn.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
 
-    def _send(self, call, req: tulip_pb2.EmbedRequest, fut: asyncio.Future | None) -> tuple:
-        entry = (call, req, fut)
-        self._outbox.append(entry)
-        if not self._writing:
-            self._writing = True
-            self._writer = _started(self._write())  # referenced until the next (the loop keeps a weak one)
-        return entry
+    async def _connect(self) -> h2stream.StreamConnection:
+        loop = asyncio.get_running_loop()
+        kind, where, port_or_authority = self._where
+        conn = None
 
-    async def _write(self) -> None:
-        outbox = self._outbox
+        def protocol():
+            nonlocal conn
+            authority = port_or_authority if kind == "unix" else f"{where}:{port_or_authority}"
+            conn = h2stream.StreamConnection(authority, lambda data: self._reply(conn, data), self._closed,
+                                             self.max_message, KEEPALIVE_S, KEEPALIVE_TIMEOUT_S)
+            return conn
+
         try:
-            while outbox:
-                call, req, fut = outbox.popleft()
-                try:
-                    await call.write(req)
-                except asyncio.CancelledError:
-                    if not call.cancelled():
-                        raise  # this task is cancelled, not the call (close() cancels the call)
-                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, "stream to Tulip is closed: cancelled")
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-                    err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"stream to Tulip is closed: {e}")
-                except Exception as e:  # the message itself (its caller sees what went wrong)
-                    err = e
-                else:
-                    continue
-                if fut is not None and not fut.done():  # the reader may have failed it first
-                    fut.set_exception(err)
-        finally:
-            self._writing = False
+            if kind == "unix":
+                await asyncio.wait_for(loop.create_unix_connection(protocol, where), CONNECT_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(loop.create_connection(protocol, where, port_or_authority), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"cannot reach Tulip at {self.target}: {e or 'no answer'}") from None
+        if conn.closed:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the connection to Tulip at {self.target} closed at once")
+        self._conn = conn
+        return conn
+
+    async def _open(self, timeout: float | None) -> h2stream.StreamConnection:
+        """The open stream, or a new one (one connection attempt shared by every caller meanwhile)."""
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._connect())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._opening), timeout)
+        except asyncio.TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
     async def request(self, req: tulip_pb2.EmbedRequest, timeout: float | None) -> tulip_pb2.EmbedReply:
-        call = self._call
-        if call is None:
-            call = self._call = self._stub.EmbedStream()
-            self._background(asyncio.get_running_loop().create_task(self._read(call)))
+        conn = self._conn
+        if conn is None or not conn.usable:
+            conn = await self._open(timeout)
         n = next(self._ids)
         rid = req.request_id = f"{req.request_id}#{n}" if req.request_id else str(n)  # unique on the stream
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         fut = loop.create_future()
-        self._pending[rid] = fut
+        conn.pending[rid] = fut
         timer = None
         if timeout is not None:
             req.timeout_ms = min(max(1, int(timeout * 1e3)), 2**32 - 1)  # Tulip drops it if still queued by then
             timer = loop.call_later(timeout, _expire, fut)
-        entry = self._send(call, req, fut)
+        try:
+            token = conn.send(req.SerializeToString())
+        except Exception:
+            conn.pending.pop(rid, None)
+            if timer is not None:
+                timer.cancel()
+            raise
         try:
             reply = await fut
         except _Expired:
-            self._leave(call, rid, entry)
+            self._leave(conn, rid, token)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:  # our caller is gone: so is Tulip's queued work for it
-            self._leave(call, rid, entry)
+            self._leave(conn, rid, token)
             raise
         finally:
             if timer is not None:
                 timer.cancel()
-            self._pending.pop(rid, None)
         if reply.error_code:
             raise rpc_error(_STATUS.get(reply.error_code, grpc.StatusCode.UNKNOWN), reply.error_message)
         return reply
 
-    def _leave(self, call, rid: str, entry) -> None:
-        """The caller of request `rid` is gone: its message is taken back if still unsent, else Tulip
-        is told (behind it on the stream, so after it)."""
-        self._pending.pop(rid, None)
-        for i, e in enumerate(self._outbox):
-            if e is entry:
-                del self._outbox[i]
-                return  # never sent
-        if self._call is call:  # otherwise that stream is gone, and its queued work with it
-            self._send(call, tulip_pb2.EmbedRequest(request_id=rid, cancel=True), None)
+    def _leave(self, conn: h2stream.StreamConnection, rid: str, token) -> None:
+        """The caller of request `rid` is gone: its message is taken back if none of it is out, else
+        Tulip is told (behind it on the stream, so after it)."""
+        conn.pending.pop(rid, None)
+        if conn.closed or conn.take_back(token):
+            return  # never sent, or that stream is gone and its queued work with it
+        conn.send(tulip_pb2.EmbedRequest(request_id=rid, cancel=True).SerializeToString())
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 class TulipClient:
@@ -334,7 +327,7 @@ class TulipClient:
         ])
         self.stub = tulip_pb2_grpc.TulipStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.stream = TulipStream(self.stub)
+        self.stream = TulipStream(target, mb) if self._stream else None
 
     async def __aenter__(self) -> "TulipClient":
         return self
@@ -343,7 +336,8 @@ class TulipClient:
         await self.close()
 
     async def close(self) -> None:
-        await self.stream.close()
+        if self.stream is not None:
+            await self.stream.close()
         await self.channel.close()
 
     async def info(self, timeout: float | None = 5.0) -> tulip_pb2.InfoReply:
