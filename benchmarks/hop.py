@@ -181,6 +181,9 @@ def _wait_ready(p, ready, timeout: float):
     raise TimeoutError(f"the benchmark server was not ready after {timeout:.0f} s")
 
 
+ECHOES = {"echo": "grpc echo", "echo-h2": "grpc echo (tulip.h2server)"}  # the floors: grpc.aio's server, Tulip's
+
+
 def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
     import grpc
     import uvloop
@@ -189,6 +192,7 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
     from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
     from tulip.config import TulipConfig
     from tulip.loop import EngineLoop
+    from tulip.h2server import Server
     from tulip.server import TulipServicer, add_tulip
 
     class Echo(tulip_pb2_grpc.TulipServicer):
@@ -208,7 +212,7 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
 
     async def main():
         info = {}
-        if kind == "echo":
+        if kind in ("echo", "echo-h2"):
             servicer = Echo()
         else:
             if args["model"]:
@@ -227,16 +231,20 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
             loop.start()
             info["loop"] = await _in_process(loop, args["n"])
             servicer = TulipServicer(loop, "null")
-        server = grpc.aio.server()
-        if kind == "echo":
+        server = grpc.aio.server() if kind == "echo" else Server(64 << 20)  # Tulip's own server, as tulip.server
+        if kind.startswith("echo"):
             tulip_pb2_grpc.add_TulipServicer_to_server(servicer, server)
         else:
             add_tulip(server, servicer)
         health_servicer = health.aio.HealthServicer()  # Ivy's readiness check
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.add_insecure_port(f"unix:{uds}")
-        await server.start()
+        if kind == "echo":
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            server.add_insecure_port(f"unix:{uds}")
+            await server.start()
+        else:
+            await server.listen("127.0.0.1", port)
+            await server.listen_unix(uds)
         prof = None
         if kind == "tulip-stages" and args["profile"]:
             import cProfile
@@ -462,7 +470,7 @@ def main(argv=None) -> int:
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
             else "tulip + null engine")
     server_env = {"GRPC_EXPERIMENTS": grpcio.EXPERIMENTS} if args.server_io == "tulip" else {}
-    kinds = ("tulip-stages",) if args.tail_only else ("echo", "tulip") + (("tulip-stages",) if args.stages else ())
+    kinds = ("tulip-stages",) if args.tail_only else ("echo", "echo-h2", "tulip") + (("tulip-stages",) if args.stages else ())
     for kind in kinds:
         port, uds, ready, cmd = free_port(), tmp / f"{kind}.sock", ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=_serve, args=(kind, port, str(uds), vars(args), ready, cmd), daemon=True)
@@ -470,8 +478,8 @@ def main(argv=None) -> int:
             p.start()
         try:
             in_process = _wait_ready(p, ready, 900)  # the server is listening (and measured itself in-process)
-            tulip = kind != "echo"
-            common = dict(bench="hop", server=what if tulip else "grpc echo", device_ms=None, spin_ms=None,
+            tulip = not kind.startswith("echo")
+            common = dict(bench="hop", server=what if tulip else ECHOES[kind], device_ms=None, spin_ms=None,
                           cpus=os.cpu_count(), client_spin_ms=args.client_spin_ms,
                           server_grpc_experiments=server_env.get("GRPC_EXPERIMENTS"))
             if tulip:

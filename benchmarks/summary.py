@@ -220,7 +220,7 @@ def hop_table(rows: list[dict]) -> list[str]:
            "completion is awaited in a waiter thread), then the client's spin_ms where it polled too. Each run of",
            "benchmarks.hop measures its own echo floor just before its Tulip (the two echo rows show the noise).", "",
            "| machine | server | device step | spin ms | path | p50 ms | p99 ms | n | git |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(hop, key=lambda r: (r["gpu"], r.get("when", ""), r["server"] != "grpc echo", str(r.get("device_ms")),
+    for r in sorted(hop, key=lambda r: (r["gpu"], r.get("when", ""), not r["server"].startswith("grpc echo"), str(r.get("device_ms")),
                                         -(r.get("spin_ms") or 0), r["transport"] != "in-process engine loop")):
         step = "real" if "(" in r["server"] else ("-" if r.get("device_ms") is None else f"{r['device_ms']:g} ms")
         path = r["transport"] + ("" if r.get("socket") in (None, "tcp") else f" ({r['socket']} socket)")
@@ -237,7 +237,7 @@ def draw_hop(rows: list[dict], path: Path) -> bool:
     hop = [r for r in rows if r.get("bench") == "hop"]
     bars = []
     for gpu, server, spin, client in sorted({(r["gpu"], r["server"], r.get("spin_ms") or 0, r.get("client_spin_ms") or 0)
-                                             for r in hop if r["server"] != "grpc echo"}):
+                                             for r in hop if not r["server"].startswith("grpc echo")}):
         def latest(pred):
             c = [r for r in hop if r["gpu"] == gpu and (r.get("client_spin_ms") or 0) == client and pred(r)]
             return max(c, key=lambda r: r["when"]) if c else None

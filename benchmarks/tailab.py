@@ -89,7 +89,7 @@ def table(paths: list[Path]) -> str:
         inproc = next((r for r in rows if r["bench"] == "hop" and r["transport"] == "in-process engine loop"), None)
         for transport in ("stream", "unary"):
             timed = next((r for r in rows if r["bench"] == "hop" and r["transport"] == transport and r["socket"] == "tcp"
-                          and r["server"] != "grpc echo"), None)
+                          and not r["server"].startswith("grpc echo")), None)
             tail = [r for r in rows if r["bench"] == "hop-tail" and r["transport"] == transport]
             total = next((r for r in tail if r["segment"] == "all"), None)
             if timed is None and total is not None:

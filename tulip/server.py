@@ -1,6 +1,6 @@
 """Tulip's gRPC server: validate requests, queue them on the engine loop, reply.
 
-One asyncio event loop runs the grpc.aio server (unary `Embed`, streaming
+One asyncio event loop runs the gRPC server (tulip.h2server: unary `Embed`, streaming
 `EmbedStream`, `Info`, health) and the engine loop (`tulip.loop.EngineLoop`: FCFS
 batches, overlapped steps, results scattered to the waiting requests). A bad request
 is answered INVALID_ARGUMENT before it is queued; an engine failure fails only the
@@ -27,6 +27,7 @@ from rose.layers.heads import Extra
 from trellis.modeldir import default_served_name
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
+from tulip.h2server import Server
 from tulip.loop import EngineLoop, Request, warm_up
 from tulip.metrics import TulipMetrics
 
@@ -517,29 +518,14 @@ async def serve(cfg: TulipConfig) -> int:
 
         loop.tracing = Tracing(cfg.otlp_endpoint, served_name, f"{cfg.host}:{cfg.port}")
     loop.start()
-    mb = cfg.max_message_mb << 20
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", mb),
-        ("grpc.max_send_message_length", mb),
-        ("grpc.so_reuseport", 0),
-        # Clients keep idle streams alive with pings (TulipClient: after 4 s without data, to find a peer
-        # that stopped answering); grpc's default server policy (one ping per 5 minutes without data,
-        # 2 strikes) answered them with GOAWAY "too_many_pings", tearing down Ivy's streams. No strikes:
-        # pings closer than the interval below are never punished.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ])
+    server = Server(max_message=cfg.max_message_mb << 20)
     servicer = TulipServicer(loop, served_name)
     add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if cfg.uds and not server.add_insecure_port(f"unix:{cfg.uds}"):
-        raise OSError(f"could not bind unix:{cfg.uds}")
-    if port == 0:
-        raise OSError(f"could not bind {cfg.host}:{cfg.port}")
-    await server.start()
+    port = await server.listen(cfg.host, cfg.port)
+    if cfg.uds:
+        await server.listen_unix(cfg.uds)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tulip serving %s on %s:%d", servicer.info.model, cfg.host, port)
