@@ -42,7 +42,7 @@ import hpack
 from tulip.h2stream import (_HEAD, _PREFACE, _PREFIX, _U32, ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW,
                             END_HEADERS, END_STREAM, GOAWAY, HEADERS, MAX_FRAME, PADDED, PING, PRIORITY_FLAG,
                             PUSH_PROMISE, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
-                            WINDOW, WINDOW_UPDATE, _literal, frame)
+                            WINDOW, WINDOW_UPDATE, _literal, frame, frames)
 
 log = logging.getLogger("tulip.h2server")
 
@@ -477,18 +477,12 @@ class Connection(asyncio.Protocol):
             pos = len(_PREFACE)
             # our SETTINGS once the client's preface came (HTTP/1.1 on the port gets a plain answer instead)
             self.out.append(_SETTINGS)
-        while n - pos >= 9:
-            hi, lo, ftype, flags, sid = _HEAD.unpack_from(data, pos)
-            length = hi << 16 | lo
-            if length > MAX_FRAME:
-                return self.fail(FRAME_SIZE_ERROR, f"a frame of {length} bytes, over the {MAX_FRAME} allowed")
-            end = pos + 9 + length
-            if end > n:
-                break
-            self._frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9:end])
+        for ftype, flags, sid, payload, pos in frames(data, pos):
+            if ftype < 0:
+                return self.fail(FRAME_SIZE_ERROR, f"a frame of {flags} bytes, over the {MAX_FRAME} allowed")
+            self._frame(ftype, flags, sid, payload)
             if self.closed:
                 return
-            pos = end
         if pos < n:
             self._buf = data[pos:]
         self._write()

@@ -49,12 +49,29 @@ ERRORS = ("NO_ERROR", "PROTOCOL_ERROR", "INTERNAL_ERROR", "FLOW_CONTROL_ERROR", 
 _HEAD = struct.Struct(">BHBBL")  # a frame header: length (24 bits as 8 + 16), type, flags, stream id
 _U32 = struct.Struct(">L")
 
-__all__ = ["StreamConnection", "address"]
+__all__ = ["StreamConnection", "address", "frames"]
 
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return _HEAD.pack(n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
+
+
+def frames(data: bytes, pos: int = 0):
+    """The whole frames of `data` from `pos`: (type, flags, stream id, payload, where it ends); a
+    frame over MAX_FRAME comes as type -1 with its length in place of the flags, and ends it."""
+    n = len(data)
+    while n - pos >= 9:
+        hi, lo, ftype, flags, sid = _HEAD.unpack_from(data, pos)
+        length = hi << 16 | lo
+        end = pos + 9 + length
+        if length > MAX_FRAME:
+            yield -1, length, 0, b"", end
+            return
+        if end > n:
+            return
+        yield ftype, flags, sid & 0x7FFFFFFF, data[pos + 9:end], end
+        pos = end
 
 
 def _error(code: int) -> str:
@@ -164,20 +181,14 @@ class StreamConnection(asyncio.Protocol):
         self.heard = time.monotonic()
         if self._buf:
             data, self._buf = self._buf + data, b""
-        pos, n = 0, len(data)
-        while n - pos >= 9:
-            hi, lo, ftype, flags, sid = _HEAD.unpack_from(data, pos)
-            length = hi << 16 | lo
-            if length > MAX_FRAME:
-                return self._end(f"Tulip sent a frame of {length} bytes, over the {MAX_FRAME} this client allows")
-            end = pos + 9 + length
-            if end > n:
-                break
-            self._frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9:end])
+        pos = 0
+        for ftype, flags, sid, payload, pos in frames(data):
+            if ftype < 0:
+                return self._end(f"Tulip sent a frame of {flags} bytes, over the {MAX_FRAME} this client allows")
+            self._frame(ftype, flags, sid, payload)
             if self.closed:
                 return
-            pos = end
-        if pos < n:
+        if pos < len(data):
             self._buf = data[pos:]
         self._write()
 
