@@ -217,13 +217,17 @@ def test_http1_on_the_port_gets_a_400_that_says_why():
     run(t)
 
 
+async def started():
+    server = Server()
+    h = Handlers()
+    add(server, h)
+    port = await server.listen("127.0.0.1", 0)
+    return server, h, port, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+
+
 def test_stop_lets_calls_in_flight_finish_and_refuses_new_ones():
     async def main():
-        server = Server()
-        h = Handlers()
-        add(server, h)
-        port = await server.listen("127.0.0.1", 0)
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        server, h, port, ch = await started()
         bidi = method(ch, "Bidi", "stream_stream")()
         await bidi.write(b"a")
         assert await bidi.read() == b"a!"
@@ -247,11 +251,7 @@ def test_stop_lets_calls_in_flight_finish_and_refuses_new_ones():
 
 def test_stop_cancels_what_outlives_the_grace():
     async def main():
-        server = Server()
-        h = Handlers()
-        add(server, h)
-        port = await server.listen("127.0.0.1", 0)
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        server, h, port, ch = await started()
         call = method(ch, "Unary")(b"hang")
         await asyncio.wait_for(h.started.wait(), 5)
         await server.stop(0.2)
