@@ -7,7 +7,8 @@
 
 Every server runs with gRPC's I/O as `python -m tulip` sets it for itself (`trellis.grpcio`; `--server-io
 default`: grpc's own), the clients with grpc's default, as an independent client would be.
-Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream)
+Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream),
+on grpc.aio's server and on Tulip's own (`tulip.h2server`, `server: "grpc echo (tulip.h2server)"`),
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
 (0: an already-complete LazyTensor; > 0: a step that completes that much later, watched as
 Tulip watches a GPU step: polled for `--spin-ms`, then awaited in a thread; the loop also stays

@@ -84,6 +84,12 @@ def _timeout(value: bytes) -> float | None:
     return int(value[:-1]) * unit
 
 
+def _settle(fut: asyncio.Future | None) -> None:
+    """Wake whoever awaits `fut` (if anyone still does)."""
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
 class _Requests:
     """A streaming call's requests as an async iterator (each message decoded when it came)."""
 
@@ -94,18 +100,11 @@ class _Requests:
 
     def put(self, item) -> None:
         self.items.append(item)
-        self._wake()
+        _settle(self.waiter)
 
     def end(self) -> None:
         self.ended = True
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None:
-            self.waiter = None
-            if not w.done():
-                w.set_result(None)
+        _settle(self.waiter)
 
     def __aiter__(self):
         return self
@@ -117,12 +116,6 @@ class _Requests:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         return self.items.popleft()
-
-    async def read(self):  # grpc.aio's context.read(), for handlers that pull
-        try:
-            return await self.__anext__()
-        except StopAsyncIteration:
-            return grpc.aio.EOF
 
 
 class Call:
@@ -193,9 +186,6 @@ class Call:
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
 
-    async def read(self):
-        return await self.requests.read()
-
     # --- the stream ------------------------------------------------------------------------------
 
     def send(self, msg: bytes) -> None:
@@ -258,8 +248,6 @@ class Call:
         self.trailers = None
         if not self.remote_closed and not self.conn.closed:  # the client may stop sending (gRPC's servers do this)
             self.conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(NO_ERROR)))
-        if self.task is not None and not self.task.done() and self.task is not asyncio.current_task():
-            self.task.cancel()
         self.conn.forget(self)
 
     def run_callbacks(self) -> None:
@@ -271,11 +259,7 @@ class Call:
                 log.exception("a call's done callback failed")
 
     def _wake_writer(self) -> None:
-        d = self._drained
-        if d is not None:
-            self._drained = None
-            if not d.done():
-                d.set_result(None)
+        _settle(self._drained)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -430,7 +414,7 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
-        self.server.connection_gone()
+        self.server.call_over()
 
     def fail(self, code: int, detail: str) -> None:
         """A connection error: GOAWAY with its code, then the connection closed."""
@@ -519,8 +503,6 @@ class Connection(asyncio.Protocol):
                     call.recv = 0
             if flags & END_STREAM:
                 call.end_of_requests()
-                if call.over and call.trailers is None and sid in self.calls:
-                    self.forget(call)
         elif ftype == HEADERS or ftype == CONTINUATION:
             if ftype == HEADERS:
                 if flags & PADDED:
@@ -589,8 +571,6 @@ class Connection(asyncio.Protocol):
         if call is not None:  # trailers from the client: only END_STREAM means anything
             if ends_stream:
                 call.end_of_requests()
-                if call.over and call.trailers is None and sid in self.calls:
-                    self.forget(call)
             return
         if sid % 2 == 0:
             return self.fail(PROTOCOL_ERROR, f"a client opened the even stream {sid}")
@@ -609,11 +589,11 @@ class Connection(asyncio.Protocol):
             self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, _literal(b":status", status)
                                   + _literal(b"content-type", b"text/plain")))
             return
-        handler = self.server.handler(path, headers)
-        call = Call(self, sid, path, headers, handler)
         if len(self.calls) >= MAX_STREAMS:
             self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(7)))
             return
+        handler = self.server.handler(path)
+        call = Call(self, sid, path, headers, handler)
         self.calls[sid] = call
         if handler is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
@@ -633,8 +613,6 @@ class Connection(asyncio.Protocol):
                 call.start(None)
         if ends_stream:
             call.end_of_requests()
-        if call.over and call.trailers is None and sid in self.calls:
-            self.forget(call)
 
     # --- writing ---------------------------------------------------------------------------------
 
@@ -711,7 +689,7 @@ class Server:
             self._paths[f"/{service}/{name}"] = h
         self._cache.clear()
 
-    def handler(self, path: str, headers: list):
+    def handler(self, path: str):
         h = self._cache.get(path, False)
         if h is False:
             h = self._paths.get(path)
@@ -742,9 +720,6 @@ class Server:
     def call_over(self) -> None:
         if self._idle is not None and not self._calls():
             self._idle.set()
-
-    def connection_gone(self) -> None:
-        self.call_over()
 
     async def stop(self, grace: float | None) -> None:
         """Stop listening, GOAWAY every connection; calls in flight get `grace` seconds to finish,
