@@ -5,8 +5,8 @@
     python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
     python -m benchmarks.hop --device-ms 1 --tail-only     # only the stamping Tulip: where the slow requests went
 
-Every server runs with gRPC's I/O as `python -m tulip` sets it for itself (`trellis.grpcio`; `--server-io
-default`: grpc's own), the clients with grpc's default, as an independent client would be.
+grpc.aio's echo server polls its sockets on gRPC's completion-queue thread (`INLINE_IO`; `--server-io
+default`: grpc's own EventEngine threads), the clients keep grpc's default, as an independent client would.
 Serves, in a separate process, (a) a bare echo servicer (the gRPC floor: unary and bidi stream),
 on grpc.aio's server and on Tulip's own (`tulip.h2server`, `server: "grpc echo (tulip.h2server)"`),
 and (b) the real Tulip servicer and engine loop over a null engine whose steps take `--device-ms`
@@ -56,7 +56,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
-from trellis import grpcio
 from tulip.stages import POINTS
 
 
@@ -182,6 +181,10 @@ def _wait_ready(p, ready, timeout: float):
     raise TimeoutError(f"the benchmark server was not ready after {timeout:.0f} s")
 
 
+# gRPC's iomgr for grpc.aio's echo server: sockets polled on the completion-queue thread, one thread wake-up
+# fewer per message each way than grpc's EventEngine (on an H200 host a Tulip on grpc.aio's server gained
+# 0.1-0.3 ms from it: results/request_path/tail/; Tulip's own server has no gRPC core)
+INLINE_IO = "-event_engine_client,-event_engine_listener"
 ECHOES = {"echo": "grpc echo", "echo-h2": "grpc echo (tulip.h2server)"}  # the floors: grpc.aio's server, Tulip's
 
 
@@ -456,9 +459,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-floors", action=argparse.BooleanOptionalAction, default=None,
                     help="also time sync-server echo floors with benchmarks.protoclient (hop-proto rows); "
                          "default: on with the null engine, off with --model (they do not depend on it)")
-    ap.add_argument("--server-io", choices=("tulip", "default"), default="tulip",
-                    help="the servers' gRPC I/O: as `python -m tulip` sets it for itself (`trellis.grpcio`), or "
-                         "grpc's default; the clients always keep grpc's default")
+    ap.add_argument("--server-io", choices=("inline", "default"), default="inline",
+                    help="grpc.aio's echo server's gRPC I/O: sockets polled on the completion-queue thread "
+                         "(INLINE_IO), or grpc's default; the clients always keep grpc's default")
     ap.add_argument("--profile", default="", help="with --stages: write a cProfile of that Tulip to this directory")
     ap.add_argument("--tail-only", action="store_true",
                     help="serve only the stage-recording Tulip (hop-stages and hop-tail rows; no echo, no proto, "
@@ -470,7 +473,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model
             else "tulip + null engine")
-    server_env = {"GRPC_EXPERIMENTS": grpcio.EXPERIMENTS} if args.server_io == "tulip" else {}
+    server_env = {"GRPC_EXPERIMENTS": INLINE_IO} if args.server_io == "inline" else {}
     kinds = ("tulip-stages",) if args.tail_only else ("echo", "echo-h2", "tulip") + (("tulip-stages",) if args.stages else ())
     for kind in kinds:
         port, uds, ready, cmd = free_port(), tmp / f"{kind}.sock", ctx.Queue(), ctx.Queue()

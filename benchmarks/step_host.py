@@ -10,26 +10,23 @@ Wraps GraphRunner / CudaOps methods (class level) with wall and thread-CPU timer
   stream  Tulip's servicer over gRPC, benchmarks.hop's tulip.client in another process
   unary   the same, unary
 Prints and writes one JSON line per (scenario, part): p50 / p90 wall us and p50 CPU us; per served
-scenario also each busy thread's share of a core (`part: "thread"`) and the client's p50 / p99. This
-process runs gRPC's I/O as `python -m tulip` does (`trellis.grpcio`), and its client inherits it. A
-probe: the parts are timed by wrappers set on the classes, which add a little to each.
+scenario also each busy thread's share of a core (`part: "thread"`) and the client's p50 / p99. The
+server is Tulip's own (`tulip.h2server`), as `python -m tulip` serves. A probe: the parts are timed
+by wrappers set on the classes, which add a little to each.
 """
-from trellis.grpcio import use_inline_io
 
-use_inline_io()
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import Recorder  # noqa: E402
+from benchmarks.common import Recorder
 
 W, C = time.perf_counter_ns, time.thread_time_ns
 PARTS: dict[str, list] = {}
@@ -137,12 +134,12 @@ def main(argv=None) -> int:
 
     import gc
 
-    import grpc
     import uvloop
     from grpc_health.v1 import health, health_pb2_grpc
 
     from benchmarks.hop import _in_process
     from tulip.config import TulipConfig
+    from tulip.h2server import Server
     from tulip.loop import EngineLoop
     from tulip.server import TulipServicer, add_tulip
 
@@ -151,11 +148,10 @@ def main(argv=None) -> int:
         loop.start()
         await _in_process(loop, n)  # 200 of warm-up, then n
         summary(rec, "loop", 200)
-        server = grpc.aio.server()
+        server = Server(64 << 20)
         add_tulip(server, TulipServicer(loop, "probe"))
         health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        port = await server.listen("127.0.0.1", 0)
         await _in_process(loop, n)  # in-process again, with the server up (idle)
         summary(rec, "loop+server", 200)
         gc.collect()

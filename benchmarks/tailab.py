@@ -39,8 +39,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.hop import INLINE_IO
+
 ROOT = Path(__file__).resolve().parent.parent
-INLINE_IO = "-event_engine_client,-event_engine_listener"  # gRPC's iomgr: sockets read on the completion-queue thread
 
 
 def _tree(before: Path, work: Path) -> Path:

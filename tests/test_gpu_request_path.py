@@ -3,9 +3,10 @@ poll, copy out, reply, encode) makes no synchronizing CUDA call except the one i
 `LazyTensor.synchronize()`. Skipped (with the reason) without CUDA.
 
 The engine loop runs in-process over a real CUDA engine (the default model where its package is
-installed, else a random checkpoint of its shapes); requests go through `TulipServicer.Embed`
-and `EmbedStream` as gRPC would call them, with `torch.cuda.set_sync_debug_mode("error")` on:
-any synchronizing call elsewhere raises, and the request fails. Every shape is served three
+installed, else a random checkpoint of its shapes); requests go over loopback through Tulip's own
+server (unary Embed and one EmbedStream, grpcio's client in the same process), with
+`torch.cuda.set_sync_debug_mode("error")` on: any synchronizing call elsewhere raises, and the
+request fails. Every shape is served three
 times first (eager, capture, replay), so the checked pass is the steady state: graph replays."""
 
 import asyncio
@@ -21,19 +22,6 @@ pytestmark = [
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
               intermediate_size=1536, max_position_embeddings=512)
-
-
-class Context:
-    """The part of grpc.aio's ServicerContext the servicer uses; a failed request raises."""
-
-    def __init__(self):
-        self.callbacks = []
-
-    async def abort(self, code, message):
-        raise AssertionError(f"request failed: {code.name}: {message}")
-
-    def add_done_callback(self, cb):
-        self.callbacks.append(cb)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +50,6 @@ def requests():
     return [req([128], 0), req([3, 40, 7], 1), req([64], 2, dimensions=32), req([17, 17], 3, timeout_ms=60_000)]
 
 
-def as_message(reply):
-    """A servicer's reply as the client reads it (the usual one comes already serialized)."""
-    from trellis.tulip.v1 import tulip_pb2
-
-    return tulip_pb2.EmbedReply.FromString(reply) if type(reply) is bytes else reply
-
-
 def serve(engine, rounds_unchecked: int, stages: int = 0, check: bool = True):
     """Serve requests() `rounds_unchecked` times, then once more under sync debug mode "error"
     (LazyTensor.synchronize allowed); return the checked round's replies."""
@@ -87,38 +68,51 @@ def serve(engine, rounds_unchecked: int, stages: int = 0, check: bool = True):
         finally:
             torch.cuda.set_sync_debug_mode(mode)
 
-    async def one_round(servicer):
+    async def one_round(stub):
+        import grpc
+
         msgs = requests()
-        unary = [as_message(await servicer.Embed(m, Context())) for m in msgs]
-        answered = asyncio.Event()
-
-        async def incoming():  # lock-step, so every round forms the same batches (no new graph key)
-            for m in msgs:
-                answered.clear()
-                yield m
-                await answered.wait()
-
+        unary = []
+        for m in msgs:
+            try:
+                unary.append(await stub.Embed(m))
+            except grpc.aio.AioRpcError as e:
+                raise RuntimeError(f"request failed: {e.code().name}: {e.details()}") from None
+        call = stub.EmbedStream()
         streamed = []
-        async for r in servicer.EmbedStream(incoming(), Context()):
-            streamed.append(as_message(r))
-            answered.set()
+        for m in msgs:  # lock-step, so every round forms the same batches (no new graph key)
+            await call.write(m)
+            streamed.append(await call.read())
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
         return unary, streamed
 
     async def main():
+        import grpc
+
+        from trellis.tulip.v1 import tulip_pb2_grpc
+        from tulip.h2server import Server
+        from tulip.server import add_tulip
+
         # spin long: completion is polled on the event loop (the waiter thread would call
         # synchronize() on another thread, where the debug mode is process-wide too)
         loop = EngineLoop(engine, TulipConfig(max_batch_tokens=4096, spin_ms=10_000, stage_samples=stages))
         loop.start()
-        servicer = TulipServicer(loop, "test")
-        for _ in range(rounds_unchecked):
-            await one_round(servicer)
-        if check:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = await one_round(servicer)
-        finally:
+        server = Server()
+        add_tulip(server, TulipServicer(loop, "test"))
+        port = await server.listen("127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tulip_pb2_grpc.TulipStub(ch)
+            for _ in range(rounds_unchecked):
+                await one_round(stub)
             if check:
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = await one_round(stub)
+            finally:
+                if check:
+                    torch.cuda.set_sync_debug_mode("default")
+        await server.stop(1)
         await loop.stop()
         return out
 

@@ -1,6 +1,6 @@
 """tulip.h2server, Tulip's own gRPC server, against grpcio's clients (the C core's HTTP/2): every
-kind of call, the statuses, deadlines, cancellation, flow control on big messages, limits,
-compression refused, health, a non-gRPC request, graceful stop."""
+kind of call, Direct (callback) methods, the statuses, deadlines, cancellation, flow control on big
+messages, limits, compression refused, health, a non-gRPC request, graceful stop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tulip.h2server import Server
+from tulip.h2server import Direct, Server
 
 SERVICE = "test.Echo"
 ident = (lambda b: b, lambda b: b)
@@ -60,8 +60,49 @@ class Handlers:
         return b"".join([r async for r in requests])
 
 
+class Session:
+    """A Direct method's session: a streamed request answered later from a loop callback (as Tulip's
+    engine loop answers), b"now" at once, b"raise" raises; each session's events are logged."""
+
+    def __init__(self, call, log: list):
+        self.call, self.log, self.pending = call, log, 0
+        self.ended = False
+        log.append("open")
+
+    def message(self, request: bytes) -> None:
+        self.log.append(request)
+        if request == b"raise":
+            raise RuntimeError("boom in a session")
+        if request == b"hang":  # never answered
+            self.pending += 1
+            return
+        if request == b"now":
+            return self.call.reply(b"now!")
+        self.pending += 1
+        asyncio.get_running_loop().call_later(0.001, self.answer, request)
+
+    def answer(self, request: bytes) -> None:
+        self.pending -= 1
+        self.call.reply(request + b"?")
+        if self.ended and not self.pending:
+            self.call.finish(grpc.StatusCode.OK)
+
+    def end(self) -> None:
+        self.log.append("end")
+        self.ended = True
+        if not self.pending:
+            self.call.finish(grpc.StatusCode.OK)
+
+    def gone(self) -> None:
+        self.log.append("gone")
+
+
 def add(server, h: Handlers) -> None:
+    h.sessions = []
+    direct = lambda call: Session(call, h.sessions)  # noqa: E731
     handlers = {
+        "DirectUnary": Direct(direct, *ident, False, False),
+        "DirectBidi": Direct(direct, *ident, True, True),
         "Unary": grpc.unary_unary_rpc_method_handler(h.unary, *ident),
         "Bidi": grpc.stream_stream_rpc_method_handler(h.bidi, *ident),
         "ServerStream": grpc.unary_stream_rpc_method_handler(h.server_stream, *ident),
@@ -186,6 +227,46 @@ def test_deadline_and_cancel_stop_the_handler():
         await asyncio.wait_for(h.started.wait(), 5)
         call.cancel()
         await asyncio.wait_for(h.cancelled.wait(), 5)
+    run(t)
+
+
+def test_direct_methods_take_each_message_by_callback_and_hear_when_the_call_is_gone():
+    async def t(ch, h, *_):
+        assert await method(ch, "DirectUnary")(b"one") == b"one?"
+        assert h.sessions == ["open", b"one", "end"]
+        bidi = method(ch, "DirectBidi", "stream_stream")()
+        for i in range(20):
+            await bidi.write(str(i).encode())
+            assert await bidi.read() == f"{i}?".encode()
+        await bidi.write(b"now")
+        assert await bidi.read() == b"now!"
+        await bidi.write(b"x")
+        await bidi.done_writing()  # the session ends the call once its last reply is out
+        assert await bidi.read() == b"x?" and await bidi.read() == grpc.aio.EOF
+        assert await bidi.code() == grpc.StatusCode.OK
+        h.sessions.clear()
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # an exception in a session: UNKNOWN, and told it is gone
+            await method(ch, "DirectUnary")(b"raise")
+        assert e.value.code() == grpc.StatusCode.UNKNOWN and "boom in a session" in e.value.details()
+        assert h.sessions == ["open", b"raise", "gone"]
+        h.sessions.clear()
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # a deadline: the session hears it once
+            await method(ch, "DirectUnary")(b"hang", timeout=0.2)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.05)
+        assert h.sessions == ["open", b"hang", "end", "gone"]
+        h.sessions.clear()
+        bidi = method(ch, "DirectBidi", "stream_stream")()  # the client cancels: gone
+        await bidi.write(b"hang")
+        while b"hang" not in h.sessions:
+            await asyncio.sleep(0.01)
+        bidi.cancel()
+        for _ in range(100):
+            if "gone" in h.sessions:
+                break
+            await asyncio.sleep(0.01)
+        assert h.sessions == ["open", b"hang", "gone"]
+        assert await method(ch, "DirectUnary")(b"after") == b"after?"  # the connection carried on
     run(t)
 
 

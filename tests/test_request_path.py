@@ -84,74 +84,13 @@ def test_plain_reply_is_the_messages_bytes(rows, dim, tokens, request_id):
 
 def test_served_replies_are_the_general_paths(servicer):
     """The usual reply (bytes) and one built as a message (dimensions) carry the same rows."""
-    import asyncio
-
     from tulip.client import unpack
 
-    async def main():
-        servicer.loop.start()
-        plain = await servicer.Embed(one(range(5, 69)), None)
-        sliced = await servicer.Embed(one(range(5, 69), dimensions=1024), None)
-        return plain, sliced
-
-    plain, sliced = asyncio.run(main())
+    rows = np.random.default_rng(0).standard_normal((1, 1024), dtype=np.float32)
+    req = servicer._request(one(range(5, 69)))
+    plain = servicer._reply(one(range(5, 69)), req, rows)
+    sliced = servicer._reply(one(range(5, 69), dimensions=1024), req, rows)
     assert type(plain) is bytes and type(sliced) is tulip_pb2.EmbedReply
     got = tulip_pb2.EmbedReply.FromString(plain)
     assert got.prompt_tokens == sliced.prompt_tokens == 64 and list(got.shape) == list(sliced.shape) == [1, 1024]
-    assert np.array_equal(unpack(got), unpack(sliced))
-
-
-_ECHO = r'''
-import asyncio, os
-import tulip.__main__  # first, as `python -m tulip` runs it: sets gRPC's I/O path before grpc is imported
-import grpc
-from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-
-class Echo(tulip_pb2_grpc.TulipServicer):
-    async def Embed(self, request, context):
-        return tulip_pb2.EmbedReply(prompt_tokens=len(request.token_ids))
-
-async def main():
-    server = grpc.aio.server()
-    tulip_pb2_grpc.add_TulipServicer_to_server(Echo(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = tulip_pb2_grpc.TulipStub(ch)
-        for i in range(400):
-            assert (await stub.Embed(tulip_pb2.EmbedRequest(token_ids=bytes(i)))).prompt_tokens == i
-        ns = 0  # how long grpc's EventEngine threads have run
-        for t in os.listdir("/proc/self/task"):
-            if open(f"/proc/self/task/{t}/comm").read().strip() == "event_engine":
-                ns += int(open(f"/proc/self/task/{t}/schedstat").read().split()[0])
-    await server.stop(None)
-    print(repr(os.environ.get("GRPC_EXPERIMENTS")), ns)
-
-asyncio.run(main())
-'''
-
-
-def test_tulip_reads_sockets_on_grpc_completion_queue_thread():
-    """trellis.grpcio: Tulip's entry point turns gRPC's EventEngine client and listener off before grpc
-    is imported, so the sockets are read on the completion queue's thread: 400 calls (server and
-    client in one process) keep grpc's EventEngine threads nearly idle, against busy with
-    GRPC_EXPERIMENTS already set (empty: grpc's default), which is left alone."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-    from trellis.grpcio import EXPERIMENTS
-
-    def run(preset):
-        env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-        if preset is not None:
-            env["GRPC_EXPERIMENTS"] = preset
-        r = subprocess.run([sys.executable, "-c", _ECHO], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=120, check=True)
-        experiments, ns = r.stdout.split()
-        return experiments, int(ns)
-
-    (inline, inline_ns), (default, default_ns) = run(None), run("")
-    assert inline == repr(EXPERIMENTS) and default == repr("")
-    assert inline_ns * 5 < default_ns, f"EventEngine threads ran {inline_ns} ns (grpc's default: {default_ns})"
+    assert np.array_equal(unpack(got), unpack(sliced)) and np.array_equal(unpack(got), rows)

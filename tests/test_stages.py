@@ -1,54 +1,45 @@
-"""Stage timestamps (tulip.stages): a request served through the servicer, with the stamping
-(de)serializers gRPC would call, stamps every point in order; off, nothing is recorded."""
+"""Stage timestamps (tulip.stages): a request served through Tulip's server on loopback stamps
+every point in order, unary and streamed; off, nothing is recorded."""
 
 import asyncio
+
+import grpc
 
 import numpy as np
 import pytest
 
 from benchmarks.hop import NullEngine
-from trellis.tulip.v1 import tulip_pb2
+from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from tulip.config import TulipConfig
+from tulip.h2server import Server
 from tulip.loop import EngineLoop
-from tulip.server import TulipServicer, serialize_reply
+from tulip.server import TulipServicer, add_tulip
 from tulip.stages import POINTS
 
 
-class Context:
-    def __init__(self):
-        self.callbacks = []
-
-    async def abort(self, code, message):
-        raise AssertionError(f"{code.name}: {message}")
-
-    def add_done_callback(self, cb):
-        self.callbacks.append(cb)
-
-
 def serve(engine, stages: int, n: int = 5):
+    """n unary requests, then n on one stream, through Tulip's server on loopback (grpcio's client)."""
     async def main():
         loop = EngineLoop(engine, TulipConfig(max_batch_tokens=512, stage_samples=stages))
         loop.start()
-        servicer = TulipServicer(loop, "t")
-        rec = loop.stages
-        decode = rec.deserializer(tulip_pb2.EmbedRequest.FromString) if rec else tulip_pb2.EmbedRequest.FromString
-        encode = rec.serializer(serialize_reply) if rec else serialize_reply
-        wire = [tulip_pb2.EmbedRequest(token_ids=np.full(k + 1, 7 + k, dtype="<i4").tobytes(), lengths=[k + 1],
-                                       request_id=str(k)).SerializeToString() for k in range(n)]
-        for data in wire:  # unary, as grpc.aio calls it: decode, handler, encode, done callbacks
-            ctx = Context()
-            encode(await servicer.Embed(decode(data), ctx))
-            for cb in ctx.callbacks:
-                cb(ctx)
-
-        async def incoming():
-            for data in wire:
-                yield decode(data)
-
-        async for reply in servicer.EmbedStream(incoming(), Context()):
-            encode(reply)
+        server = Server()
+        add_tulip(server, TulipServicer(loop, "t"))
+        port = await server.listen("127.0.0.1", 0)
+        msgs = [tulip_pb2.EmbedRequest(token_ids=np.full(k + 1, 7 + k, dtype="<i4").tobytes(), lengths=[k + 1],
+                                       request_id=str(k)) for k in range(n)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = tulip_pb2_grpc.TulipStub(ch)
+            for m in msgs:
+                assert list((await stub.Embed(m)).shape) == [1, engine.embedding_dim]
+            call = stub.EmbedStream()
+            for m in msgs:
+                await call.write(m)
+                assert not (await call.read()).error_code
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+        await server.stop(1)
         await loop.stop()
-        return rec
+        return loop.stages
 
     return asyncio.run(main())
 

@@ -1,16 +1,12 @@
 """python -m tulip --model PATH --port 50051 [...]: serve one model over gRPC."""
 
-from trellis.grpcio import use_inline_io
+import asyncio
+import logging
+import sys
 
-use_inline_io()  # before grpc is first imported (trellis.grpcio says why)
-
-import asyncio  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-
-from trellis import logs  # noqa: E402
-from tulip.config import TulipConfig  # noqa: E402
-from tulip.server import serve  # noqa: E402
+from trellis import logs
+from tulip.config import TulipConfig
+from tulip.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,14 @@ docs/performance-log.md); grpc.aio's server runs its C core's transport on a thr
 and hands each message to the event loop, this one does the framing on the loop itself.
 
 It serves grpcio's method handlers as they are (`add_generic_rpc_handlers`,
-`add_registered_method_handlers`: what `add_TulipServicer_to_server` and grpc_health's
-`add_HealthServicer_to_server` call), with a context that has what handlers use of grpc.aio's
-(`abort`, `write`, `add_done_callback`, `invocation_metadata`, `time_remaining`, `cancelled`,
-`set_code`, `set_details`, `peer`). Unary and server-streaming handlers are coroutines (or async
-generators) run as a task per call; streaming requests come through an async iterator.
+`add_registered_method_handlers`: what grpc_health's `add_HealthServicer_to_server` calls), with a
+context that has what handlers use of grpc.aio's (`abort`, `write`, `add_done_callback`,
+`invocation_metadata`, `time_remaining`, `cancelled`, `set_code`, `set_details`, `peer`). Unary and
+server-streaming handlers are coroutines (or async generators) run as a task per call; streaming
+requests come through an async iterator. A `Direct` method (Tulip's Embed and EmbedStream) is served
+by callbacks instead: each request reaches its session as it is decoded, in `data_received`, and the
+session answers whenever it likes (from the engine loop's completion callback), with no task,
+iterator, generator or future between the socket and the handler either way.
 
 What it does of the protocol: prior knowledge HTTP/2 (no TLS, as Tulip's only port), any number
 of concurrent streams per connection, flow control both ways (our windows large and topped up
@@ -46,7 +49,7 @@ from tulip.h2stream import (_HEAD, _PREFACE, _PREFIX, _U32, ACK, CONTINUATION, D
 
 log = logging.getLogger("tulip.h2server")
 
-__all__ = ["Server"]
+__all__ = ["Direct", "Server"]
 
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL = 0, 1, 3, 6, 8
 SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
@@ -118,6 +121,23 @@ class _Requests:
         return self.items.popleft()
 
 
+class Direct(NamedTuple):
+    """A method served by callbacks (registered where grpcio's method handlers go).
+
+    `open(call)` is called once a call has its first request to give (a unary call: when the
+    client's END_STREAM came; a streaming one: at its headers) and returns the call's session:
+    `session.message(request)` for each decoded request, `session.end()` after the client's last,
+    `session.gone()` once the call ended without the session ending it (the client reset it or went
+    away, its deadline passed, a bad message, the server stopped). The session answers with
+    `call.reply(message)` and ends the call with `call.finish(code, details)`; an exception out of
+    its methods ends the call UNKNOWN (and tells it `gone()`)."""
+    open: Any
+    request_deserializer: Any
+    response_serializer: Any
+    request_streaming: bool
+    response_streaming: bool
+
+
 class Call:
     """One call (one HTTP/2 stream) and the context its handler is given."""
 
@@ -134,6 +154,7 @@ class Call:
         self.code, self.details = grpc.StatusCode.OK, ""
         self.task: asyncio.Task | None = None
         self.requests: _Requests | None = None
+        self.session = None  # a Direct method's session, once opened (None again once told it is gone)
         self.unary_request: bytes | None = None  # a unary request's message, until the client's END_STREAM
         self.callbacks: list = []
         self.recv = 0  # received on this stream since its window was last topped up
@@ -185,6 +206,10 @@ class Call:
         while self.queued_bytes > WRITE_HIGH and not self.over:
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
+
+    def reply(self, message) -> None:
+        """A Direct session's reply: serialized and sent now (no waiting for the client to read)."""
+        self.send(self.handler.response_serializer(message))
 
     # --- the stream ------------------------------------------------------------------------------
 
@@ -239,8 +264,7 @@ class Call:
         if self.requests is not None:
             self.requests.end()
         self._wake_writer()
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        self._halt()
         self.conn.forget(self)
 
     def closed_out(self) -> None:
@@ -270,13 +294,22 @@ class Call:
         self._timer = None
         if not self.over:
             self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            if self.task is not None and not self.task.done():
-                self.task.cancel()
+            self._halt()
+
+    def _halt(self) -> None:
+        """Stop the handler: cancel its task, or tell a Direct session that its call is gone (once)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        session, self.session = self.session, None
+        if session is not None:
+            session.gone()
 
     # --- the handler -----------------------------------------------------------------------------
 
     def start(self, message: bytes | None) -> None:
         h = self.handler
+        if type(h) is Direct:
+            return self._open(message)
         if h.request_streaming:
             coro = self._stream_in(h)
         else:
@@ -316,6 +349,38 @@ class Call:
             log.exception("gRPC handler %s failed", self.path)
             self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
 
+    def _open(self, message: bytes | None) -> None:
+        """A Direct method: its session now, and a unary call's one request."""
+        h = self.handler
+        if not h.request_streaming:
+            try:
+                request = h.request_deserializer(message)
+            except Exception as e:
+                return self.finish(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e!r}")
+        try:
+            self.session = h.open(self)
+        except Exception as e:
+            return self._failed(e)
+        if not h.request_streaming:
+            self._to_session(request)
+            if self.session is not None:
+                self._to_session(None)
+
+    def _to_session(self, request) -> None:
+        """One request to the session (None: the client's last came)."""
+        session = self.session
+        if session is None or self.over:
+            return
+        try:
+            session.message(request) if request is not None else session.end()
+        except Exception as e:
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        log.exception("gRPC handler %s failed", self.path, exc_info=e)
+        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
+        self._halt()
+
     def message(self, data: bytes) -> None:
         """DATA for this call: whole messages to the handler (a unary request waits for END_STREAM)."""
         buf = self._in
@@ -333,12 +398,18 @@ class Call:
                 return
             msg = bytes(buf[_PREFIX:_PREFIX + n])
             del buf[:_PREFIX + n]
-            if self.requests is not None:
+            if self.requests is not None or self.session is not None:
                 h = self.handler
                 try:
-                    self.requests.put(h.request_deserializer(msg) if h.request_deserializer else msg)
+                    request = h.request_deserializer(msg) if h.request_deserializer else msg
                 except Exception as e:
                     return self.reset_with(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e!r}")
+                if self.session is not None:
+                    self._to_session(request)
+                    if self.over:
+                        return
+                else:
+                    self.requests.put(request)
             elif self.unary_request is None:
                 self.unary_request = msg
             else:
@@ -347,8 +418,7 @@ class Call:
     def reset_with(self, code: grpc.StatusCode, details: str) -> None:
         """Answer with a status now and stop the handler (a bad message)."""
         self.finish(code, details)
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        self._halt()
 
     def end_of_requests(self) -> None:
         self.remote_closed = True
@@ -358,6 +428,8 @@ class Call:
             return self.reset_with(grpc.StatusCode.INTERNAL, "the request stream ended inside a message")
         if self.requests is not None:
             self.requests.end()
+        elif self.session is not None:
+            self._to_session(None)
         elif self.unary_request is None:
             self.finish(grpc.StatusCode.INTERNAL, "a unary method got no request")
         else:
@@ -609,7 +681,8 @@ class Connection(asyncio.Protocol):
                     call.deadline = time.monotonic() + seconds
                     call._timer = self.loop.call_later(seconds, call._expire)
             if not call.over and handler.request_streaming:
-                call.requests = _Requests()
+                if type(handler) is not Direct:
+                    call.requests = _Requests()
                 call.start(None)
         if ends_stream:
             call.end_of_requests()

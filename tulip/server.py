@@ -2,9 +2,11 @@
 
 One asyncio event loop runs the gRPC server (tulip.h2server: unary `Embed`, streaming
 `EmbedStream`, `Info`, health) and the engine loop (`tulip.loop.EngineLoop`: FCFS
-batches, overlapped steps, results scattered to the waiting requests). A bad request
-is answered INVALID_ARGUMENT before it is queued; an engine failure fails only the
-requests in that batch.
+batches, overlapped steps, results scattered to the waiting requests). Embed and EmbedStream
+are served by callbacks (`UnaryEmbed`, `EmbedStream`): a request is validated and queued as
+its message is decoded, and its reply written by the engine loop's completion callback, with
+no task, iterator or generator in between. A bad request is answered INVALID_ARGUMENT before
+it is queued; an engine failure fails only the requests in that batch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import gc
 import logging
 import signal
 import time
-from collections import deque
 from dataclasses import replace
 from time import perf_counter_ns
 
@@ -25,9 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rose.engine import Engine, EngineConfig
 from rose.layers.heads import Extra
 from trellis.modeldir import default_served_name
-from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
+from trellis.tulip.v1 import tulip_pb2
 from tulip.config import TulipConfig
-from tulip.h2server import Server
+from tulip.h2server import Direct, Server
 from tulip.loop import EngineLoop, Request, warm_up
 from tulip.metrics import TulipMetrics
 
@@ -159,7 +160,6 @@ def encode(vectors: np.ndarray, encoding: int) -> bytes:
     return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
 
 
-_DRAIN = object()  # pushed to every open stream when draining starts
 
 
 class RpcFailure(Exception):
@@ -178,7 +178,7 @@ class RpcFailure(Exception):
         return cls(code, str(error))
 
 
-class TulipServicer(tulip_pb2_grpc.TulipServicer):
+class TulipServicer:
     def __init__(self, loop: EngineLoop, served_name: str):
         self.loop = loop
         self.tracing = loop.tracing  # tulip.tracing.Tracing with --otlp-endpoint, else None
@@ -213,153 +213,43 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         self._vocab = e.spec.vocab_size
         self._ok = loop.metrics.requests.labels("OK")
         self.draining = False  # set at SIGTERM (drain()): new requests are UNAVAILABLE (a balancer retries them elsewhere)
-        self._streams: set = set()  # each open EmbedStream's push(), to wake it when draining starts
+        self._streams: set = set()  # each open EmbedStream, to end it once answered when draining starts
 
     def drain(self) -> None:
         """SIGTERM: refuse new work, and end each open stream once its requests are answered (an open
         stream otherwise held the server for its whole grace period; its client reopens elsewhere)."""
         self.draining = True
-        for push in list(self._streams):
-            push(_DRAIN)
+        for stream in list(self._streams):
+            stream.settle()
 
     async def Info(self, request, context):
         return self.info
 
-    async def Embed(self, request, context):
-        count = self.loop.metrics.requests
+    def submit(self, request, call, on_done, stream: bool) -> Request:
+        """Validate `request`, stamp and trace it, queue it on the engine loop (its message rides
+        along as the Request's `tag`); RpcFailure / OverflowError as `_request` / the queue raise."""
         stages = self.loop.stages
-        try:
-            stamps = stages.received(request) if stages is not None else None
-            req = self._request(request)
-            if stamps is not None:
-                stamps[3] = perf_counter_ns()
-                req.stamps = stamps
-            if self.tracing is not None:
-                self.tracing.start(req, request, context)
-            try:
-                vectors = await self.loop.submit(req)
-            except (OverflowError, TimeoutError, RuntimeError) as e:
-                raise RpcFailure.of(e) from None
-            if stamps is not None:
-                stamps[10] = perf_counter_ns()
-            reply = self._reply(request, req, vectors)
-            if stamps is not None:
-                stages.replying(reply, stamps)
-                context.add_done_callback(lambda _: stages.written(reply))
-        except RpcFailure as e:
-            count.labels(e.code.name).inc()
-            await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            count.labels("CANCELLED").inc()
-            raise
-        self._ok.inc()
+        stamps = stages.received(request) if stages is not None else None
+        req = self._request(request, on_done)
+        req.tag = request
+        if stamps is not None:
+            stamps[3] = perf_counter_ns()
+            req.stamps = stamps
+        if self.tracing is not None:
+            self.tracing.start(req, request, None if stream else call)
+        if stream and request.timeout_ms:
+            req.deadline = time.monotonic() + request.timeout_ms / 1e3
+        self.loop.submit_nowait(req)
+        return req
+
+    def reply(self, req: Request, rows, request_id: str = ""):
+        """The reply to a completed request, its stages stamped (the reply built, then handed on)."""
+        if req.stamps is not None:
+            req.stamps[10] = perf_counter_ns()
+        reply = self._reply(req.tag, req, rows, request_id)
+        if req.stamps is not None:
+            self.loop.stages.replying(reply, req.stamps)
         return reply
-
-    async def EmbedStream(self, request_iterator, context):
-        """Requests tagged with request_id; replies in completion order. A failed request gets
-        a reply with error_code / error_message; the stream and everyone else carry on.
-
-        No task per request: the reader queues each request (its message rides along as the
-        Request's `tag`), and the engine loop's completion callback appends its reply to the
-        deque this generator drains, waking it if it waits."""
-        replies: deque = deque()
-        waiter: asyncio.Future | None = None
-        outstanding: set[Request] = set()
-        by_id: dict[str, Request] = {}  # outstanding requests that carry an id (a cancel names one)
-        count = self.loop.metrics.requests
-        stages = self.loop.stages
-        aloop = asyncio.get_running_loop()
-
-        def push(reply) -> None:
-            nonlocal waiter
-            replies.append(reply)
-            if waiter is not None:
-                if not waiter.done():
-                    waiter.set_result(None)
-                waiter = None
-
-        def fail(request, error: RpcFailure) -> None:
-            count.labels(error.code.name).inc()
-            push(tulip_pb2.EmbedReply(request_id=request.request_id, error_code=error.code.value[0],
-                                      error_message=error.message))
-
-        def done(req, rows, error):
-            outstanding.discard(req)
-            request = req.tag
-            if request.request_id:
-                by_id.pop(request.request_id, None)
-            if error is not None:
-                fail(request, RpcFailure.of(error))
-                return
-            try:
-                if req.stamps is not None:
-                    req.stamps[10] = perf_counter_ns()
-                reply = self._reply(request, req, rows, request.request_id)
-                if req.stamps is not None:
-                    stages.replying(reply, req.stamps)
-            except Exception as e:  # never leave a stream request unanswered
-                log.exception("building a reply failed (request %s)", request.request_id)
-                fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
-                return
-            self._ok.inc()
-            push(reply)
-
-        async def read():
-            try:
-                async for request in request_iterator:
-                    if type(request) is not Undecodable and request.cancel:
-                        req = by_id.pop(request.request_id, None)
-                        if req is not None and req in outstanding:  # its caller is gone: drop what is queued
-                            outstanding.discard(req)
-                            self.loop.cancel(req)
-                            count.labels("CANCELLED").inc()
-                        continue
-                    try:
-                        stamps = stages.received(request) if stages is not None else None
-                        req = self._request(request, done)
-                        req.tag = request
-                        if stamps is not None:
-                            stamps[3] = perf_counter_ns()
-                            req.stamps = stamps
-                        if self.tracing is not None:
-                            self.tracing.start(req, request)
-                        if request.timeout_ms:
-                            req.deadline = time.monotonic() + request.timeout_ms / 1e3
-                        outstanding.add(req)
-                        if request.request_id:
-                            by_id[request.request_id] = req
-                        self.loop.submit_nowait(req)
-                    except OverflowError as e:
-                        outstanding.discard(req)
-                        by_id.pop(request.request_id, None)
-                        fail(request, RpcFailure.of(e))
-                    except RpcFailure as e:
-                        fail(request, e)
-            finally:
-                push(None)  # the caller closed its side (or reading failed)
-
-        reader = asyncio.create_task(read())
-        self._streams.add(push)
-        try:
-            closed = False
-            while True:
-                while replies:
-                    reply = replies.popleft()
-                    if reply is None or reply is _DRAIN:
-                        closed = True  # the caller closed its side, or this server is draining
-                        continue
-                    yield reply
-                    if stages is not None:
-                        stages.written(reply)
-                if (closed or self.draining) and not outstanding:
-                    break
-                waiter = aloop.create_future()
-                await waiter
-        finally:
-            self._streams.discard(push)
-            reader.cancel()
-            for req in list(outstanding):
-                self.loop.cancel(req)
 
     def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
         """Validate one request; raise RpcFailure with the reason: INVALID_ARGUMENT for a malformed
@@ -443,6 +333,128 @@ class TulipServicer(tulip_pb2_grpc.TulipServicer):
         return reply
 
 
+class UnaryEmbed:
+    """One unary Embed call (a `tulip.h2server.Direct` session): the request is validated and queued
+    as its message is decoded; the engine loop's completion callback writes the reply and ends the
+    call. No task: a call whose client goes away (or whose deadline passes) drops its queued work."""
+
+    __slots__ = ("servicer", "call", "req")
+
+    def __init__(self, servicer: TulipServicer, call):
+        self.servicer, self.call, self.req = servicer, call, None
+
+    def message(self, request) -> None:
+        try:
+            self.req = self.servicer.submit(request, self.call, self.done, stream=False)
+        except (RpcFailure, OverflowError) as e:
+            self.fail(e if type(e) is RpcFailure else RpcFailure.of(e))
+
+    def end(self) -> None:
+        pass
+
+    def fail(self, e: RpcFailure) -> None:
+        self.servicer.loop.metrics.requests.labels(e.code.name).inc()
+        self.call.finish(e.code, e.message)
+
+    def done(self, req: Request, rows, error) -> None:
+        if error is not None:
+            return self.fail(RpcFailure.of(error))
+        s = self.servicer
+        try:
+            reply = s.reply(req, rows)
+        except Exception as e:
+            log.exception("building a reply failed")
+            return self.fail(RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+        s._ok.inc()
+        self.call.reply(reply)
+        self.call.finish(grpc.StatusCode.OK)
+        if req.stamps is not None:
+            s.loop.stages.written(reply)
+
+    def gone(self) -> None:
+        req = self.req
+        if req is not None and req.pending > 0 and not req.cancelled:
+            self.servicer.loop.cancel(req)
+            self.servicer.loop.metrics.requests.labels("CANCELLED").inc()
+
+
+class EmbedStream:
+    """One EmbedStream call (a `tulip.h2server.Direct` session): requests tagged with request_id,
+    replies in completion order, each written by the engine loop's completion callback. A failed
+    request gets a reply with error_code / error_message; the stream and everyone else carry on. The
+    call ends once the client has closed its side (or the server is draining) and every request it
+    sent is answered; a message with `cancel` drops that request's queued work."""
+
+    __slots__ = ("servicer", "call", "outstanding", "by_id", "closed")
+
+    def __init__(self, servicer: TulipServicer, call):
+        self.servicer, self.call = servicer, call
+        self.outstanding: set[Request] = set()
+        self.by_id: dict[str, Request] = {}  # outstanding requests that carry an id (a cancel names one)
+        self.closed = False
+        servicer._streams.add(self)
+
+    def message(self, request) -> None:
+        s = self.servicer
+        if type(request) is not Undecodable and request.cancel:
+            req = self.by_id.pop(request.request_id, None)
+            if req is not None and req in self.outstanding:  # its caller is gone: drop what is queued
+                self.outstanding.discard(req)
+                s.loop.cancel(req)
+                s.loop.metrics.requests.labels("CANCELLED").inc()
+                self.settle()
+            return
+        try:
+            req = s.submit(request, self.call, self.done, stream=True)
+        except (RpcFailure, OverflowError) as e:
+            return self.fail(request, e if type(e) is RpcFailure else RpcFailure.of(e))
+        self.outstanding.add(req)
+        if request.request_id:
+            self.by_id[request.request_id] = req
+
+    def end(self) -> None:
+        self.closed = True
+        self.settle()
+
+    def settle(self) -> None:
+        """End the call once nothing is left to answer and no more will come (closed, or draining)."""
+        if not self.outstanding and (self.closed or self.servicer.draining):
+            self.servicer._streams.discard(self)
+            self.call.finish(grpc.StatusCode.OK)
+
+    def fail(self, request, error: RpcFailure) -> None:
+        self.servicer.loop.metrics.requests.labels(error.code.name).inc()
+        self.call.reply(tulip_pb2.EmbedReply(request_id=request.request_id, error_code=error.code.value[0],
+                                             error_message=error.message))
+
+    def done(self, req: Request, rows, error) -> None:
+        self.outstanding.discard(req)
+        request = req.tag
+        if request.request_id:
+            self.by_id.pop(request.request_id, None)
+        if error is not None:
+            self.fail(request, RpcFailure.of(error))
+        else:
+            s = self.servicer
+            try:
+                reply = s.reply(req, rows, request.request_id)
+            except Exception as e:  # never leave a stream request unanswered
+                log.exception("building a reply failed (request %s)", request.request_id)
+                self.fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
+            else:
+                s._ok.inc()
+                self.call.reply(reply)
+                if req.stamps is not None:
+                    s.loop.stages.written(reply)
+        self.settle()
+
+    def gone(self) -> None:
+        self.servicer._streams.discard(self)
+        for req in self.outstanding:
+            self.servicer.loop.cancel(req)
+        self.outstanding.clear()
+
+
 class Undecodable:
     """An Embed message that is not an EmbedRequest: answered INVALID_ARGUMENT on its own (on a
     stream, the stream and its other requests carry on), never UNKNOWN or a dropped stream."""
@@ -462,17 +474,18 @@ def decode_request(data: bytes):
 
 
 def add_tulip(server, servicer: TulipServicer) -> None:
-    """Register the Tulip service on `server` (as the generated `add_TulipServicer_to_server`, whose
-    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on;
-    a message that does not decode reaches the servicer as `Undecodable`; a reply may come already
-    serialized, `serialize_reply`)."""
+    """Register the Tulip service on `server`, a `tulip.h2server.Server`: Embed and EmbedStream as
+    `Direct` methods (sessions `UnaryEmbed`, `EmbedStream`), Info as a grpcio method handler. The
+    (de)serializers are wrapped to stamp the decode / encode points when stage recording is on; a
+    message that does not decode reaches the session as `Undecodable`; a reply may come already
+    serialized, `serialize_reply`."""
     stages = servicer.loop.stages
     req_in, rep_out = decode_request, serialize_reply
     if stages is not None:
         req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
     handlers = {
-        "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, req_in, rep_out),
-        "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, req_in, rep_out),
+        "Embed": Direct(lambda call: UnaryEmbed(servicer, call), req_in, rep_out, False, False),
+        "EmbedStream": Direct(lambda call: EmbedStream(servicer, call), req_in, rep_out, True, True),
         "Info": grpc.unary_unary_rpc_method_handler(servicer.Info, tulip_pb2.InfoRequest.FromString,
                                                     tulip_pb2.InfoReply.SerializeToString),
     }
