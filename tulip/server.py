@@ -242,14 +242,24 @@ class TulipServicer:
         self.loop.submit_nowait(req)
         return req
 
-    def reply(self, req: Request, rows, request_id: str = ""):
-        """The reply to a completed request, its stages stamped (the reply built, then handed on)."""
-        if req.stamps is not None:
-            req.stamps[10] = perf_counter_ns()
-        reply = self._reply(req.tag, req, rows, request_id)
-        if req.stamps is not None:
-            self.loop.stages.replying(reply, req.stamps)
-        return reply
+    def answer(self, call, req: Request, rows, request_id: str = "") -> RpcFailure | None:
+        """Build the reply to a completed request and send it on `call`, its stages stamped (built,
+        encoded, handed on); the failure to report instead where building it failed."""
+        stamps = req.stamps
+        if stamps is not None:
+            stamps[10] = perf_counter_ns()
+        try:
+            reply = self._reply(req.tag, req, rows, request_id)
+        except Exception as e:  # never leave a request unanswered
+            log.exception("building a reply failed (request %r)", request_id)
+            return RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}")
+        self._ok.inc()
+        if stamps is not None:
+            self.loop.stages.replying(reply, stamps)
+        call.reply(reply)
+        if stamps is not None:
+            self.loop.stages.written(reply)
+        return None
 
     def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
         """Validate one request; raise RpcFailure with the reason: INVALID_ARGUMENT for a malformed
@@ -357,19 +367,10 @@ class UnaryEmbed:
         self.call.finish(e.code, e.message)
 
     def done(self, req: Request, rows, error) -> None:
-        if error is not None:
-            return self.fail(RpcFailure.of(error))
-        s = self.servicer
-        try:
-            reply = s.reply(req, rows)
-        except Exception as e:
-            log.exception("building a reply failed")
-            return self.fail(RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
-        s._ok.inc()
-        self.call.reply(reply)
+        failure = RpcFailure.of(error) if error is not None else self.servicer.answer(self.call, req, rows)
+        if failure is not None:
+            return self.fail(failure)
         self.call.finish(grpc.StatusCode.OK)
-        if req.stamps is not None:
-            s.loop.stages.written(reply)
 
     def gone(self) -> None:
         req = self.req
@@ -432,20 +433,10 @@ class EmbedStream:
         request = req.tag
         if request.request_id:
             self.by_id.pop(request.request_id, None)
-        if error is not None:
-            self.fail(request, RpcFailure.of(error))
-        else:
-            s = self.servicer
-            try:
-                reply = s.reply(req, rows, request.request_id)
-            except Exception as e:  # never leave a stream request unanswered
-                log.exception("building a reply failed (request %s)", request.request_id)
-                self.fail(request, RpcFailure(grpc.StatusCode.INTERNAL, f"could not build the reply: {e}"))
-            else:
-                s._ok.inc()
-                self.call.reply(reply)
-                if req.stamps is not None:
-                    s.loop.stages.written(reply)
+        failure = RpcFailure.of(error) if error is not None else \
+            self.servicer.answer(self.call, req, rows, request.request_id)
+        if failure is not None:
+            self.fail(request, failure)
         self.settle()
 
     def gone(self) -> None:
