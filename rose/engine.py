@@ -58,8 +58,9 @@ class EngineConfig:
     attention_table: with attention "auto", a JSON table from `python -m benchmarks.kernels`
                choosing the backend per (sequences, max length), or a directory of them (the one for
                the model's head shape is used); "" uses the built-in choice on CUDA in half precision
-               (`attention_table.BUILTIN_CELLS`: ROSE's Triton kernel at every shape, causal or
-               not), which is also what a directory without the model's table falls back to.
+               (`attention_table.builtin_table`: the H200 sweep's table shipped for the model's head
+               shape, else ROSE's Triton kernel at every shape), which is also what a directory
+               without the model's table falls back to.
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
                small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
                GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
@@ -197,7 +198,7 @@ class Engine:
             return make(name)
         attn = make(cfg.attention)
         if cfg.attention == "auto":
-            builtin = builtin_table(make, attn)
+            builtin = builtin_table(make, attn, heads, self.causal)
             attn = load_table(cfg.attention_table, heads, self.causal, make, builtin) if cfg.attention_table \
                 else builtin
         window = family.sliding_window(config)

@@ -44,10 +44,10 @@ def test_nearest_cell_and_graph_keys():
     assert not TableBackend(CELLS, {"a": a, "b": Named("b", capturable=False)}, fb).capturable
 
 
-def test_the_builtin_choice_is_triton_at_every_shape():
-    """Without a table: ROSE's Triton kernel at every shape (it won every cell of the H200 sweeps,
-    bidirectional to 8,192 tokens and causal to 4,096); torch's varlen alone where the Triton kernel
-    cannot be made."""
+def test_the_builtin_choice_without_a_shipped_table_is_triton_at_every_shape():
+    """Without a table for the head shape: ROSE's Triton kernel at every shape (it won every cell of
+    the H200 sweeps against torch's varlen, bidirectional to 8,192 tokens and causal to 4,096); torch's
+    varlen alone where the Triton kernel cannot be made."""
     made = {}
 
     def make(name):
@@ -64,6 +64,33 @@ def test_the_builtin_choice_is_triton_at_every_shape():
     assert builtin_table(no_triton, varlen) is varlen
     sdpa = Named("sdpa")
     assert builtin_table(make, sdpa) is sdpa  # not varlen (no CUDA half precision): left as it is
+    assert builtin_table(make, varlen, (16, 16, 64), causal=True).pick(1, 4096) is made["triton"]  # none shipped
+
+
+def test_the_shipped_tables_take_fa4_for_long_sequences_and_triton_without_it():
+    """bge-m3's and pplx-embed's head shapes ship the H200 sweep's table: FlashAttention 4 for long
+    sequences, Triton for short ones; without FA4 installed its cells take Triton (the next fastest),
+    never torch's varlen."""
+    made = {}
+
+    def make(name):
+        return made.setdefault(name, Named(name))
+
+    def no_fa4(name):
+        if name == "fa4":
+            raise ImportError("No module named 'flash_attn'")
+        return make(name)
+
+    varlen = Named("varlen")
+    for heads in ((16, 16, 64), (16, 8, 128)):
+        with_fa4 = builtin_table(make, varlen, heads)
+        assert with_fa4.pick(1, 4096) is made["fa4"] and with_fa4.pick(4, 8192) is made["fa4"], heads
+        assert with_fa4.pick(1, 128) is made["triton"], heads
+        without = builtin_table(no_fa4, varlen, heads)
+        assert isinstance(without, TableBackend) and without.name == "table(triton)", heads
+        assert all(without.pick(*shape_class(n, L)) is made["triton"] for n in (1, 4, 16, 100) for L in (128, 512, 4096))
+    bge = builtin_table(make, varlen, (16, 16, 64))
+    assert bge.pick(1, 512) is made["triton"] and bge.pick(16, 1024) is made["fa4"]
 
 
 def test_a_table_honours_windows_where_its_winners_do():
@@ -164,7 +191,7 @@ def test_the_engine_uses_the_builtin_choice_without_a_table_and_for_a_missing_on
     seen = []
     builtin = Named("builtin")
 
-    def fake_builtin(make, fallback):
+    def fake_builtin(make, fallback, heads, causal):
         seen.append(fallback.name)
         return builtin
 

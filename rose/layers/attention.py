@@ -206,9 +206,12 @@ class FlashAttn4Backend(AttentionBackend):
     name = "fa4"
     capturable = True
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         from flash_attn.cute import flash_attn_varlen_func
 
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            raise ValueError("FlashAttention 4 needs a Hopper or Blackwell GPU (compute capability 9.0+), not "
+                             + torch.cuda.get_device_name(device))
         self._fn = flash_attn_varlen_func
         self.windowed = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
 
@@ -384,7 +387,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: t
     if name == "varlen":
         return VarlenBackend()
     if name == "fa4":
-        return FlashAttn4Backend()
+        return FlashAttn4Backend(device)
     if name in ("flashinfer-fa2", "flashinfer-fa3"):
         b = FlashInferBackend(name.split("-")[1], device, *heads, dtype)
         b.causal = causal

@@ -112,20 +112,25 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
     return TableBackend(cells, backends, fallback)
 
 
-# The choice without a swept table (attention "auto" on CUDA in half precision), measured on an H200 by
-# `python -m benchmarks.kernels [--causal]` (24 layers per CUDA graph; results/attention_sweep/):
-# ROSE's Triton kernel won every cell of the 2026-12-02 sweeps, 1-100 sequences of 128-8,192 tokens:
-# - bidirectional: bge-m3's heads (16 x 64) and pplx-embed's (16 query / 8 kv x 128), 1.1-3.0x over
-#   torch's varlen (1 x 4096: 21.7 against 18.1 M tokens/s; 100 x 512: 141.9 against 125.2); in the
-#   engine, bge-m3 1 x 4096 went from 10.13 to 9.38 ms and pplx from 20.21 to 17.17;
-# - causal: e5-mistral's (32 / 8 x 128) and gte-Qwen2's (12 / 2 x 128) heads to 4,096 tokens, 1.2-3.2x.
-# So it is Triton at every shape; a sweep's table replaces this.
+# The choice without a swept table (attention "auto" on CUDA in half precision): the H200 sweep's tables
+# for the head shapes ROSE's presets use, shipped beside this file (`attention_tables/`, written by
+# `python -m benchmarks.kernels` on 2026-12-03 with FlashAttention 4 4.0.0b40 installed; the run is in
+# benchmarks/results/attention_sweep/). Bidirectional, bge-m3's heads (16 x 64): ROSE's Triton kernel
+# to 512 tokens, FlashAttention 4 from 1,024 (1 x 4096: 1.32x, which took the engine's step from
+# 9.23 to 8.05 ms); pplx-embed's (16 query / 8 kv x 128): FA4 from 512 tokens or 4 sequences, Triton
+# for one short sequence. Each cell keeps every backend's tokens/s, so where FA4 is not installed its
+# cells take the next fastest: Triton. Every other head shape, and causal models (the 12-02 sweeps of
+# e5-mistral's and gte-Qwen2's heads, 1.2-3.2x over torch's varlen), take Triton at every shape:
+# `BUILTIN_CELLS`.
+BUILTIN_TABLES = Path(__file__).parent / "attention_tables"
 BUILTIN_CELLS = [{"seqs": 1, "max_len": 128, "winner": "triton"}]
 
 
-def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
-    """`BUILTIN_CELLS` over `fallback` (torch's varlen), or `fallback` alone where the Triton kernel
-    cannot run here."""
+def builtin_table(make_backend, fallback: AttentionBackend, heads: tuple[int, int, int] = (0, 0, 0),
+                  causal: bool = False) -> AttentionBackend:
+    """The shipped table for `heads` (`BUILTIN_TABLES`) over Triton at every shape (`BUILTIN_CELLS`),
+    over `fallback` (torch's varlen); `fallback` alone where the Triton kernel cannot run here, or
+    where `fallback` is not varlen (no CUDA half precision: left as it is)."""
     if fallback.name != "varlen":
         return fallback
     try:
@@ -133,4 +138,8 @@ def builtin_table(make_backend, fallback: AttentionBackend) -> AttentionBackend:
     except (ImportError, ValueError) as e:
         log.info("attention: no triton backend here (%s); using %s", e, fallback.name)
         return fallback
-    return TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
+    everywhere = TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
+    if not (BUILTIN_TABLES / table_file(heads, causal)).is_file():
+        return everywhere
+    made = {"triton": triton, "varlen": fallback}
+    return load_table(BUILTIN_TABLES, heads, causal, lambda name: made.get(name) or make_backend(name), everywhere)
