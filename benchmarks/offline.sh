@@ -15,6 +15,9 @@
 #   TRELLIS_GIT_REV=abc1234 bash benchmarks/offline.sh test         # the GPU tests, on the same caches
 #
 # A split wheel: `split -b 46000000 -d -a 2 W.whl W.whl.part` gives W.whl.part00, W.whl.part01, ...
+# A wheel too big for two calls can first be recompressed with LZMA, a zip method pip reads (nvidia-cutlass-dsl-libs-cu13
+# 4.8.1: 92 -> 65.5 MB, split 55 + 10.5 MB; FA4's whole set then comes in two calls):
+#   python3 -c "import sys,zipfile as z; a=z.ZipFile(sys.argv[1]); b=z.ZipFile(sys.argv[2],'w',z.ZIP_LZMA); [b.writestr(i,a.read(i),z.ZIP_LZMA) for i in a.infolist()]; b.close()" W.whl lz/W.whl
 
 if [ "${1:-}" = env ]; then  # sourced: no shell options or helper variables are left in the caller
   export PYTHONPATH="${TRELLIS_SITE:-/tmp/site}:${TRELLIS_SITE:-/tmp/site}/nvidia_cutlass_dsl/dsl_packages:$PWD"
@@ -67,5 +70,5 @@ case "${1:-}" in
     source "$0" env
     python3 -m pytest -q tests/test_gpu.py ;;
   *)
-    sed -n '2,16p' "$0"; exit 2 ;;
+    sed -n '2,20p' "$0"; exit 2 ;;
 esac

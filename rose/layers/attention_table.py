@@ -116,9 +116,9 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
 # for the head shapes ROSE's presets use, shipped beside this file (`attention_tables/`, written by
 # `python -m benchmarks.kernels` on 2026-12-03 with FlashAttention 4 4.0.0b40 installed; the run is in
 # benchmarks/results/attention_sweep/). Bidirectional, bge-m3's heads (16 x 64): ROSE's Triton kernel
-# to 512 tokens, FlashAttention 4 from 1,024 (1 x 4096: 1.32x, which took the engine's step from
-# 9.23 to 8.05 ms); pplx-embed's (16 query / 8 kv x 128): FA4 from 512 tokens or 4 sequences, Triton
-# for one short sequence. Each cell keeps every backend's tokens/s, so where FA4 is not installed its
+# to 512 tokens (and one sequence of 1,024), FlashAttention 4 beyond (1 x 4096: 1.32x, which took the
+# engine's step from 9.23 to 8.05 ms); pplx-embed's (16 query / 8 kv x 128): FA4 everywhere but one
+# sequence of 128 tokens (1 x 4096: 1.60x; the step from 16.96 to 13.91 ms). Each cell keeps every backend's tokens/s, so where FA4 is not installed its
 # cells take the next fastest: Triton. Every other head shape, and causal models (the 12-02 sweeps of
 # e5-mistral's and gte-Qwen2's heads, 1.2-3.2x over torch's varlen), take Triton at every shape:
 # `BUILTIN_CELLS`.
