@@ -29,6 +29,7 @@ import abc
 import dataclasses
 import inspect
 import logging
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,6 +215,10 @@ class FlashAttn4Backend(AttentionBackend):
                              + torch.cuda.get_device_name(device))
         self._fn = flash_attn_varlen_func
         self.windowed = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
+        # 4.0.0b40 on cutlass-dsl 4.8.1 warns at every kernel compile that an argument it passes itself
+        # (`aux_data`) is no JIT argument: noise in a server's log, nothing a caller can act on
+        warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted",
+                                category=UserWarning)
 
     def __call__(self, q, k, v, meta):
         cu, n = meta.cu_seqlens, meta.max_seqlen
