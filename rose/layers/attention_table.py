@@ -118,10 +118,10 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
 # benchmarks/results/attention_sweep/). Bidirectional, bge-m3's heads (16 x 64): ROSE's Triton kernel
 # to 512 tokens (and one sequence of 1,024), FlashAttention 4 beyond (1 x 4096: 1.32x, which took the
 # engine's step from 9.23 to 8.05 ms); pplx-embed's (16 query / 8 kv x 128): FA4 everywhere but one
-# sequence of 128 tokens (1 x 4096: 1.60x; the step from 16.96 to 13.91 ms). Each cell keeps every backend's tokens/s, so where FA4 is not installed its
-# cells take the next fastest: Triton. Every other head shape, and causal models (the 12-02 sweeps of
-# e5-mistral's and gte-Qwen2's heads, 1.2-3.2x over torch's varlen), take Triton at every shape:
-# `BUILTIN_CELLS`.
+# sequence of 128 tokens (1 x 4096: 1.60x; the step from 16.96 to 13.91 ms). Each cell keeps every
+# backend's tokens/s, so where FA4 is not installed its cells take the next fastest: Triton. Every other
+# head shape, and causal models (the 12-02 sweeps of e5-mistral's and gte-Qwen2's heads, 1.2-3.2x over
+# torch's varlen), take Triton at every shape: `BUILTIN_CELLS`.
 BUILTIN_TABLES = Path(__file__).parent / "attention_tables"
 BUILTIN_CELLS = [{"seqs": 1, "max_len": 128, "winner": "triton"}]
 
@@ -138,8 +138,9 @@ def builtin_table(make_backend, fallback: AttentionBackend, heads: tuple[int, in
     except (ImportError, ValueError) as e:
         log.info("attention: no triton backend here (%s); using %s", e, fallback.name)
         return fallback
-    everywhere = TableBackend(BUILTIN_CELLS, {"triton": triton, "varlen": fallback}, fallback)
-    if not (BUILTIN_TABLES / table_file(heads, causal)).is_file():
-        return everywhere
     made = {"triton": triton, "varlen": fallback}
-    return load_table(BUILTIN_TABLES, heads, causal, lambda name: made.get(name) or make_backend(name), everywhere)
+    everywhere = TableBackend(BUILTIN_CELLS, made, fallback)
+    shipped = BUILTIN_TABLES / table_file(heads, causal)
+    if not shipped.is_file():
+        return everywhere
+    return load_table(shipped, heads, causal, lambda name: made.get(name) or make_backend(name), everywhere)
