@@ -9,6 +9,13 @@ Every cell is timed the way a step runs it: a CUDA graph of `--layers` calls, ea
 weights (a step reads every layer's weights once, so the L2 cache holds none of them), replayed
 `--iters` times; the figure is the median replay over the layer count, in microseconds per call.
 One JSON line per cell: op, tokens, impl (cublas / triton / varlen ...), config, split, pdl, us.
+
+`--quack` adds quack-kernels' CuTe-DSL Hopper GEMMs (installed beside FlashAttention 4) over tile,
+cluster, swap-AB and K-split choices (`QUACK_TILES`, split-K reduced inside the kernel: its PARALLEL
+mode), with the same epilogues the step needs: bias for q/k/v, bias + tanh GELU for the up projection,
+float32 output for the output / down projections, then ROSE's add + norm. Each quack cell's result is
+checked against torch's once (`err`, max abs difference) before it is timed. `--plan-only` times
+ROSE's Triton kernels at the step's own plan only (`rose.kernels.gemm.plan`), not the config sweep.
 """
 
 from __future__ import annotations
@@ -63,6 +70,65 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 
 
 ATTENTION_TILES = [(bm, bn, w) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (2, 4)]
+# quack GEMM configs: (tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab); under swap_ab the tile's
+# M runs over the weight's rows (the output features) and its N over the tokens
+QUACK_TILES = [(64, 64, False, 1, 1, False), (64, 128, False, 1, 1, False), (128, 64, False, 1, 1, False),
+               (128, 128, False, 1, 1, False), (128, 128, True, 1, 1, False), (128, 128, False, 2, 1, False),
+               (64, 128, False, 1, 1, True), (128, 128, False, 1, 1, True), (64, 64, False, 1, 1, True),
+               (128, 192, True, 2, 1, False), (256, 128, False, 2, 1, False), (256, 192, False, 2, 1, False)]
+QUACK_SPLITS = (1, 2, 4, 8)
+
+
+def quack_cells(args, op, tokens, x, w, b, res, g, beta, eps, rms, emit) -> None:
+    """quack's GEMM for one op at one token count over `QUACK_TILES` x `QUACK_SPLITS` (rows `quack` /
+    `quack+norm`, config as [tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab])."""
+    from quack.gemm_config import GemmConfig, SplitKMode
+    from quack.gemm_interface import gemm_act, gemm_tuned
+
+    from rose.kernels import gemm
+
+    n, k = w[0].shape
+    norm_out, act = op in ("o", "down"), {"up": "gelu", "gate_up": "swiglu"}.get(op)
+    if act == "swiglu":
+        return  # gated: a concat layout of its own, not measured here
+    tiles = QUACK_TILES if tokens <= 2048 else [t for t in QUACK_TILES if t[0] >= 128 and t[1] >= 128]
+    for t in tiles:
+        c = GemmConfig(tile_m=t[0], tile_n=t[1], pingpong=t[2], cluster_m=t[3], cluster_n=t[4], swap_ab=t[5],
+                       device_capacity=9, is_dynamic_persistent=False)
+        for split in ([1] if act else [s for s in QUACK_SPLITS if k % (s * 64) == 0 and k // s >= 128]):
+            if tokens > 2048 and split > 1:
+                continue
+            if act == "gelu":
+                def fn(i, c=c):
+                    return gemm_act(x, w[i].T, bias=b[i], activation="gelu_tanh_approx", store_preact=False,
+                                    tuned=False, config=c)[1]
+                ref = lambda: F.gelu(F.linear(x, w[0], b[0]), approximate="tanh")  # noqa: E731
+            elif norm_out:
+                def fn(i, c=c, split=split):
+                    p = torch.empty((1, tokens, n), dtype=torch.float32, device=x.device)
+                    gemm_tuned.fn(x, w[i].T, p[0], config=c, split_k=split, split_k_mode=SplitKMode.PARALLEL)
+                    return gemm.add_norm(p, b[i], res, g, None if rms else beta, eps, rms=rms)
+                ref = lambda: (F.rms_norm(F.linear(x, w[0], b[0]) + res, (n,), g, eps) if rms  # noqa: E731
+                               else F.layer_norm(F.linear(x, w[0], b[0]) + res, (n,), g, beta, eps))
+            else:
+                def fn(i, c=c, split=split):
+                    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+                    gemm_tuned.fn(x, w[i].T, out, bias=b[i], config=c, split_k=split,
+                                  split_k_mode=SplitKMode.PARALLEL)
+                    return out
+                ref = lambda: F.linear(x, w[0], b[0])  # noqa: E731
+            conf = [t[0], t[1], int(t[2]), t[3], t[4], int(t[5])]
+            try:
+                err = (fn(0).float() - ref().float()).abs().max().item()
+                us = time_graph(fn, args.layers, args.iters)
+            except Exception as e:  # a config this shape (or this quack) cannot run
+                msg = " ".join(str(e).split())[:200]
+                print(f"quack {op} {tokens} {conf} split {split}: {type(e).__name__}: {msg}")
+                emit(op, tokens, "quack-error", 0.0, config=conf, split=split, error=f"{type(e).__name__}: {msg}")
+                continue
+            emit(op, tokens, "quack+norm" if norm_out else "quack", us, config=conf, split=split, err=round(err, 4))
+
+
 NORM_TILES = [(r, w) for r in (1, 2, 4, 8) for w in (1, 2, 4, 8)]
 
 
@@ -117,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
     ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="also sweep the launch tiles of ROSE's attention and add + norm kernels (PDL on)")
+    ap.add_argument("--quack", action="store_true", help="also quack-kernels' GEMMs over QUACK_TILES x QUACK_SPLITS")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="ROSE's Triton GEMMs at the step's plan only (rose.kernels.gemm.plan), not the config sweep")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from rose.kernels import gemm
@@ -132,7 +201,7 @@ def main(argv=None) -> int:
 
     def emit(op, tokens, impl, us, **kw):
         rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, impl=impl, us=round(us, 2), **kw)
-        if impl.startswith("triton") and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
+        if impl.startswith(("triton", "quack+", "quack")) and impl != "quack-error" and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
             best[(op, tokens)] = (us, {**kw, "impl": impl})
 
     for tokens in progress([int(t) for t in args.tokens.split(",")], "token counts"):
@@ -162,28 +231,33 @@ def main(argv=None) -> int:
                 emit(op, tokens, "cublas", time_graph(lambda i: F.linear(x, w[i], b[i]), L, args.iters))
             # ROSE's Triton kernels over configs (and splits where a norm follows)
             splits = [s for s in (1, 2, 4, 8) if k % (s * 128) == 0] if norm_out else [1]
-            for mode, tma in itertools.product(MODES, (False, True)):
+            runs = [(mode, tma, conf, split) for mode, tma in itertools.product(MODES, (False, True))
+                    for conf in CONFIGS[:args.configs] for split in splits]
+            if args.plan_only:
+                conf, split, tma = gemm.plan(tokens, out_n, k)
+                runs = [("pdl", tma, conf, split if norm_out else 1)]
+            for mode, tma, conf, split in runs:
                 set_mode(mode)
-                for conf in CONFIGS[:args.configs]:
-                    for split in splits:
-                        if k % (split * conf[2]):
-                            continue
-                        try:
-                            if norm_out:
-                                def fn(i, conf=conf, split=split, tma=tma):
-                                    p = gemm.linear_partials(x, w[i], split, conf, tma)
-                                    return gemm.add_norm(p, b[i], res, g, None if rms else beta, eps, rms=rms)
-                            else:
-                                def fn(i, conf=conf, tma=tma):
-                                    return gemm.linear(x, w[i], b[i], act, conf, tma)
-                            us = time_graph(fn, L, args.iters)
-                        except Exception as e:  # a config that does not fit (shared memory): skip it
-                            rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, config=list(conf),
-                                     split=split, error=str(e)[:200])
-                            continue
-                        emit(op, tokens, ("triton-tma" if tma else "triton") + ("+norm" if norm_out else ""), us,
-                             config=list(conf), split=split, mode=mode)
+                if k % (split * conf[2]):
+                    continue
+                try:
+                    if norm_out:
+                        def fn(i, conf=conf, split=split, tma=tma):
+                            p = gemm.linear_partials(x, w[i], split, conf, tma)
+                            return gemm.add_norm(p, b[i], res, g, None if rms else beta, eps, rms=rms)
+                    else:
+                        def fn(i, conf=conf, tma=tma):
+                            return gemm.linear(x, w[i], b[i], act, conf, tma)
+                    us = time_graph(fn, L, args.iters)
+                except Exception as e:  # a config that does not fit (shared memory): skip it
+                    rec.emit(bench="small_step", model=args.model, op=op, tokens=tokens, config=list(conf),
+                             split=split, error=str(e)[:200])
+                    continue
+                emit(op, tokens, ("triton-tma" if tma else "triton") + ("+norm" if norm_out else ""), us,
+                     config=list(conf), split=split, mode=mode)
             set_mode(MODES[-1])
+            if args.quack:
+                quack_cells(args, op, tokens, x, w, b, res, g, beta, eps, rms, emit)
             del w, b
     # attention on short sequences
     heads = (cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
