@@ -69,7 +69,9 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (3 * h, h), "o": (h, h), "up": (inter, h), "down": (h, inter)}
 
 
-ATTENTION_TILES = [(bm, bn, w) for bm in (16, 32, 64) for bn in (32, 64, 128) for w in (2, 4)]
+# (BLOCK_M, BLOCK_N, warps, stages) of ROSE's attention kernel; shared memory over the budget is skipped
+ATTENTION_TILES = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128, 256) for w in (2, 4, 8)
+                   for st in (2, 3) if 16 * w <= bm * 4 and not (bm == 128 and w == 2)]
 # quack GEMM configs: (tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab); under swap_ab the tile's
 # M runs over the weight's rows (the output features) and its N over the tokens
 QUACK_TILES = [(64, 64, False, 1, 1, False), (64, 128, False, 1, 1, False), (128, 64, False, 1, 1, False),
@@ -146,7 +148,10 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
         T = n * length
         cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
         qkv = [torch.randn(T, heads[0] + 2 * heads[1], heads[2], device=dev, dtype=dt) for _ in range(L)]
+        default = (*kattn.tile(length, heads[2], n, heads[0]), kattn.STAGES)[:4]
         for t in ATTENTION_TILES:
+            if kattn.smem_bytes(t[0], t[1], heads[2], t[3]) > kattn.SMEM_BUDGET:
+                continue
             def fn(i, t=t):
                 q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)
                 return kattn.attention(q, k, v, cu, length, causal, config=t)
@@ -156,7 +161,7 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
                 print(f"attention tile {t} at {cell}: {str(e)[:120]}")
                 continue
             emit("attention-tile", T, "triton", us, seqs=n, length=length, config=list(t), mode="pdl",
-                 default=t == kattn.tile(length, heads[2], n, heads[0]))
+                 default=t == default)
         del qkv
     h = cfg["hidden_size"]
     for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
     ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="also sweep the launch tiles of ROSE's attention and add + norm kernels (PDL on)")
+    ap.add_argument("--gemms", action=argparse.BooleanOptionalAction, default=True,
+                    help="the linear layers' cells (--no-gemms: only the attention backends and the tile sweep)")
     ap.add_argument("--quack", action="store_true", help="also quack-kernels' GEMMs over QUACK_TILES x QUACK_SPLITS")
     ap.add_argument("--plan-only", action="store_true",
                     help="ROSE's Triton GEMMs at the step's plan only (rose.kernels.gemm.plan), not the config sweep")
@@ -204,7 +211,7 @@ def main(argv=None) -> int:
         if impl.startswith(("triton", "quack+", "quack")) and impl != "quack-error" and (best.get((op, tokens)) is None or us < best[(op, tokens)][0]):
             best[(op, tokens)] = (us, {**kw, "impl": impl})
 
-    for tokens in progress([int(t) for t in args.tokens.split(",")], "token counts"):
+    for tokens in progress([int(t) for t in args.tokens.split(",")] if args.gemms else [], "token counts"):
         for op, (n, k) in shapes(cfg).items():
             w = [torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for _ in range(L)]
             b = [torch.randn(n, device=dev, dtype=dt) for _ in range(L)] if not rms else [None] * L

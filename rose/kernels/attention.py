@@ -100,12 +100,12 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
              out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)
 
 
-Tile = tuple[int, int, int]  # BLOCK_M (query rows per program), BLOCK_N (keys per iteration), warps
+Tile = tuple[int, ...]  # BLOCK_M (query rows per program), BLOCK_N (keys per iteration), warps[, pipeline stages]
 
 
 @functools.cache
 def _tile_override() -> Tile | None:
-    """ROSE_ATTENTION_TILE=BLOCK_M,BLOCK_N,WARPS: one tile for every call, a knob for measurements
+    """ROSE_ATTENTION_TILE=BLOCK_M,BLOCK_N,WARPS[,STAGES]: one tile for every call, a knob for measurements
     (`benchmarks.small_step`)."""
     env = os.environ.get("ROSE_ATTENTION_TILE")
     return tuple(int(x) for x in env.split(",")) if env else None
@@ -134,10 +134,10 @@ SMEM_BUDGET = 200 << 10  # of an H200's 227 KB per block, with room for the comp
 STAGES = 3  # Triton's default software pipelining of the key loop
 
 
-def smem_bytes(block_m: int, block_n: int, head_dim: int) -> int:
-    """Shared memory of one program, roughly: its q block and `STAGES` key and value blocks (16-bit)."""
+def smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int = STAGES) -> int:
+    """Shared memory of one program, roughly: its q block and `stages` key and value blocks (16-bit)."""
     d = max(16, triton.next_power_of_2(head_dim))
-    return (block_m + 2 * STAGES * block_n) * d * 2
+    return (block_m + 2 * stages * block_n) * d * 2
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -156,10 +156,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError(f"score bias {tuple(bias.shape)} is not [{H}, L, L] with L >= {max_seqlen}")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
-    bm, bn, warps = config or tile(max_seqlen, D, n, H)
+    bm, bn, warps, *stages = config or tile(max_seqlen, D, n, H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, num_warps=warps)
+              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, num_warps=warps,
+              num_stages=stages[0] if stages else STAGES)
     sb = bias.stride() if bias is not None else (0, 0, 0)
     args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D),
