@@ -1,7 +1,13 @@
 """The online request's fast paths in Tulip and ROSE give what the general paths give: the one
 plain sequence's validation (same Request, same errors), its one-sequence Batch, and the usual
-reply serialized straight from the rows (byte for byte the EmbedReply message's serialization)."""
+reply serialized straight from the rows (byte for byte the EmbedReply message's serialization).
+A served request, answered or refused, leaves no reference cycle behind (the collector's pauses
+land on the loop: they were most of unary Embed's p99)."""
 
+import asyncio
+import gc
+
+import grpc
 import numpy as np
 import pytest
 
@@ -94,3 +100,44 @@ def test_served_replies_are_the_general_paths(servicer):
     got = tulip_pb2.EmbedReply.FromString(plain)
     assert got.prompt_tokens == sliced.prompt_tokens == 64 and list(got.shape) == list(sliced.shape) == [1, 1024]
     assert np.array_equal(unpack(got), unpack(sliced)) and np.array_equal(unpack(got), rows)
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_a_served_request_leaves_no_cyclic_garbage(transport):
+    """Requests through Tulip's server on loopback (its own client), good and refused ones: after
+    they are answered, a collection finds nothing that only a cycle kept alive."""
+    from tulip.client import TulipClient
+    from tulip.h2server import Server
+    from tulip.server import add_tulip
+
+    async def main():
+        loop = EngineLoop(NullEngine(0.2), TulipConfig(max_batch_tokens=16384))
+        loop.start()
+        server = Server()
+        add_tulip(server, TulipServicer(loop, "t"))
+        port = await server.listen("127.0.0.1", 0)
+        client = TulipClient(f"127.0.0.1:{port}", transport=transport)
+        try:
+            for _ in range(5):  # warm: connections, caches, lazily built objects
+                await client.embed([list(range(5, 133))])
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for k in range(40):
+                    await client.embed([list(range(5, 133 + k))])
+                    if k % 10 == 0:
+                        with pytest.raises(grpc.aio.AioRpcError):
+                            await client.embed([[5, VOCAB]])  # a bad token id: refused
+                gc.collect()
+                garbage = [type(o).__name__ for o in gc.garbage]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+        finally:
+            await client.close()
+            await server.stop(1)
+            await loop.stop()
+        return garbage
+
+    garbage = asyncio.run(main())
+    assert not garbage, f"{len(garbage)} objects in cycles after 44 {transport} requests: {sorted(set(garbage))}"

@@ -268,8 +268,10 @@ class Call:
         self.conn.forget(self)
 
     def closed_out(self) -> None:
-        """The trailers went out: the call is over on our side."""
+        """The trailers went out: the call is over on our side (its session, which holds the call,
+        is let go: no cycle is left for the collector)."""
         self.trailers = None
+        self.session = None
         if not self.remote_closed and not self.conn.closed:  # the client may stop sending (gRPC's servers do this)
             self.conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(NO_ERROR)))
         self.conn.forget(self)
@@ -293,8 +295,8 @@ class Call:
     def _expire(self) -> None:
         self._timer = None
         if not self.over:
+            self._halt()  # first: the session hears it before the trailers let it go (`closed_out`)
             self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            self._halt()
 
     def _halt(self) -> None:
         """Stop the handler: cancel its task, or tell a Direct session that its call is gone (once)."""
@@ -378,8 +380,8 @@ class Call:
 
     def _failed(self, e: Exception) -> None:
         log.exception("gRPC handler %s failed", self.path, exc_info=e)
-        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
         self._halt()
+        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
 
     def message(self, data: bytes) -> None:
         """DATA for this call: whole messages to the handler (a unary request waits for END_STREAM)."""
@@ -417,8 +419,8 @@ class Call:
 
     def reset_with(self, code: grpc.StatusCode, details: str) -> None:
         """Answer with a status now and stop the handler (a bad message)."""
-        self.finish(code, details)
         self._halt()
+        self.finish(code, details)
 
     def end_of_requests(self) -> None:
         self.remote_closed = True

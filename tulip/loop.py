@@ -101,10 +101,14 @@ def _deliver(req: Request, rows, error) -> None:
     """Call a request's completion callback; its failure is its own, never the engine loop's."""
     if req.timer is not None:
         req.timer.cancel()
+        req.timer = None
     if req.stamps is not None:
         req.stamps[9] = perf_counter_ns()
+    # Dropped once called: the callback is the caller's session, which holds the request, and a
+    # cycle left behind is garbage for the collector (a collection is ~0.1-0.4 ms on the loop).
+    on_done, req.on_done = req.on_done, None
     try:
-        req.on_done(req, rows, error)
+        on_done(req, rows, error)
     except Exception:
         log.exception("completion callback failed for a request of %d sequences", len(req.lengths))
     if req.trace is not None:
