@@ -27,7 +27,7 @@ from rose.layers.attention import AttentionBackend, AttentionMetadata, select_ba
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
-from rose.layers.pooling import normalize, pool, pool_fused
+from rose.layers.pooling import kept_rows, normalize, pool, pool_fused
 from rose.layers.scores import ACTIVATIONS, activation_name, token_types
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
@@ -228,26 +228,32 @@ class Engine:
         """A cross-encoder's float32 [N, num_labels] logits -> its scores, as CrossEncoder.predict gives them."""
         return ACTIVATIONS[self.activation](logits)
 
-    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None, token_type_ids=None) -> torch.Tensor:
-        """Device tensors in, token states [T, hidden] out."""
+    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None, token_type_ids=None, rows=None) -> torch.Tensor:
+        """Device tensors in, token states [T, hidden] out (or the states at `rows` [N]: `Family.forward`)."""
         meta = AttentionMetadata(cu, max_seqlen, seq_lens, self.causal)
+        kw = {} if rows is None else {"rows": rows}
         if token_type_ids is None:
-            return self.model(ids, positions, meta, self.attention)
-        return self.model(ids, positions, meta, self.attention, token_type_ids)
+            return self.model(ids, positions, meta, self.attention, **kw)
+        return self.model(ids, positions, meta, self.attention, token_type_ids, **kw)
 
     def _scores(self, ids, positions, seq_ids, cu, max_seqlen, segment_starts=None, seq_lens=None) -> torch.Tensor:
         """A cross-encoder's step: device tensors in (`segment_starts` int64 [N + 1], 0: one segment, or
         None), float32 [N, num_labels] logits of the head on each sequence's first token (or mean:
         `Family.classifier_pooling`) out."""
         types = None if segment_starts is None else token_types(positions, seq_ids, segment_starts)
-        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types)
-        return self.model.classify(pool(hidden, cu, seq_ids, self._head_pool).to(hidden.dtype)).float()
+        rows = kept_rows(cu, ids.shape[0], self._head_pool)  # the head reads the first token's state alone
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types, rows)
+        first = hidden if rows is not None else pool(hidden, cu, seq_ids, self._head_pool)
+        return self.model.classify(first.to(hidden.dtype)).float()
 
-    def _pooled(self, hidden, cu, seq_ids, positions) -> torch.Tensor:
-        """The sentence-transformers pipeline after the transformer: pooling, Dense modules, Normalize."""
-        out = self.model.pool(hidden, cu, seq_ids)  # a family's own output (SPLADE), else pooling
-        if out is None and self.dense is None and hidden.shape[0] <= self.kernels:  # host-side: the token bucket
-            out = pool_fused(hidden, cu, self._pool_mode, self.spec.normalize)
+    def _pooled(self, hidden, cu, seq_ids, positions, tokens: int, pooled: bool) -> torch.Tensor:
+        """The sentence-transformers pipeline after the transformer: pooling (already done where
+        `pooled`: hidden holds the `kept_rows`), Dense modules, Normalize. tokens: the step's (its
+        token bucket in a graph)."""
+        out = hidden if pooled else self.model.pool(hidden, cu, seq_ids)  # a family's own output (SPLADE)
+        if self.dense is None and tokens <= self.kernels and (pooled or out is None):  # host-side
+            out = pool_fused(hidden, None if pooled else cu, "cls" if pooled else self._pool_mode,
+                             self.spec.normalize)
             if out is not None:
                 return out
         out = pool(hidden, cu, seq_ids, self._pool_mode, positions) if out is None else out
@@ -258,14 +264,17 @@ class Engine:
     def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
         """Device tensors in, float32 [N, dim] embeddings out (pooled, through any Dense modules, normalised
         where the model says)."""
-        return self._pooled(self._encode(ids, positions, cu, max_seqlen, seq_lens), cu, seq_ids, positions)
+        # CLS / last-token pooling reads one state per sequence: the last block computes those alone
+        rows = None if self.sparse_rows else kept_rows(cu, ids.shape[0], self._pool_mode)
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, rows=rows)
+        return self._pooled(hidden, cu, seq_ids, positions, ids.shape[0], rows is not None)
 
     def _forward_extras(self, ids, positions, seq_ids, cu, max_seqlen, extras: frozenset, seq_lens=None):
         """As `_forward`, plus the token-level outputs named in `extras` from the same hidden states:
         (dense [N, dim], float32 weights [T] or empty, float32 vectors [T, colbert_dim] or empty)."""
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens)
         empty = torch.empty(0, device=hidden.device)
-        return (self._pooled(hidden, cu, seq_ids, positions),
+        return (self._pooled(hidden, cu, seq_ids, positions, ids.shape[0], False),
                 self.heads.token_weights(hidden) if Extra.SPARSE in extras else empty,
                 self.heads.token_vectors(hidden) if Extra.COLBERT in extras else empty)
 

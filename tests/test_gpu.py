@@ -283,6 +283,28 @@ def test_small_step_path_on_real_shapes_equals_torch_eager(preset, attention):
     assert fast.runner.stats.replays >= 4
 
 
+@pytest.mark.parametrize("preset", ["bge-m3", "qwen3-embedding-0.6b", "bge-reranker-v2-m3"])
+def test_last_block_on_the_pooled_rows_equals_the_whole_block(preset, monkeypatch):
+    """CLS / last-token pooling (and a cross-encoder's first-token head): the last block after
+    attention on one row per sequence (`rose.layers.pooling.kept_rows`) against every row through
+    it, real-shape random weights, graphs, the small path and torch's (32 x 512)."""
+    import rose.engine
+
+    batches = [Batch.from_sequences(seqs_of(lens, vocab=1000)) for lens in [(128,), (200,), (100, 37, 5), (512,) * 32]]
+    kept = Engine(EngineConfig(model=preset, device="cuda", compile=True))
+    assert kept.kernels
+    outs = [[kept.step(b).synchronize().clone() for _ in range(3)] for b in batches]  # eager, capture, replay
+    monkeypatch.setattr(rose.engine, "kept_rows", lambda *a: None)
+    full = Engine(EngineConfig(model=preset, device="cuda", compile=True))
+    for b, got in zip(batches, outs):
+        for g in got:
+            want = full.step(b).synchronize()
+            if full.num_labels:
+                assert torch.allclose(g, want, atol=0.02 * want.abs().max().item()), (b.seq_lens, g, want)
+            else:
+                assert F.cosine_similarity(g, want).min().item() >= 0.9999, b.seq_lens
+
+
 def test_triton_kernels_equal_references_in_bf16():
     """The kernels' own GPU check at bge-m3 shapes (the CPU tests run them interpreted in float32)."""
     from rose.kernels import gemm

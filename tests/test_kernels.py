@@ -76,6 +76,8 @@ def test_pool_rows_matches_reference(last, normalize):
     assert rel(out, want) < TOL
     if normalize:
         assert torch.allclose(out.norm(dim=1), torch.ones(5, device=DEV), atol=1e-3)
+    kept = hidden[[0, 9, 39]]  # rows gathered already (`pooling.kept_rows`, no cu_seqlens): converted, normalised
+    assert rel(krows.pool_rows(kept, None, last, normalize), pooling.normalize(kept) if normalize else kept) < TOL
 
 
 @pytest.mark.parametrize("d", [96, 384, 1024])
@@ -232,6 +234,19 @@ def ragged_batch(causal: bool, lens=(9, 30, 1), bucket: int = 48):
     return ids, pos, AttentionMetadata(cu, 64, tuple(lens), causal)
 
 
+KEPT = (0, 9, 38)  # ragged_batch's first tokens and its last sequence's last token: `Family.forward`'s rows
+
+
+def kept_rows_agree(model, ids, pos, meta, backend, want, torch_rows=None):
+    """The model with `rows` (the last block after attention on those rows alone) gives want's rows;
+    `torch_rows`: the same from the torch path, taken before the small path was turned on."""
+    rows = torch.tensor(KEPT, device=DEV)
+    got = model(ids, pos, meta, backend, rows=rows)
+    assert got.shape[0] == len(KEPT) and rel(got, want[list(KEPT)]) < TOL
+    if torch_rows is not None:
+        assert torch_rows.shape[0] == len(KEPT) and rel(torch_rows, want[list(KEPT)]) < TOL
+
+
 BERT = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
             max_position_embeddings=128, hidden_act="gelu_new", layer_norm_eps=1e-12)
 
@@ -248,8 +263,10 @@ def test_bert_small_step_equals_torch_path(ops, monkeypatch):
     ids, pos, meta = ragged_batch(causal=False)
     with torch.inference_mode():
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        torch_rows = model(ids, pos, meta, select_backend("sdpa", DEV, DT), rows=torch.tensor(KEPT, device=DEV))
         assert model.use_kernels(1024)
         got = model(ids, pos, meta, Interpreted())[:40]
+        kept_rows_agree(model, ids, pos, meta, Interpreted(), want, torch_rows)
     assert rel(got, want) < TOL
 
 
@@ -288,9 +305,11 @@ def test_post_norm_small_step_of_other_families_equals_torch_path(family, ops, m
     monkeypatch.setattr(gemm, "add_norm", lambda *a, f=gemm.add_norm, **kw: calls.append(1) or f(*a, **kw))
     with torch.inference_mode():
         want = model(ids, pos, meta, sdpa)[:40]
+        torch_rows = model(ids, pos, meta, sdpa, rows=torch.tensor(KEPT, device=DEV))
         assert model.use_kernels(1024) == 1024 and not calls
         got = model(ids, pos, meta, Interpreted())[:40]
-    assert len(calls) == 4  # two add + norm kernels per block: the small step ran
+        assert len(calls) == 4  # two add + norm kernels per block: the small step ran
+        kept_rows_agree(model, ids, pos, meta, Interpreted(), want, torch_rows)
     assert rel(got, want) < TOL
 
 
@@ -363,9 +382,11 @@ def test_modernbert_small_step_equals_torch_path(act):
     sdpa = select_backend("sdpa", DEV, DT)
     with torch.inference_mode():
         want = model(ids, pos, meta, sdpa)[:40]
+        torch_rows = model(ids, pos, meta, sdpa, rows=torch.tensor(KEPT, device=DEV))
         assert model.use_kernels(1024) == (1024 if act == "gelu" else 0)
         got = model(ids, pos, meta, sdpa)[:40]
         assert rel(model(ids, pos, meta, Interpreted())[:40], want) < TOL  # the window in the Triton kernel
+        kept_rows_agree(model, ids, pos, meta, Interpreted(), want, torch_rows)
     assert rel(got, want) < TOL
     if act == "gelu":  # the window reached the local layers: without it the output moves
         model.window = 10_000
@@ -393,8 +414,10 @@ def test_qwen3_small_step_equals_torch_path(ops, causal, monkeypatch):
     ids, pos, meta = ragged_batch(causal)
     with torch.inference_mode():
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        torch_rows = model(ids, pos, meta, select_backend("sdpa", DEV, DT), rows=torch.tensor(KEPT, device=DEV))
         assert model.use_kernels(1024) == Qwen3Model.MAX_KERNEL_TOKENS == 256
         got = model(ids, pos, meta, Interpreted())[:40]
+        kept_rows_agree(model, ids, pos, meta, Interpreted(), want, torch_rows)
     assert rel(got, want) < TOL
 
 
@@ -420,8 +443,10 @@ def test_gemma3_small_step_equals_torch_path():
     ids, pos, meta = ragged_batch(causal=False)
     with torch.inference_mode():
         want = model(ids, pos, meta, select_backend("sdpa", DEV, DT))[:40]
+        torch_rows = model(ids, pos, meta, select_backend("sdpa", DEV, DT), rows=torch.tensor(KEPT, device=DEV))
         assert model.use_kernels(1024) == Gemma3TextModel.MAX_KERNEL_TOKENS
         got = model(ids, pos, meta, Interpreted())[:40]
+        kept_rows_agree(model, ids, pos, meta, Interpreted(), want, torch_rows)
         model.windows = (0,) * 3  # the windows bind: without them the output moves
         assert rel(got, model(ids, pos, meta, Interpreted())[:40]) > 0.03
     assert rel(got, want) < TOL

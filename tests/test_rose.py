@@ -111,6 +111,30 @@ def test_tiny_random_checkpoint_matches_transformers(family, tmp_path):
         assert F.cosine_similarity(step(e, [s])[0], ours[i], dim=0).item() >= 0.99999
 
 
+@pytest.mark.parametrize("family", ["xlm-roberta", "qwen3", "qwen3-mean"])
+def test_last_block_computes_the_pooled_rows_alone(family, tmp_path, monkeypatch):
+    """CLS and last-token pooling read one state per sequence, so the last block runs its work after
+    attention (which still reads every token) on those rows alone: its output has one row per
+    sequence, and the embeddings are those of the whole block. Mean pooling keeps every row."""
+    import rose.engine
+    from tests.checkpoints import save_qwen3
+
+    if family == "xlm-roberta":
+        path, _ = save_checkpoint(family, tmp_path / family)
+    else:
+        path, _ = save_qwen3(tmp_path / family, bidirectional=family == "qwen3-mean")
+    e = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
+    seqs = [[2, 3, 4], [9], list(range(10, 60)), [0, 7, 2, 8]]
+    rows = []
+    e.model.blocks[-1].register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    kept = step(e, seqs)
+    assert rows == [len(seqs) if family != "qwen3-mean" else sum(map(len, seqs))]
+    monkeypatch.setattr(rose.engine, "kept_rows", lambda *a: None)  # every row through the last block
+    full = step(e, seqs)
+    assert rows[-1] == sum(map(len, seqs))
+    assert torch.allclose(kept, full, atol=1e-5)
+
+
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["causal-last", "bidirectional-mean"])
 def test_tiny_random_qwen3_matches_transformers(tmp_path, bidirectional):
     from tests.checkpoints import qwen3_reference, save_qwen3

@@ -63,14 +63,16 @@ def embed_norm(ids: torch.Tensor, positions: torch.Tensor, word: torch.Tensor, p
 
 @triton.jit
 def _pool_rows_kernel(h_ptr, cu_ptr, out_ptr, T, D, LAST: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                      USE_GDC: tl.constexpr):
+                      KEPT: tl.constexpr, USE_GDC: tl.constexpr):
     i = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     in_c = cols < D
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if LAST:
+    if KEPT:  # one row per sequence already
+        row = i.to(tl.int64)
+    elif LAST:
         row = tl.maximum(tl.load(cu_ptr + i + 1).to(tl.int64) - 1, 0)
     else:  # an empty dummy sequence may start at T: clamp to a valid row (its output is dropped)
         row = tl.minimum(tl.load(cu_ptr + i).to(tl.int64), T - 1)
@@ -80,14 +82,15 @@ def _pool_rows_kernel(h_ptr, cu_ptr, out_ptr, T, D, LAST: tl.constexpr, NORM: tl
     tl.store(out_ptr + i * D + cols, x, mask=in_c)
 
 
-def pool_rows(hidden: torch.Tensor, cu_seqlens: torch.Tensor, last: bool, normalize: bool) -> torch.Tensor:
+def pool_rows(hidden: torch.Tensor, cu_seqlens: torch.Tensor | None, last: bool, normalize: bool) -> torch.Tensor:
     """Each sequence's first (`last` False: CLS) or last token of hidden [T, D], float32 [N, D],
-    L2-normalised if `normalize`. cu_seqlens int32 [N + 1]."""
+    L2-normalised if `normalize`. cu_seqlens int32 [N + 1]; None: hidden [N, D] holds each sequence's
+    row already (`rose.layers.pooling.kept_rows`), converted and normalised here."""
     T, D = hidden.shape
-    n = cu_seqlens.shape[0] - 1
+    n = T if cu_seqlens is None else cu_seqlens.shape[0] - 1
     out = torch.empty(n, D, dtype=torch.float32, device=hidden.device)
-    launch(_pool_rows_kernel, (n,), hidden, cu_seqlens, out, T, D, LAST=last, NORM=normalize,
-           BLOCK=triton.next_power_of_2(D), num_warps=4)
+    launch(_pool_rows_kernel, (n,), hidden, hidden if cu_seqlens is None else cu_seqlens, out, T, D, LAST=last,
+           NORM=normalize, BLOCK=triton.next_power_of_2(D), KEPT=cu_seqlens is None, num_warps=4)
     return out
 
 

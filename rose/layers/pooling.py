@@ -56,10 +56,29 @@ def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, 
     raise ValueError(f"unknown pooling mode {mode!r} (choose one of {POOLING_MODES})")
 
 
-def pool_fused(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor | None:
+def kept_rows(cu_seqlens: torch.Tensor, tokens: int, mode: str) -> torch.Tensor | None:
+    """The one token state per sequence that `mode` pools ("cls": the first, "last": the last; an
+    empty dummy sequence's row clamped as `pool` clamps it), int64 [N] on the device, so that the
+    last block computes those rows alone (`Family.forward`'s `rows`); None for the modes that read
+    more (or other) rows."""
+    if mode == "cls":
+        return cu_seqlens[:-1].long().clamp(max=tokens - 1)
+    if mode == "last":
+        return (cu_seqlens[1:].long() - 1).clamp(min=0)
+    return None
+
+
+def keep_rows(rows: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` ([T, ...] each) at `rows` only, or as they are (None): where a block's last
+    operations (after attention, which reads every token) need only the pooled rows."""
+    return tensors if rows is None else tuple(t.index_select(0, rows) for t in tensors)
+
+
+def pool_fused(hidden: torch.Tensor, cu_seqlens: torch.Tensor | None, mode: str, normalize: bool) -> torch.Tensor | None:
     """`pool` ("cls", "last", "mean") and then `normalize` (if asked) or float32, in Triton kernels
     (`rose.kernels.rows`: one for CLS / last, two for mean); None for the other modes, which keep
-    `pool`. "mean" divides by the sequence's tokens as `pool` does (no prompt left out)."""
+    `pool`. "mean" divides by the sequence's tokens as `pool` does (no prompt left out).
+    cu_seqlens None: hidden holds one row per sequence already (`kept_rows`)."""
     from rose.kernels import rows
 
     hidden = hidden.contiguous()  # the kernels read [T, D] rows (a no-op for every block's output)

@@ -18,14 +18,17 @@ import torch
 from torch import nn
 
 from rose.layers.activation import linear_gelu
+from rose.layers.pooling import keep_rows
 
 TRITON_OPS = frozenset({"out", "down"})  # the measured default (`rose.kernels.gemm.triton_ops`)
 
 
 def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out: nn.Linear, norm1: nn.LayerNorm,
                     up: nn.Linear, down: nn.Linear, norm2: nn.LayerNorm, act: str = "gelu",
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One block on x [T, hidden] (bf16 / fp16 on CUDA, or Triton's interpreter) -> [T, hidden].
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One block on x [T, hidden] (bf16 / fp16 on CUDA, or Triton's interpreter) -> [T, hidden]
+    (or [N, hidden]: the `rows` kept after attention, `Family.forward`'s).
     act: the FFN's, "gelu" (tanh form) or "swiglu" (`up` holds [gate; up] rows, no bias);
     rope: (positions [T], `Rotary.cos_sin` table) to rotate q and k by, or None."""
     from rose.kernels import gemm
@@ -40,7 +43,7 @@ def post_norm_block(x: torch.Tensor, meta, attn, heads: int, qkv: nn.Linear, out
         from rose.kernels.rope import rope as rotate
 
         q, k, v = rotate(y, *rope, heads, d)
-    a = attn(q, k, v, meta).reshape(T, h)
+    a, x = keep_rows(rows, attn(q, k, v, meta).reshape(T, h), x)
     x = gemm.add_norm(gemm.linear_partials(a, out.weight), out.bias, x, norm1.weight, norm1.bias, norm1.eps)
     if act == "swiglu":
         f = gemm.linear(x, up.weight, None, "swiglu")

@@ -38,8 +38,11 @@ Class-level rules (read before the model is built, from config.json alone):
 
 Instance side:
     blocks           the repeated layers (compiled one by one with `Engine(compile=True)`).
-    forward(input_ids, positions, meta, attn, token_type_ids=None) -> hidden [T, hidden]: positions
-                     are 0-based; the family adds its offset. `token_type_ids` (int64 [T], on the device)
+    forward(input_ids, positions, meta, attn, token_type_ids=None, rows=None) -> hidden [T, hidden]:
+                     positions are 0-based; the family adds its offset. `rows` (int64 [N] on the device,
+                     `rose.layers.pooling.kept_rows`: the one state per sequence that CLS or last-token
+                     pooling reads) makes the last block compute those rows alone after its attention
+                     (which still reads every token): hidden [N, hidden] then (`last_only`, `keep_rows`). `token_type_ids` (int64 [T], on the device)
                      come only for cross-encoders whose batch has a second segment (`rose.batch.Batch`'s
                      `segment_starts`; `rose.layers.scores.token_types`); None means every token is type 0.
     classify(pooled) -> logits [N, num_labels]: families with `classifier_architectures` define it (built when
@@ -66,6 +69,12 @@ import torch
 from torch import nn
 
 from trellis.modeldir import ModelSpec
+
+
+def last_only(blocks, rows: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The rows each of `blocks` keeps, in order: every row (None) but in the last, `rows`
+    (`Family.forward`'s)."""
+    return [None] * (len(blocks) - 1) + [rows]
 
 
 class Family(nn.Module, metaclass=abc.ABCMeta):

@@ -16,8 +16,9 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels, post_norm_block
-from rose.models.base import Family
+from rose.models.base import Family, last_only
 
 
 class BertEmbeddings(nn.Module):
@@ -108,14 +109,15 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], h, eps)
 
-    def forward(self, x, meta, attn):
-        return self.feed_forward(self.attention.self(x, meta, attn), x)
+    def forward(self, x, meta, attn, rows=None):
+        return self.feed_forward(*keep_rows(rows, self.attention.self(x, meta, attn), x))
 
-    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def small_step(self, x: torch.Tensor, meta: AttentionMetadata, attn: AttentionBackend,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         """The same layer for small steps, in fewer kernels (`rose.layers.small_step`)."""
         sa, so = self.attention.self, self.attention.output
         return post_norm_block(x, meta, attn, sa.num_heads, sa.qkv, so.dense, so.LayerNorm, self.intermediate.dense,
-                               self.output.dense, self.output.LayerNorm)
+                               self.output.dense, self.output.LayerNorm, rows=rows)
 
     def feed_forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Everything after attention (projection, residual + LayerNorm, FFN, residual +
@@ -186,12 +188,12 @@ class BertModel(SmallStepKernels, Family):
         return self.blocks[0].intermediate.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         if small and (token_type_ids is None or self.embeddings.token_type_embeddings.num_embeddings == 1):
             x = self.embeddings.fused(input_ids, positions, self.offset)
         else:
             x = self.embeddings(input_ids, positions + self.offset if self.offset else positions, token_type_ids)
-        for layer in self.encoder.layer:
-            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
+        for layer, r in zip(self.encoder.layer, last_only(self.encoder.layer, rows)):
+            x = layer.small_step(x, meta, attn, r) if small else layer(x, meta, attn, r)
         return x

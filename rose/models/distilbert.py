@@ -17,8 +17,9 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels, post_norm_block
-from rose.models.base import Family
+from rose.models.base import Family, last_only
 
 
 class DistilBertEmbeddings(nn.Module):
@@ -66,19 +67,19 @@ class DistilBertLayer(nn.Module):
         self.ffn = DistilBertFFN(cfg)
         self.output_layer_norm = nn.LayerNorm(h, eps=1e-12)
 
-    def forward(self, x, meta, attn):
-        return self.feed_forward(self.attention(x, meta, attn), x)
+    def forward(self, x, meta, attn, rows=None):
+        return self.feed_forward(*keep_rows(rows, self.attention(x, meta, attn), x))
 
     def feed_forward(self, a, x):
         """Residual + LayerNorm, FFN, residual + LayerNorm: fused by `Engine(compile=True)`."""
         x = self.sa_layer_norm(a + x)
         return self.output_layer_norm(self.ffn(x) + x)
 
-    def small_step(self, x, meta, attn):
+    def small_step(self, x, meta, attn, rows=None):
         """The same layer for small steps, in fewer kernels (`rose.layers.small_step`)."""
         a, f = self.attention, self.ffn
         return post_norm_block(x, meta, attn, a.num_heads, a.qkv, a.out_lin, self.sa_layer_norm, f.lin1, f.lin2,
-                               self.output_layer_norm)
+                               self.output_layer_norm, rows=rows)
 
 
 class DistilBertTransformer(nn.Module):
@@ -122,9 +123,10 @@ class DistilBertModel(SmallStepKernels, Family):
     def ffn_fits(self) -> bool:
         return self.gelu
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         x = self.embeddings(input_ids, positions)
-        for layer in self.transformer.layer:
-            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
+        for layer, r in zip(self.transformer.layer, last_only(self.transformer.layer, rows)):
+            x = layer.small_step(x, meta, attn, r) if small else layer(x, meta, attn, r)
         return x

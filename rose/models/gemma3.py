@@ -18,8 +18,10 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.mlp import GatedMLP
+from rose.layers.pooling import keep_rows
 from rose.layers.rotary import Rotary, rope_params
 from rose.layers.small_step import SmallStepKernels
+from rose.models.base import last_only
 from rose.models.llama import LlamaAttention, LlamaModel
 
 
@@ -58,9 +60,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Gemma3RMSNorm(h, eps)
         self.post_feedforward_layernorm = Gemma3RMSNorm(h, eps)
 
-    def forward(self, x, cos_sin, meta, attn):
+    def forward(self, x, cos_sin, meta, attn, rows=None):
         q, k, v = self.pre_attention(x, cos_sin)
-        return self.feed_forward(attn(q, k, v, meta).reshape(x.shape[0], -1), x)
+        return self.feed_forward(*keep_rows(rows, attn(q, k, v, meta).reshape(x.shape[0], -1), x))
 
     def pre_attention(self, x: torch.Tensor, cos_sin: torch.Tensor):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos_sin)
@@ -71,7 +73,8 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
-                   attn: AttentionBackend, next_norm: Gemma3RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                   attn: AttentionBackend, next_norm: Gemma3RMSNorm,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block for small steps, in ROSE's kernels (as Qwen3's): x is the residual stream
         and h its `input_layernorm`; returns the new stream and `next_norm` of it. Each projection's
         own norm, the residual add and the next norm are one kernel (`gemm.add_norm`'s `post`),
@@ -87,7 +90,7 @@ class Gemma3DecoderLayer(nn.Module):
                                sa.d)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        a = attn(q, k, v, meta).reshape(T, -1)
+        a, x = keep_rows(rows, attn(q, k, v, meta).reshape(T, -1), x)
         pre, post = self.pre_feedforward_layernorm, self.post_attention_layernorm
         x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, pre.scale, None, pre.eps,
                              rms=True, post=post.scale)
@@ -163,17 +166,19 @@ class Gemma3TextModel(SmallStepKernels, LlamaModel):
 
     MAX_KERNEL_TOKENS = 512
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the compute dtype first, as transformers does (27.75 for 768 in bfloat16)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        kept = last_only(self.layers, rows)
         if input_ids.shape[0] <= self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
             h = self.layers[0].input_layernorm(x)
-            for i, (layer, t, w) in enumerate(zip(self.layers, self.types, self.windows)):
+            for i, (layer, t, w, r) in enumerate(zip(self.layers, self.types, self.windows, kept)):
                 nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, h = layer.small_step(x, h, positions, self.rotary[t].cos_sin, meta.with_window(w), attn, nxt)
+                x, h = layer.small_step(x, h, positions, self.rotary[t].cos_sin, meta.with_window(w), attn, nxt, r)
             return h
-        cos_sin = {t: r.lookup(positions, x.dtype) for t, r in self.rotary.items()}
-        for layer, t, w in zip(self.layers, self.types, self.windows):
-            x = layer(x, cos_sin[t], meta.with_window(w), attn)
+        cos_sin = {t: rot.lookup(positions, x.dtype) for t, rot in self.rotary.items()}
+        for layer, t, w, r in zip(self.layers, self.types, self.windows, kept):
+            x = layer(x, cos_sin[t], meta.with_window(w), attn, r)
         return self.norm(x)

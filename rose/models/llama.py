@@ -19,7 +19,8 @@ from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.mlp import GATE_UP, GatedMLP
 from rose.layers.norm import RMSNorm
 from rose.layers.rotary import Rotary, apply_rotary, rope_params
-from rose.models.base import Family
+from rose.layers.pooling import keep_rows
+from rose.models.base import Family, last_only
 
 QKV = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0),
@@ -63,9 +64,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], "silu", bool(cfg.get("mlp_bias", False)))
 
-    def forward(self, x, cos_sin, meta, attn):
+    def forward(self, x, cos_sin, meta, attn, rows=None):
         q, k, v = self.pre_attention(x, cos_sin)
-        return self.feed_forward(attn(q, k, v, meta).reshape(x.shape[0], -1), x)
+        return self.feed_forward(*keep_rows(rows, attn(q, k, v, meta).reshape(x.shape[0], -1), x))
 
     def pre_attention(self, x: torch.Tensor, cos_sin: torch.Tensor):
         """RMSNorm, q/k/v projection, q/k RMSNorm, rotary: fused by `Engine(compile=True)`."""
@@ -148,9 +149,10 @@ class LlamaModel(Family):
     def materialize(self, device: torch.device) -> None:
         self.rotary.materialize(device)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        for layer, w in zip(self.layers, self.windows):
-            x = layer(x, cos_sin, meta.with_window(w), attn)
+        for layer, w, r in zip(self.layers, self.windows, last_only(self.layers, rows)):
+            x = layer(x, cos_sin, meta.with_window(w), attn, r)
         return self.norm(x)

@@ -32,9 +32,10 @@ from torch import nn
 
 from rose.layers.activation import get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.pooling import keep_rows
 from rose.layers.rotary import Rotary, apply_rotary
 from rose.layers.small_step import SmallStepKernels
-from rose.models.base import Family
+from rose.models.base import Family, last_only
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 
@@ -107,15 +108,15 @@ class ModernBertEncoderLayer(nn.Module):
         self.mlp = ModernBertMLP(cfg)
         self.local = layer_types(cfg)[index] == LOCAL
 
-    def forward(self, x, cos_sin, meta, attn):
-        return self.feed_forward(self.attn(self.attn_norm(x), cos_sin, meta, attn), x)
+    def forward(self, x, cos_sin, meta, attn, rows=None):
+        return self.feed_forward(*keep_rows(rows, self.attn(self.attn_norm(x), cos_sin, meta, attn), x))
 
     def feed_forward(self, a, x):
         """Residual, norm, GeGLU MLP, residual: fused by `Engine(compile=True)`."""
         x = x + a
         return x + self.mlp(self.mlp_norm(x))
 
-    def small_step(self, x, h, positions, table, meta, attn, next_norm: nn.LayerNorm):
+    def small_step(self, x, h, positions, table, meta, attn, next_norm: nn.LayerNorm, rows=None):
         """The same layer for small steps, in fewer kernels: x is the residual stream and h its
         attention norm (the embeddings' output itself for layer 0); returns the new stream and
         `next_norm` of it (the next layer's attention norm, or the final one)."""
@@ -125,7 +126,7 @@ class ModernBertEncoderLayer(nn.Module):
         a, mlp, norm = self.attn, self.mlp, self.mlp_norm
         T, hidden = x.shape
         q, k, v = rope(a.Wqkv(h), positions, table, a.num_heads, hidden // a.num_heads)
-        o = attn(q, k, v, meta).reshape(T, hidden)
+        o, x = keep_rows(rows, attn(q, k, v, meta).reshape(T, hidden), x)
         x, h = gemm.add_norm(gemm.linear_partials(o, a.Wo.weight), a.Wo.bias, x, norm.weight, norm.bias, norm.eps,
                              pre=True)
         m = gemm.linear(h, mlp.Wi.weight, None, "geglu")
@@ -207,23 +208,23 @@ class ModernBertModel(SmallStepKernels, Family):
         self.rotary_local.materialize(device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embeddings(input_ids)  # no token types: a pair's second segment is not marked
         if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
-            return self.small_forward(x, positions, meta, attn)
+            return self.small_forward(x, positions, meta, attn, rows)
         full = (self.rotary_global.lookup(positions, x.dtype), meta)
         local = (self.rotary_local.lookup(positions, x.dtype), meta.with_window(self.window))
-        for layer in self.layers:
+        for layer, r in zip(self.layers, last_only(self.layers, rows)):
             cos_sin, m = local if layer.local else full
-            x = layer(x, cos_sin, m, attn)
+            x = layer(x, cos_sin, m, attn, r)
         return self.final_norm(x)
 
-    def small_forward(self, x, positions, meta, attn) -> torch.Tensor:
+    def small_forward(self, x, positions, meta, attn, rows=None) -> torch.Tensor:
         tables = {False: (self.rotary_global.cos_sin, meta),
                   True: (self.rotary_local.cos_sin, meta.with_window(self.window))}
         h = x  # layer 0 has no attention norm
-        for i, layer in enumerate(self.layers):
+        for i, (layer, r) in enumerate(zip(self.layers, last_only(self.layers, rows))):
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
             table, m = tables[layer.local]
-            x, h = layer.small_step(x, h, positions, table, m, attn, nxt)
+            x, h = layer.small_step(x, h, positions, table, m, attn, nxt, r)
         return h

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels, post_norm_block
-from rose.models.base import Family
+from rose.models.base import Family, last_only
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128  # Hugging Face's compute_position_bias defaults
@@ -69,20 +70,20 @@ class MPNetLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertDenseLayerNorm(cfg["intermediate_size"], cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12))
 
-    def forward(self, x, meta, attn):
-        return self.feed_forward(self.attention.attn(x, meta, attn), x)
+    def forward(self, x, meta, attn, rows=None):
+        return self.feed_forward(*keep_rows(rows, self.attention.attn(x, meta, attn), x))
 
     def feed_forward(self, a, x):
         """Residual + LayerNorm, FFN, residual + LayerNorm: fused by `Engine(compile=True)`."""
         x = self.attention.LayerNorm(a + x)
         return self.output(self.intermediate(x), x)
 
-    def small_step(self, x, meta, attn):
+    def small_step(self, x, meta, attn, rows=None):
         """The same layer for small steps, in fewer kernels (`rose.layers.small_step`; attention with
         the position bias is the step's backend)."""
         sa = self.attention.attn
         return post_norm_block(x, meta, attn, sa.num_heads, sa.qkv, sa.o, self.attention.LayerNorm,
-                               self.intermediate.dense, self.output.dense, self.output.LayerNorm)
+                               self.intermediate.dense, self.output.dense, self.output.LayerNorm, rows=rows)
 
 
 class MPNetEmbeddings(nn.Module):
@@ -144,10 +145,11 @@ class MPNetModel(SmallStepKernels, Family):
     def ffn_fits(self) -> bool:
         return self.blocks[0].intermediate.gelu
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embeddings(input_ids, positions + 2)
         meta = dataclasses.replace(meta, bias=self.encoder.position_bias(meta.max_seqlen, x.dtype))
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
-        for layer in self.encoder.layer:
-            x = layer.small_step(x, meta, attn) if small else layer(x, meta, attn)
+        for layer, r in zip(self.encoder.layer, last_only(self.encoder.layer, rows)):
+            x = layer.small_step(x, meta, attn, r) if small else layer(x, meta, attn, r)
         return x

@@ -22,8 +22,9 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.rotary import Rotary, apply_rotary, rope_theta
+from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels, post_norm_block
-from rose.models.base import Family
+from rose.models.base import Family, last_only
 
 _GPT2_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
               "n_inner": "intermediate_size", "n_positions": "max_position_embeddings",
@@ -72,14 +73,14 @@ class NomicBertBlock(nn.Module):
         self.mlp = NomicBertMLP(cfg)
         self.norm2 = nn.LayerNorm(cfg["hidden_size"], eps=eps)
 
-    def forward(self, x, cos_sin, meta, attn):
-        return self.feed_forward(self.attn(x, cos_sin, meta, attn), x)
+    def forward(self, x, cos_sin, meta, attn, rows=None):
+        return self.feed_forward(*keep_rows(rows, self.attn(x, cos_sin, meta, attn), x))
 
-    def small_step(self, x, positions, table, meta, attn):
+    def small_step(self, x, positions, table, meta, attn, rows=None):
         """The same block for small steps, in fewer kernels (`rose.layers.small_step`)."""
         a = self.attn
         return post_norm_block(x, meta, attn, a.num_heads, a.Wqkv, a.out_proj, self.norm1, self.mlp.gate_up,
-                               self.mlp.fc2, self.norm2, act="swiglu", rope=(positions, table))
+                               self.mlp.fc2, self.norm2, act="swiglu", rope=(positions, table), rows=rows)
 
     def feed_forward(self, a, x):
         """Residual + norm, SwiGLU MLP, residual + norm: fused by `Engine(compile=True)`."""
@@ -142,14 +143,16 @@ class NomicBertModel(SmallStepKernels, Family):
     def materialize(self, device: torch.device) -> None:
         self.rotary.materialize(device)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         e = self.embeddings
         x = self.emb_ln(e.word_embeddings(input_ids) + e.token_type_embeddings.weight[0])
+        kept = last_only(self.encoder.layers, rows)
         if x.shape[0] <= self.kernel_tokens:  # host-side: x's rows are the graph's token bucket
-            for layer in self.encoder.layers:
-                x = layer.small_step(x, positions, self.rotary.cos_sin, meta, attn)
+            for layer, r in zip(self.encoder.layers, kept):
+                x = layer.small_step(x, positions, self.rotary.cos_sin, meta, attn, r)
             return x
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        for layer in self.encoder.layers:
-            x = layer(x, cos_sin, meta, attn)
+        for layer, r in zip(self.encoder.layers, kept):
+            x = layer(x, cos_sin, meta, attn, r)
         return x

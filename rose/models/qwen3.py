@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
+from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels
+from rose.models.base import last_only
 from rose.models.llama import LlamaDecoderLayer, LlamaModel
 
 
@@ -24,14 +26,16 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, qkv_bias, o_bias, qk_norm=True)
 
     def small_step(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, meta,
-                   attn: AttentionBackend, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                   attn: AttentionBackend, next_norm: RMSNorm,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block for small steps, in fewer kernels: x is the residual stream and h its
         `input_layernorm`; returns the new stream and `next_norm` of it (the next block's input
         norm, or the model's final one), each residual add fused with the norm that follows it
         (`rose.kernels.gemm.add_norm`), q/k norm and rotary in one kernel (`rose.kernels.rope`), the
         output and down projections split-K in Triton, the SwiGLU inside the gate/up GEMM's epilogue
         (`TRITON_OPS`; measured on an H200, pplx-embed-1-0.6b step 1x128 in graphs: 1.285 ms with the
-        gate/up in Triton, 1.459 with it in cuBLAS then silu * up)."""
+        gate/up in Triton, 1.459 with it in cuBLAS then silu * up). After attention only `rows` are
+        kept where given (`Family.forward`'s)."""
         from rose.kernels import gemm
         from rose.kernels.rope import qk_norm_rope
 
@@ -41,7 +45,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in ops else sa.qkv_proj(h)
         q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
                                sa.h, sa.hk, sa.d)
-        a = attn(q, k, v, meta).reshape(T, -1)
+        a, x = keep_rows(rows, attn(q, k, v, meta).reshape(T, -1), x)
         x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
                              post.eps, rms=True)
         if "up" in ops:
@@ -76,12 +80,13 @@ class Qwen3Model(SmallStepKernels, LlamaModel):
         """The small step's SwiGLU epilogue and split-K down projection have no biases (`mlp_bias`)."""
         return self.layers[0].mlp.gate_up_proj.bias is None
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
-            return super().forward(input_ids, positions, meta, attn)
+            return super().forward(input_ids, positions, meta, attn, rows)
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, r) in enumerate(zip(self.layers, last_only(self.layers, rows))):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt)
+            x, h = layer.small_step(x, h, positions, self.rotary.cos_sin, meta, attn, nxt, r)
         return h
