@@ -140,7 +140,8 @@ def test_split_for_fills_the_gpu_without_tiny_k():
 
 
 @pytest.mark.parametrize("lens,heads,kv_heads,dim,causal", [
-    ([5, 128, 37], 4, 4, 64, False), ([100, 1], 4, 2, 128, True), ([64], 2, 2, 32, False), ([300], 2, 1, 64, True)])
+    ([5, 128, 37], 4, 4, 64, False), ([100, 1], 4, 2, 128, True), ([64], 2, 2, 32, False), ([300], 2, 1, 64, True),
+    ([256, 7], 2, 2, 96, False)])  # head dim under its power-of-two block: full key blocks masked on d alone
 def test_short_attention_matches_sdpa(lens, heads, kv_heads, dim, causal):
     torch.manual_seed(len(lens) + dim)
     T = sum(lens) + 7  # a bucket's padding rows

@@ -32,6 +32,51 @@ from rose.kernels import launch, shape_class
 
 
 @triton.jit
+def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m, offs_d, mask_m, sk_t,
+               sv_t, v_head, b_head, sb_i, sb_j, qk_scale, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr,
+               MASKED: tl.constexpr):
+    """One block of BLOCK_N keys into the online softmax. MASKED: keys past the sequence's end, the
+    causal diagonal and the window are masked; else every key of the block counts for every row."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < length
+    k_ptrs = k_ptr + kv_base + offs_n[None, :] * sk_t + offs_d[:, None]
+    v_ptrs = v_ptr + start * sv_t + v_head + offs_n[:, None] * sv_t + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=valid_n[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    s = tl.dot(q, k) * qk_scale  # log2 domain
+    if HAS_BIAS:
+        s += tl.load(bias_ptr + b_head + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
+                     mask=mask_m & valid_n[None, :], other=0.0).to(tl.float32) * 1.4426950408889634
+    if MASKED:
+        keep = valid_n[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        if WINDOW:
+            dist = offs_m[:, None] - offs_n[None, :]
+            keep = keep & (dist < window) & (dist > -window)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if WINDOW:  # a row may see no key of a block yet: keep exp2 off -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=valid_n[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t,
                       sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, GROUP: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -69,32 +114,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
     if WINDOW:  # only the key blocks some row of this block can see
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(hi, m0 + BLOCK_M + window - 1)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        valid_n = offs_n < length
-        k = tl.load(k_ptr + (start + offs_n)[None, :] * sk_t + kh * sk_h + offs_d[:, None],
-                    mask=valid_n[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, k) * qk_scale  # log2 domain
-        if HAS_BIAS:
-            s += tl.load(bias_ptr + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
-                         mask=mask_m & valid_n[None, :], other=0.0).to(tl.float32) * 1.4426950408889634
-        keep = valid_n[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        if WINDOW:
-            dist = offs_m[:, None] - offs_n[None, :]
-            keep = keep & (dist < window) & (dist > -window)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if WINDOW:  # a row may see no key of a block yet: keep exp2 off -inf - -inf
-            m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (start + offs_n)[:, None] * sv_t + kh * sv_h + offs_d[None, :],
-                    mask=valid_n[:, None] & mask_d, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Key blocks every row of this block sees whole (inside the sequence, below the causal diagonal;
+    # none under a window) take the loop without masks; the rest, the masked one.
+    full = lo if WINDOW else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
+    kv_base = start * sk_t + kh * sk_h
+    for n0 in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
+                                   offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_BIAS, False, False)
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
+                                   offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_BIAS, WINDOW, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (start + offs_m)[:, None] * so_t + h * so_h + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)
