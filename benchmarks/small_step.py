@@ -16,8 +16,6 @@ mode), with the same epilogues the step needs: bias for q/k/v, bias + tanh GELU 
 float32 output for the output / down projections, then ROSE's add + norm. Each quack cell's result is
 checked against torch's once (`err`, max abs difference) before it is timed. `--plan-only` times
 ROSE's Triton kernels at the step's own plan only (`rose.kernels.gemm.plan`), not the config sweep.
-`--splits` times ROSE's attention with each query block's keys split over 1-8 programs
-(`SPLIT_TILES` x `SPLIT_COUNTS`, rows `attention-split`).
 """
 
 from __future__ import annotations
@@ -74,10 +72,6 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 # (BLOCK_M, BLOCK_N, warps, stages) of ROSE's attention kernel; shared memory over the budget is skipped
 ATTENTION_TILES = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128, 256) for w in (2, 4, 8)
                    for st in (2, 3) if 16 * w <= bm * 4 and not (bm == 128 and w == 2)]
-# launch tiles tried with split keys (`--splits`): (BLOCK_M, BLOCK_N, warps, stages), each at every
-# SPLIT_COUNTS value up to its key blocks
-SPLIT_TILES = [(64, 128, 4, 3), (64, 128, 4, 1), (64, 64, 4, 3), (64, 64, 4, 1), (32, 128, 4, 3), (32, 64, 4, 2)]
-SPLIT_COUNTS = (1, 2, 3, 4, 8)
 # quack GEMM configs: (tile_m, tile_n, pingpong, cluster_m, cluster_n, swap_ab); under swap_ab the tile's
 # M runs over the weight's rows (the output features) and its N over the tokens
 QUACK_TILES = [(64, 64, False, 1, 1, False), (64, 128, False, 1, 1, False), (128, 64, False, 1, 1, False),
@@ -188,36 +182,6 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
         del parts
 
 
-def sweep_splits(args, heads, causal, emit) -> None:
-    """ROSE's attention with split keys (`rose.kernels.attention.splits`): `SPLIT_TILES` x `SPLIT_COUNTS`
-    on the `--attention` cells, rows `attention-split` (config [BLOCK_M, BLOCK_N, warps, stages, splits];
-    `default`: the tile the kernel picks for the cell)."""
-    from rose.kernels import attention as kattn
-
-    dev, dt, L = torch.device("cuda"), torch.bfloat16, args.layers
-    set_mode("pdl")
-    for cell in progress(args.attention.split(","), "split-key cells"):
-        n, length = map(int, cell.split("x"))
-        T = n * length
-        cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
-        qkv = [torch.randn(T, heads[0] + 2 * heads[1], heads[2], device=dev, dtype=dt) for _ in range(L)]
-        default = kattn.tile(length, heads[2], n, heads[0])
-        for t in [(*t, s) for t in SPLIT_TILES for s in SPLIT_COUNTS if s <= -(-length // t[1])]:
-            if kattn.smem_bytes(t[0], t[1], heads[2], t[3]) > kattn.SMEM_BUDGET:
-                continue
-            def fn(i, t=t):
-                q, k, v = qkv[i].split([heads[0], heads[1], heads[1]], dim=1)
-                return kattn.attention(q, k, v, cu, length, causal, config=t)
-            try:
-                us = time_graph(fn, L, args.iters)
-            except Exception as e:  # a tile that does not fit
-                print(f"attention split tile {t} at {cell}: {str(e)[:120]}")
-                continue
-            emit("attention-split", T, "triton", us, seqs=n, length=length, config=list(t), mode="pdl",
-                 default=t == default)
-        del qkv
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bge-m3")
@@ -228,8 +192,6 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="1x128,1x512,5x512,16x128,32x64")
     ap.add_argument("--tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="also sweep the launch tiles of ROSE's attention and add + norm kernels (PDL on)")
-    ap.add_argument("--splits", action="store_true",
-                    help="also sweep split keys in ROSE's attention (SPLIT_TILES x SPLIT_COUNTS) on the --attention cells")
     ap.add_argument("--gemms", action=argparse.BooleanOptionalAction, default=True,
                     help="the linear layers' cells (--no-gemms: only the attention backends and the tile sweep)")
     ap.add_argument("--quack", action="store_true", help="also quack-kernels' GEMMs over QUACK_TILES x QUACK_SPLITS")
@@ -335,8 +297,6 @@ def main(argv=None) -> int:
         set_mode(MODES[-1])
     if args.tiles:
         sweep_tiles(args, cfg, heads, causal, rms, eps, emit)
-    if args.splits:
-        sweep_splits(args, heads, causal, emit)
     print("\nbest Triton (or quack) config per op (us per call, against the cuBLAS rows above):")
     for (op, tokens), (us, kw) in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"  {op:9s} {tokens:5d}: {us:7.2f} us  {kw}")

@@ -35,10 +35,9 @@ from rose.kernels import launch, shape_class
 def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m, offs_d, mask_m, sk_t,
                sv_t, v_head, b_head, sb_i, sb_j, qk_scale, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr,
-               MASKED: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+               MASKED: tl.constexpr):
     """One block of BLOCK_N keys into the online softmax. MASKED: keys past the sequence's end, the
-    causal diagonal and the window are masked; else every key of the block counts for every row.
-    EMPTY_ROWS: a row may have seen no key yet (a window, or a causal program's share of split keys)."""
+    causal diagonal and the window are masked; else every key of the block counts for every row."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     valid_n = offs_n < length
     k_ptrs = k_ptr + kv_base + offs_n[None, :] * sk_t + offs_d[:, None]
@@ -62,7 +61,7 @@ def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, len
             keep = keep & (dist < window) & (dist > -window)
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if EMPTY_ROWS:  # a row may see no key of a block yet: keep exp2 off -inf - -inf
+    if WINDOW:  # a row may see no key of a block yet: keep exp2 off -inf - -inf
         m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -79,12 +78,11 @@ def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, len
 
 @triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t,
-                      sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, part_ptr, stat_ptr, count_ptr,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr,
-                      UNMASKED: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_m = pid // SPLITS  # the query block; pid % SPLITS: which share of its keys
+                      sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, GROUP: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                      USE_GDC: tl.constexpr):
+    pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     h = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
@@ -95,7 +93,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
     start = tl.load(cu_ptr + seq)
     if seq == num_seqs:  # the bucket's padding rows [cu[-1], T): zeros, spread over the query blocks
         step = tl.num_programs(0) * BLOCK_M
-        for r0 in range(start + pid * BLOCK_M, T, step):
+        for r0 in range(start + pid_m * BLOCK_M, T, step):
             rows = r0 + tl.arange(0, BLOCK_M)
             tl.store(o_ptr + rows[:, None] * so_t + h * so_h + offs_d[None, :],
                      tl.zeros((BLOCK_M, BLOCK_D), dtype=o_ptr.dtype.element_ty), mask=(rows[:, None] < T) & mask_d)
@@ -117,72 +115,34 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
     if WINDOW:  # only the key blocks some row of this block can see
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(hi, m0 + BLOCK_M + window - 1)
-    # UNMASKED (sequences of more than one key block): the key blocks every row of this block sees whole
+    # SPLIT (sequences of more than one key block): the key blocks every row of this block sees whole
     # (inside the sequence, below the causal diagonal; none under a window) take a loop without masks,
     # the rest the masked one. A single block keeps the one masked loop: measured on an H200, the
-    # two loops cost pplx-embed's 1 x 128 attention 4.3 -> 5.3 us a layer, and gained 5-7 % from 5 x 512.
-    full = lo if WINDOW or not UNMASKED else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
-    if SPLITS > 1:  # this program's share of the key blocks [lo, hi), in SPLITS contiguous runs
-        share = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), SPLITS) * BLOCK_N
-        lo = lo + pid % SPLITS * share
-        hi = tl.minimum(hi, lo + share)
+    # split cost pplx-embed's 1 x 128 attention 4.3 -> 5.3 us a layer, and gained 5-7 % from 5 x 512.
+    full = lo if WINDOW or not SPLIT else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
     kv_base = start * sk_t + kh * sk_h
-    for n0 in range(lo, tl.minimum(full, hi), BLOCK_N):
+    for n0 in range(lo, full, BLOCK_N):
         acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
                                    offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_BIAS, False, False, False)
-    for n0 in range(tl.maximum(full, lo), hi, BLOCK_N):
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_BIAS, False, False)
+    for n0 in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
                                    offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_BIAS, WINDOW, True,
-                                   WINDOW or (CAUSAL and SPLITS > 1))
-    rows = start + offs_m
-    if SPLITS > 1:
-        # split keys (flash-decoding's split-KV in one kernel): each program leaves its unnormalised
-        # partial sums and row statistics in a workspace, and the last of its query block's SPLITS
-        # programs to arrive (a counter per query block, sequence and head, left at zero again) merges them
-        T_all = tl.num_programs(2) * T
-        slot = (pid % SPLITS) * T_all + rows * tl.num_programs(2) + h  # [BLOCK_M]: (split, row, head)
-        tl.store(part_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m)
-        tl.store(stat_ptr + 2 * slot, m_i, mask=offs_m < length)
-        tl.store(stat_ptr + 2 * slot + 1, l_i, mask=offs_m < length)
-        tl.debug_barrier()  # every thread's stores before the release below (the CTA's, cumulative)
-        counter = count_ptr + (pid_m * num_seqs + seq) * tl.num_programs(2) + h
-        if tl.atomic_add(counter, 1, sem="acq_rel") != SPLITS - 1:
-            return
-        tl.atomic_xchg(counter, 0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            at = s * T_all + rows * tl.num_programs(2) + h
-            m_s = tl.load(stat_ptr + 2 * at, mask=offs_m < length, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(stat_ptr + 2 * at + 1, mask=offs_m < length, other=0.0, cache_modifier=".cg")
-            a_s = tl.load(part_ptr + at[:, None] * BLOCK_D + offs_d[None, :], mask=mask_m, other=0.0,
-                          cache_modifier=".cg")
-            m_new = tl.maximum(m_i, m_s)
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet in any share: keep exp2 finite
-            alpha, beta = tl.math.exp2(m_i - m_new), tl.math.exp2(m_s - m_new)
-            l_i = l_i * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            m_i = tl.maximum(m_i, m_s)
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_BIAS, WINDOW, True)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + rows[:, None] * so_t + h * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=mask_m & mask_d)
+    tl.store(o_ptr + (start + offs_m)[:, None] * so_t + h * so_h + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)
 
 
-Tile = tuple[int, ...]  # BLOCK_M (query rows per program), BLOCK_N (keys per iteration), warps[, stages[, splits]]
+Tile = tuple[int, ...]  # BLOCK_M (query rows per program), BLOCK_N (keys per iteration), warps[, pipeline stages]
 
 
 @functools.cache
 def _tile_override() -> Tile | None:
-    """ROSE_ATTENTION_TILE=BLOCK_M,BLOCK_N,WARPS[,STAGES[,SPLITS]]: one tile for every call, a knob for
-    measurements (`benchmarks.small_step`)."""
+    """ROSE_ATTENTION_TILE=BLOCK_M,BLOCK_N,WARPS[,STAGES]: one tile for every call, a knob for measurements
+    (`benchmarks.small_step`)."""
     env = os.environ.get("ROSE_ATTENTION_TILE")
     return tuple(int(x) for x in env.split(",")) if env else None
-
-
-SMS = 132  # an H200's (and H100's) streaming multiprocessors: what "a wave" of programs means below
 
 
 def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
@@ -193,54 +153,25 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
     (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4). Fewer keys per
     iteration where the blocks would not fit in shared memory (`smem_bytes`: heads 256 wide, as
-    EmbeddingGemma's, which failed to launch with 128 keys). The fifth field, `splits`: how many
-    programs share one query block's keys (`splits`)."""
+    EmbeddingGemma's, which failed to launch with 128 keys)."""
     if override := _tile_override():
-        return full_tile(override)
+        return override
     seqs, length = shape_class(seqs, max_seqlen)  # as the table's choice: the same eagerly as in a graph
-    block_n = 128 if length // 64 * seqs * heads <= 2 * SMS else 64
+    block_n = 128 if length // 64 * seqs * heads <= 2 * 132 else 64
     block_m = 32 if head_dim > 64 and length <= 256 else 64
     while block_n > 16 and smem_bytes(block_m, block_n, head_dim) > SMEM_BUDGET:  # EmbeddingGemma's 256 wide heads
         block_n //= 2
-    return block_m, block_n, 4, STAGES, splits(length, seqs, heads, block_m, block_n)
-
-
-def full_tile(t: Tile) -> Tile:
-    """A tile with its optional fields filled in: stages `STAGES`, splits 1."""
-    return tuple(t) + (STAGES, 1)[len(t) - 3:]
-
-
-def splits(length: int, seqs: int, heads: int, block_m: int, block_n: int) -> int:
-    """Programs per query block, each over a contiguous share of its key blocks, merged by the last to
-    finish: while the grid is under one wave (two programs an SM), as many as bring it to about one,
-    never more than the key blocks."""
-    programs = triton.cdiv(length, block_m) * seqs * heads
-    return max(1, min(triton.cdiv(length, block_n), 2 * SMS // programs, 8))
+    return block_m, block_n, 4
 
 
 SMEM_BUDGET = 200 << 10  # of an H200's 227 KB per block, with room for the compiler's own
 STAGES = 3  # Triton's default software pipelining of the key loop
-COUNTERS = 1 << 16  # split programs' arrival counters per device (query blocks x sequences x heads)
 
 
 def smem_bytes(block_m: int, block_n: int, head_dim: int, stages: int = STAGES) -> int:
     """Shared memory of one program, roughly: its q block and `stages` key and value blocks (16-bit)."""
     d = max(16, triton.next_power_of_2(head_dim))
     return (block_m + 2 * stages * block_n) * d * 2
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def counters(device: torch.device) -> torch.Tensor | None:
-    """The device's arrival counters for split programs (zeros; each merge leaves its own at zero),
-    made on the first eager call: None while a graph is being captured before any (a capture must not
-    allocate a buffer that outlives it)."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -259,21 +190,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         raise ValueError(f"score bias {tuple(bias.shape)} is not [{H}, L, L] with L >= {max_seqlen}")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     n = cu_seqlens.shape[0] - 1
-    bm, bn, warps, stages, split = full_tile(config or tile(max_seqlen, D, n, H))
-    nq, bd = triton.cdiv(max(max_seqlen, 1), bm), max(16, triton.next_power_of_2(D))
-    count = counters(q.device) if split > 1 and nq * n * H <= COUNTERS else None
-    if count is None:
-        split, count = 1, out
-    part = torch.empty((split, T, H, bd) if split > 1 else (1,), dtype=torch.float32, device=q.device)
-    stat = torch.empty((split, T, H, 2) if split > 1 else (1,), dtype=torch.float32, device=q.device)
-    grid = (nq * split, n + 1, H)
-    kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-              HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, UNMASKED=max_seqlen > bn, SPLITS=split,
-              num_warps=warps, num_stages=stages)
+    bm, bn, warps, *stages = config or tile(max_seqlen, D, n, H)
+    grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
+    kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
+              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, SPLIT=max_seqlen > bn,
+              num_warps=warps,
+              num_stages=stages[0] if stages else STAGES)
     sb = bias.stride() if bias is not None else (0, 0, 0)
     args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D),
-            window, part, stat, count)
+            window)
     launch(_attention_kernel, grid, *args, **kw)
     return out
 
