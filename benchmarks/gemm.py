@@ -56,17 +56,6 @@ def time_call(fn, x, cuda: bool, calls: int = 20, iters: int = 20) -> float:
     return graph_replay_ms(issue, iters) / 1e3 / calls
 
 
-# rose.kernels.gemm.linear_wide's configs swept by `--strategies triton-wide` (BLOCK_M, BLOCK_N,
-# BLOCK_K, warps, stages, GROUP_M, warp-specialized, two-half store); its up rows carry the GELU,
-# so they compare with gelu-epilogue, the others with cublas.
-WIDE_CONFIGS = [(128, 256, 64, 8, 3, 8, False, True), (128, 256, 64, 8, 4, 8, False, True),
-                (128, 128, 64, 4, 4, 8, False, False), (128, 128, 64, 8, 4, 8, False, False),
-                (128, 256, 64, 8, 3, 8, True, True), (128, 128, 64, 4, 4, 8, True, True),
-                (256, 128, 64, 8, 3, 8, False, True), (128, 128, 128, 8, 3, 8, False, True),
-                (128, 256, 64, 8, 3, 4, False, True), (128, 256, 64, 8, 3, 16, False, True),
-                (128, 128, 64, 8, 5, 8, False, True), (128, 256, 128, 8, 2, 8, False, True)]
-
-
 def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
     """The callable x -> y timed for `strategy`, or None where it does not apply to this layer.
     `S@compile` is strategy S under `torch.compile`, its epilogue fused as in a compiled step."""
@@ -81,11 +70,6 @@ def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
         if strategy == "gelu-epilogue":
             return lambda x: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
         return lambda x: F.gelu(F.linear(x, w, bias), approximate="tanh")
-    if strategy.startswith("triton-wide:"):  # triton-wide:<index into WIDE_CONFIGS>
-        from rose.kernels.gemm import linear_wide
-
-        config = WIDE_CONFIGS[int(strategy.split(":")[1])]
-        return lambda x: linear_wide(x, w, bias, "gelu" if layer == "up" else None, config)
     if strategy not in ("cublas", "cublaslt"):
         raise ValueError(f"unknown GEMM strategy {strategy!r}")
     return lambda x: F.linear(x, w, bias)
@@ -96,17 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
     ap.add_argument("--strategies", default="cublas,cublaslt,linear+gelu,gelu-epilogue",
-                    help="also: inductor-autotune (minutes to tune); triton-wide (rose's persistent kernel over "
-                         "WIDE_CONFIGS); any of them with @compile")
+                    help="also: inductor-autotune (minutes to tune); any of them with @compile")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     spec = ModelSpec.read(resolve_model_path(args.model))
     rec = Recorder(args.out, f"gemm_{Path(args.model).name}")
-    strategies = [t for s in args.strategies.split(",") for t in
-                  ([f"triton-wide:{i}" for i in range(len(WIDE_CONFIGS))] if s == "triton-wide" else [s])]
-    strategies = strategies if cuda else ["cublas"]
+    strategies = args.strategies.split(",") if cuda else ["cublas"]
     cells = [(name, k, n, m) for name, (k, n) in linear_shapes(spec.config).items()
              for m in map(int, args.tokens.split(","))]
     for name, k, n, m in progress(cells, "gemm"):
@@ -124,9 +105,7 @@ def main(argv=None) -> int:
             except Exception as e:  # a strategy that cannot run here loses the cell
                 print(f"gemm: {strategy} failed at {name} {m}x{k}x{n}: {e}")
                 continue
-            wide = WIDE_CONFIGS[int(strategy.split(":")[1])] if strategy.startswith("triton-wide:") else None
-            rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy.split(":")[0],
-                     **({"config": list(wide)} if wide else {}), us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
+            rec.emit(bench="gemm", model=args.model, layer=name, m=m, k=k, n=n, strategy=strategy, us=round(s * 1e6, 2), weight_gb_s=round(w.numel() * w.element_size() / s / 1e9, 1),
                      tflop_s=round(2 * m * k * n / s / 1e12, 1))
     if cuda:
         torch.backends.cuda.preferred_blas_library("cublas")

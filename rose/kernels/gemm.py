@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rose.kernels import interpreted, launch
+from rose.kernels import launch
 
 ACTS = {None: 0, "gelu": 1, "swiglu": 2, "geglu": 3, "geglu_tanh": 4}
 GATED = ("swiglu", "geglu", "geglu_tanh")  # w holds [gate; up] rows: the output is half as wide
@@ -109,54 +109,6 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_ptr, M, N, stride_om, K_SPLIT:
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _epilogue(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, pid_k, M, N, stride_om, PARTIAL, HAS_BIAS, ACT)
-
-
-@triton.jit
-def _gelu_tanh(u, ASM: tl.constexpr):
-    """tanh(u): one MUFU instruction (`tanh.approx.f32`) where ASM, else 2 sigmoid(2u) - 1 (exp and
-    reciprocal: two, the interpreter's form)."""
-    if ASM:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [u], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
-
-
-@triton.jit
-def _linear_wide_kernel(x_desc, w_desc, b_ptr, o_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, PROGRAMS: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr, WS: tl.constexpr,
-                        SUBTILE: tl.constexpr, USE_GDC: tl.constexpr):
-    """act(x @ w.T + b) for many rows: a persistent program per SM walks output tiles in groups of
-    GROUP_M row blocks (their x rows and w columns stay in L2), TMA loads STAGES deep, the epilogue's
-    GELU (ACT 1, tanh form) one tanh instruction per element, the tile stored by TMA in two halves
-    (SUBTILE) so its staging buffer leaves shared memory to the pipeline."""
-    start = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    for tile in tl.range(start, tiles_m * tiles_n, PROGRAMS, flatten=True, warp_specialize=WS):
-        first_m = (tile // in_group) * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % in_group) % size_m) * BLOCK_M
-        off_n = ((tile % in_group) // size_m) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc)
-        if HAS_BIAS:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if ACT == 1:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-            acc = 0.5 * acc * (1.0 + _gelu_tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc), ASM))
-        if SUBTILE:
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            left, right = tl.split(halves)
-            o_desc.store([off_m, off_n], left.to(o_desc.dtype))
-            o_desc.store([off_m, off_n + BLOCK_N // 2], right.to(o_desc.dtype))
-        else:
-            o_desc.store([off_m, off_n], acc.to(o_desc.dtype))
 
 
 @triton.jit
@@ -337,33 +289,6 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
            total, M, N, eps, SPLIT=split, BLOCK=triton.next_power_of_2(N), ROWS=rows, HAS_BIAS=bias is not None,
            POST=post is not None, RMS=rms, PRE=pre, HAS_BETA=norm_bias is not None, num_warps=warps)
     return (total, out) if pre else out
-
-
-WideConfig = tuple[int, int, int, int, int, int, bool, bool]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, WS, SUBTILE
-
-
-def linear_wide(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str | None = None,
-                config: WideConfig = (128, 256, 64, 8, 3, 8, False, True), programs: int | None = None) -> torch.Tensor:
-    """act(x @ w.T + b) for x [M, K], w [N, K] -> [M, N] (act: None or "gelu", its tanh form) by the
-    persistent kernel, `programs` of them (default: one per SM)."""
-    if act not in (None, "gelu"):
-        raise ValueError(f"linear_wide takes act None or 'gelu', not {act!r}")
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bm, bn, bk, warps, stages, group, ws, subtile = config
-    M, K = x.shape
-    N = w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if programs is None:
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = min(programs, triton.cdiv(M, bm) * triton.cdiv(N, bn))
-    xd = TensorDescriptor.from_tensor(x, [bm, bk])
-    wd = TensorDescriptor.from_tensor(w, [bn, bk])
-    od = TensorDescriptor.from_tensor(out, [bm, bn // 2 if subtile else bn])
-    launch(_linear_wide_kernel, (programs,), xd, wd, b if b is not None else w, od, M, N, K, BLOCK_M=bm, BLOCK_N=bn,
-           BLOCK_K=bk, GROUP_M=group, STAGES=stages, PROGRAMS=programs, HAS_BIAS=b is not None, ACT=ACTS[act],
-           ASM=x.is_cuda and not interpreted(), WS=ws, SUBTILE=subtile, num_warps=warps)
-    return out
 
 
 # References: the unfused maths, float32 (CPU-runnable).
