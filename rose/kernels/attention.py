@@ -80,7 +80,7 @@ def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, len
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs, sq_t, sq_h, sk_t, sk_h, sv_t,
                       sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, GROUP: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr, UNMASKED: tl.constexpr,
                       USE_GDC: tl.constexpr):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
@@ -115,11 +115,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
     if WINDOW:  # only the key blocks some row of this block can see
         lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
         hi = tl.minimum(hi, m0 + BLOCK_M + window - 1)
-    # SPLIT (sequences of more than one key block): the key blocks every row of this block sees whole
+    # UNMASKED (sequences of more than one key block): the key blocks every row of this block sees whole
     # (inside the sequence, below the causal diagonal; none under a window) take a loop without masks,
     # the rest the masked one. A single block keeps the one masked loop: measured on an H200, the
-    # split cost pplx-embed's 1 x 128 attention 4.3 -> 5.3 us a layer, and gained 5-7 % from 5 x 512.
-    full = lo if WINDOW or not SPLIT else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
+    # two loops cost pplx-embed's 1 x 128 attention 4.3 -> 5.3 us a layer, and gained 5-7 % from 5 x 512.
+    full = lo if WINDOW or not UNMASKED else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
     kv_base = start * sk_t + kh * sk_h
     for n0 in range(lo, full, BLOCK_N):
         acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
@@ -193,9 +193,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     bm, bn, warps, *stages = config or tile(max_seqlen, D, n, H)
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
-              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen, SPLIT=max_seqlen > bn,
-              num_warps=warps,
-              num_stages=stages[0] if stages else STAGES)
+              BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen,
+              UNMASKED=max_seqlen > bn, num_warps=warps, num_stages=stages[0] if stages else STAGES)
     sb = bias.stride() if bias is not None else (0, 0, 0)
     args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D),
