@@ -111,6 +111,21 @@ def test_split_k_partials_reduced_by_add_norm(m, n, k, split, tile, rms, pre, be
         assert a.dtype == DT and rel(a, b) < TOL
 
 
+@pytest.mark.parametrize("offset", [0.0, 30.0, 100.0])
+def test_add_norm_layernorm_statistics_in_one_pass_hold_on_an_offset_row(offset):
+    """add_norm's LayerNorm takes mean and variance from one reduction (sum, sum of squares). Rows whose
+    mean is many times their spread (here offset by up to ~60 standard deviations) are where
+    E[x^2] - mean^2 loses digits: in float32 (the CPU run) still well under bf16's rounding (2^-8, what the
+    kernel writes on the GPU); 30 sd measured 8e-5."""
+    torch.manual_seed(int(offset))
+    m, n = 64, 384
+    parts, res = torch.randn(2, m, n, device=DEV), rand(m, n) + offset
+    g, beta = rand(n).abs() + 0.5, rand(n)
+    got = gemm.add_norm(parts, None, res, g, beta, 1e-6)
+    want = gemm.add_norm_reference(parts.sum(0), None, res, g, beta, 1e-6)
+    assert rel(got, want) < max(TOL, 1e-3)
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_add_norm_applies_the_projections_own_norm_first(split):
     """Gemma3's sandwich: RMSNorm of the projection (`post`), the residual add, the next RMSNorm."""

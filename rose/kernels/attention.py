@@ -32,36 +32,26 @@ from rose.kernels import launch, shape_class
 
 
 @triton.jit
-def _scores(q, k_ptr, bias_ptr, kv_base, n0, length, offs_m, offs_d, mask_m, sk_t, b_head, sb_i, sb_j, qk_scale,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-            MASKED: tl.constexpr):
-    """The scores of BLOCK_N keys from n0 (log2 domain, the position bias added); MASKED: keys past the
-    sequence's end read as zeros (`_softmax_pv` masks their scores)."""
+def _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m, offs_d, mask_m, sk_t,
+               sv_t, v_head, b_head, sb_i, sb_j, qk_scale, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr,
+               MASKED: tl.constexpr):
+    """One block of BLOCK_N keys into the online softmax. MASKED: keys past the sequence's end, the
+    causal diagonal and the window are masked; else every key of the block counts for every row."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < length
     k_ptrs = k_ptr + kv_base + offs_n[None, :] * sk_t + offs_d[:, None]
+    v_ptrs = v_ptr + start * sv_t + v_head + offs_n[:, None] * sv_t + offs_d[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=(offs_n[None, :] < length) & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        k = tl.load(k_ptrs, mask=valid_n[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
     elif BLOCK_D == HEAD_DIM:
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
-    s = tl.dot(q, k) * qk_scale
+    s = tl.dot(q, k) * qk_scale  # log2 domain
     if HAS_BIAS:
         s += tl.load(bias_ptr + b_head + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
-                     mask=mask_m & (offs_n[None, :] < length), other=0.0).to(tl.float32) * 1.4426950408889634
-    return s
-
-
-@triton.jit
-def _softmax_pv(s, acc, m_i, l_i, v_ptr, start, n0, length, offs_m, offs_d, sv_t, v_head, window,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW: tl.constexpr, MASKED: tl.constexpr):
-    """Block n0's scores `s` into the online softmax and its values into `acc`. MASKED: keys past the
-    sequence's end, the causal diagonal and the window are masked; else every key of the block counts
-    for every row."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    valid_n = offs_n < length
-    v_ptrs = v_ptr + start * sv_t + v_head + offs_n[:, None] * sv_t + offs_d[None, :]
+                     mask=mask_m & valid_n[None, :], other=0.0).to(tl.float32) * 1.4426950408889634
     if MASKED:
         keep = valid_n[None, :]
         if CAUSAL:
@@ -91,7 +81,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
                       sv_h, so_t, so_h, sb_h, sb_i, sb_j, qk_scale, window, GROUP: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, WINDOW: tl.constexpr, UNMASKED: tl.constexpr,
-                      PIPELINE: tl.constexpr, USE_GDC: tl.constexpr):
+                      USE_GDC: tl.constexpr):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     h = tl.program_id(2)
@@ -131,31 +121,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, bias_ptr, T, num_seqs,
     # two loops cost pplx-embed's 1 x 128 attention 4.3 -> 5.3 us a layer, and gained 5-7 % from 5 x 512.
     full = lo if WINDOW or not UNMASKED else (tl.minimum(length, m0 + 1) if CAUSAL else length) // BLOCK_N * BLOCK_N
     kv_base = start * sk_t + kh * sk_h
-    sv_h_ = kh * sv_h
-    b_head = h * sb_h
-    if PIPELINE:  # the next block's scores are issued before this block's softmax, so the two overlap
-        if lo < full:
-            s = _scores(q, k_ptr, bias_ptr, kv_base, lo, length, offs_m, offs_d, mask_m, sk_t, b_head, sb_i, sb_j,
-                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_BIAS, False)
-            for n0 in range(lo, full - BLOCK_N, BLOCK_N):
-                s_next = _scores(q, k_ptr, bias_ptr, kv_base, n0 + BLOCK_N, length, offs_m, offs_d, mask_m, sk_t,
-                                 b_head, sb_i, sb_j, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_BIAS, False)
-                acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_ptr, start, n0, length, offs_m, offs_d, sv_t, sv_h_,
-                                            window, HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False)
-                s = s_next
-            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_ptr, start, full - BLOCK_N, length, offs_m, offs_d, sv_t,
-                                        sv_h_, window, HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False)
-    else:
-        for n0 in range(lo, full, BLOCK_N):
-            s = _scores(q, k_ptr, bias_ptr, kv_base, n0, length, offs_m, offs_d, mask_m, sk_t, b_head, sb_i, sb_j,
-                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_BIAS, False)
-            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_ptr, start, n0, length, offs_m, offs_d, sv_t, sv_h_,
-                                        window, HEAD_DIM, BLOCK_D, BLOCK_N, False, False, False)
+    for n0 in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
+                                   offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_BIAS, False, False)
     for n0 in range(full, hi, BLOCK_N):
-        s = _scores(q, k_ptr, bias_ptr, kv_base, n0, length, offs_m, offs_d, mask_m, sk_t, b_head, sb_i, sb_j,
-                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_BIAS, True)
-        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v_ptr, start, n0, length, offs_m, offs_d, sv_t, sv_h_, window,
-                                    HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW, True)
+        acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_ptr, v_ptr, bias_ptr, kv_base, start, n0, length, offs_m,
+                                   offs_d, mask_m, sk_t, sv_t, kh * sv_h, h * sb_h, sb_i, sb_j, qk_scale, window,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, HAS_BIAS, WINDOW, True)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (start + offs_m)[:, None] * so_t + h * so_h + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mask_m & mask_d)
@@ -191,13 +164,6 @@ def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     return block_m, block_n, 4
 
 
-@functools.cache
-def pipeline() -> bool:
-    """ROSE_ATTENTION_PIPELINE=1: the unmasked key loop issues the next block's scores before this
-    block's softmax (a knob for measurements, off by default)."""
-    return os.environ.get("ROSE_ATTENTION_PIPELINE") == "1"
-
-
 SMEM_BUDGET = 200 << 10  # of an H200's 227 KB per block, with room for the compiler's own
 STAGES = 3  # Triton's default software pipelining of the key loop
 
@@ -228,8 +194,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     grid = (triton.cdiv(max(max_seqlen, 1), bm), n + 1, H)
     kw = dict(GROUP=H // hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=bm,
               BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias is not None, WINDOW=0 < window < max_seqlen,
-              UNMASKED=max_seqlen > bn, PIPELINE=pipeline() and max_seqlen > bn, num_warps=warps,
-              num_stages=stages[0] if stages else STAGES)
+              UNMASKED=max_seqlen > bn, num_warps=warps, num_stages=stages[0] if stages else STAGES)
     sb = bias.stride() if bias is not None else (0, 0, 0)
     args = (q, k, v, out, cu_seqlens, bias if bias is not None else q, T, n, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), *sb, math.log2(math.e) / math.sqrt(D),
