@@ -379,30 +379,6 @@ def test_qk_norm_rope_matches_reference(norm):
         assert rel(got[0], rq) < TOL and rel(got[1], rk) < TOL
 
 
-@pytest.mark.parametrize("tile", [None, (16, 64, 4, 3), (64, 128, 4, 4)])
-@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "rotary-only"])
-def test_qkv_projection_with_qk_norm_and_rope_in_its_epilogue(norm, tile):
-    """`linear_qk_norm_rope`: the q/k/v projection, the heads' RMSNorm and the rotation in one kernel,
-    against the projection then `qk_norm_rope_reference`; v heads untouched; rows past T never written
-    (a partial last block)."""
-    from rose.kernels.rope import linear_qk_norm_rope, qk_norm_rope_reference
-    from rose.layers.rotary import Rotary
-
-    torch.manual_seed(4)
-    H, Hk, D, T, hidden = 4, 2, 64, 37, 128
-    x, w = rand(T, hidden), rand((H + 2 * Hk) * D, hidden, scale=hidden ** -0.5)
-    pos = torch.randint(0, 500, (T,)).to(DEV)
-    table = Rotary(D, 512, 1e6).cos_sin.to(DEV)
-    qw, kw = (rand(D), rand(D)) if norm else (None, None)
-    got = linear_qk_norm_rope(x, w, pos, table, qw, kw, 1e-6, H, Hk, D, config=tile)
-    want = qk_norm_rope_reference(x.float() @ w.float().T, pos, table, qw, kw, 1e-6, H, Hk, D)
-    for g, ref in zip(got, want):
-        assert g.shape == ref.shape and g.dtype == DT and rel(g, ref) < TOL
-    assert got[0].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()  # views of one output
-    with pytest.raises(ValueError, match="is not"):
-        linear_qk_norm_rope(x, w[:-D], pos, table, qw, kw, 1e-6, H, Hk, D)
-
-
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh"])
 def test_modernbert_small_step_equals_torch_path(act):
     """Pre-norm LayerNorm without bias fused with each residual add, the GeGLU epilogue, both rotary

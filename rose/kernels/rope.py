@@ -5,12 +5,6 @@ Reads the stacked q/k/v projection [T, (H + 2 Hk) * D], writes q [T, H, D] and k
 (normalised with `q_norm` / `k_norm`, then rotated by each token's position with the "rotate
 half" form), all in float32 registers and rounded once; v stays a view of the input. One program
 per block of tokens and head. `qk_norm_rope_reference` is the unfused torch maths.
-
-`linear_qk_norm_rope` is the same inside the q/k/v projection's epilogue: one program per head and
-block of rows computes the head's two halves as two accumulators (x @ w[head, :D/2].T and
-x @ w[head, D/2:].T, read by TMA), so the norm over the head and the "rotate half" pairing are
-elementwise on them, from float32 without a rounding in between; v heads are stored as they are.
-One kernel instead of the GEMM and `qk_norm_rope`.
 """
 
 from __future__ import annotations
@@ -79,81 +73,6 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
     launch(_qk_norm_rope_kernel, grid, *args, **kw)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
     return q, k, v
-
-
-@triton.jit
-def _linear_qk_norm_rope_kernel(x_desc, w_desc, pos_ptr, table_ptr, qw_ptr, kw_ptr, out_ptr, M, stride_om, max_pos,
-                                eps, K: tl.constexpr, H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                                STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    head = tl.program_id(0)  # 0..H-1: q heads, then HK k heads, then HK v heads
-    off_m = tl.program_id(1) * BLOCK_M
-    HALF: tl.constexpr = D // 2
-    off_n = head * D
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    a = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    b = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        xt = x_desc.load([off_m, k])
-        a = tl.dot(xt, w_desc.load([off_n, k]).T, a)
-        b = tl.dot(xt, w_desc.load([off_n + HALF, k]).T, b)
-    rows = off_m + tl.arange(0, BLOCK_M)
-    half = tl.arange(0, HALF)
-    mask = rows[:, None] < M
-    if head < H + HK:  # q or k: the head's RMSNorm, then the rotation by each row's position
-        if NORM:
-            rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
-            is_q = head < H
-            wa = tl.where(is_q, tl.load(qw_ptr + half).to(tl.float32), tl.load(kw_ptr + half).to(tl.float32))
-            wb = tl.where(is_q, tl.load(qw_ptr + HALF + half).to(tl.float32),
-                          tl.load(kw_ptr + HALF + half).to(tl.float32))
-            a = a * rstd[:, None] * wa[None, :]
-            b = b * rstd[:, None] * wb[None, :]
-        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)
-        cos = table_ptr + pos[:, None] * D + half[None, :]  # table [2, max_pos, D]: cos then sin
-        sin = cos + max_pos * D
-        ra = a * tl.load(cos, mask=mask, other=0.0) - b * tl.load(sin, mask=mask, other=0.0)
-        rb = b * tl.load(cos + HALF, mask=mask, other=0.0) + a * tl.load(sin + HALF, mask=mask, other=0.0)
-        a, b = ra, rb
-    dst = out_ptr + rows[:, None] * stride_om + off_n + half[None, :]
-    tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, b.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-QkvTile = tuple[int, int, int, int]  # BLOCK_M, BLOCK_K, warps, stages
-
-
-def qkv_tile(rows: int, hidden: int) -> QkvTile:
-    """`linear_qk_norm_rope`'s launch tile for `rows` rows of `hidden`."""
-    return (32 if rows <= 256 else 64), next((b for b in (128, 64, 32, 16) if hidden % b == 0), 16), 4, 3
-
-
-def linear_qk_norm_rope(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, heads: int,
-                        kv_heads: int, head_dim: int, config: QkvTile | None = None):
-    """`qk_norm_rope(x @ w.T, ...)` in one kernel: x [T, hidden] (rows contiguous), w [(H + 2 Hk) * D, hidden]
-    (no bias) -> q [T, H, D], k [T, Hk, D], v [T, Hk, D], views of one [T, (H + 2 Hk) * D] output.
-    `config`: the launch tile (default `qkv_tile`)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    T, K = x.shape
-    n = (heads + 2 * kv_heads) * head_dim
-    if w.shape != (n, K) or head_dim % 32:
-        raise ValueError(f"weight {tuple(w.shape)} is not [{n}, {K}] of heads {head_dim} wide (a multiple of 32)")
-    bm, bk, warps, stages = config or qkv_tile(T, K)
-    if K % bk:
-        raise ValueError(f"hidden size {K} is not a multiple of {bk}")
-    out = torch.empty((T, n), dtype=x.dtype, device=x.device)
-    norm = q_weight is not None
-    xd = TensorDescriptor.from_tensor(x, [bm, bk])
-    wd = TensorDescriptor.from_tensor(w, [head_dim // 2, bk])
-    launch(_linear_qk_norm_rope_kernel, (heads + 2 * kv_heads, triton.cdiv(T, bm)), xd, wd, positions, table,
-           q_weight if norm else table, k_weight if norm else table, out, T, out.stride(0), table.shape[1], eps,
-           K=K, H=heads, HK=kv_heads, D=head_dim, NORM=norm, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, num_warps=warps)
-    q, k, v = out.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    return q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim), v.view(T, kv_heads, head_dim)
 
 
 def rope(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int, head_dim: int):

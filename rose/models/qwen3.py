@@ -37,16 +37,14 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
         gate/up in Triton, 1.459 with it in cuBLAS then silu * up). After attention only `rows` are
         kept where given (`Family.forward`'s)."""
         from rose.kernels import gemm
-        from rose.kernels.rope import linear_qk_norm_rope, qk_norm_rope
+        from rose.kernels.rope import qk_norm_rope
 
         sa, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
         T = x.shape[0]
         ops = gemm.triton_ops(self.TRITON_OPS)
-        norms = (positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.h, sa.hk, sa.d)
-        if "qkv" in ops and sa.qkv_proj.bias is None:  # the projection, q/k norm and rotary in one kernel
-            q, k, v = linear_qk_norm_rope(h, sa.qkv_proj.weight, *norms)
-        else:
-            q, k, v = qk_norm_rope(sa.qkv_proj(h), *norms)
+        qkv = gemm.linear(h, sa.qkv_proj.weight, sa.qkv_proj.bias) if "qkv" in ops else sa.qkv_proj(h)
+        q, k, v = qk_norm_rope(qkv, positions, table, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps,
+                               sa.h, sa.hk, sa.d)
         a, x = keep_rows(rows, attn(q, k, v, meta).reshape(T, -1), x)
         x, h = gemm.add_norm(gemm.linear_partials(a, sa.o_proj.weight), sa.o_proj.bias, x, post.weight, None,
                              post.eps, rms=True)
