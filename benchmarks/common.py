@@ -100,6 +100,57 @@ class Recorder:
         return row
 
 
+# nvidia-smi's throttle ("clock event") reason bits that mean the GPU was held below its clock
+THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                    0x80: "hw_power_brake"}
+
+
+class GpuSampler:
+    """`nvidia-smi` sampling GPU `gpu`'s SM clock, power draw and throttle reasons every `ms` while a
+    block runs, so a throughput figure says whether the board held its clock: `with GpuSampler() as
+    gs: ...`, then `gs.summary()` (an empty dict where nvidia-smi is not there or gave no sample).
+    Measured this way on an H200 (2026-12-04), bge-m3's 100 x 512 loop drew ~693 W of its 700 W and
+    ran at ~1,665 MHz against 1,980 for short steps (benchmarks/results/small_step/power_d49d5af/)."""
+
+    QUERY = "clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active"
+
+    def __init__(self, ms: int = 100, gpu: int = 0, smi: str = "nvidia-smi"):
+        self.cmd = [smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", f"-lms={ms}", f"-i={gpu}"]
+        self.proc = None
+        self.lines: list[str] = []
+
+    def __enter__(self) -> GpuSampler:
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi here
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.lines = out.splitlines()
+
+    def summary(self) -> dict:
+        rows = []
+        for line in self.lines:
+            try:
+                clock, power, limit, reasons = (x.strip() for x in line.split(","))
+                rows.append((float(clock), float(power), float(limit), int(reasons, 16)))
+            except ValueError:  # a header, "[N/A]", a field this nvidia-smi does not know
+                continue
+        if not rows:
+            return {}
+        clock, power, limit, reasons = (np.array(c) for c in zip(*rows))
+        held = [name for bit, name in THROTTLE_REASONS.items() if (reasons & bit).any()]
+        return {"gpu_samples": len(rows), "sm_clock_mhz_p50": float(np.median(clock)), "sm_clock_mhz_min": float(clock.min()),
+                "power_w_p50": round(float(np.median(power)), 1), "power_w_max": round(float(power.max()), 1),
+                "power_limit_w": float(limit.max()),
+                "throttled_share": round(float(np.mean([any(r & b for b in THROTTLE_REASONS) for r in reasons])), 3),
+                "throttle_reasons": held}
+
+
 def graph_replay_ms(issue, iters: int) -> float:
     """Median milliseconds of one replay of a CUDA graph holding what `issue()` launches (run once
     eagerly first, so compilation and kernel selection stay out of the capture)."""

@@ -4,7 +4,8 @@
 
 Cells: step p50/p99 at 1 x 128 / 512 / 4096 tokens (step + copy + sync, wall clock) with the device
 time of the same step (CUDA events) and the host share, the host time until `step()` returns and of the bare graph replay call; throughput for 100 x 512 and for 100 mixed
-lengths 32..512 (batched on a 16384-token budget like Tulip, steps pipelined); graph capture time per
+lengths 32..512 (batched on a 16384-token budget like Tulip, steps pipelined; with the SM clock, power
+and throttle reasons `nvidia-smi` saw meanwhile: `benchmarks.common.GpuSampler`); graph capture time per
 key and graph memory. `--hf-baseline` adds Hugging Face transformers eager (bf16, SDPA, padded) on
 the same shapes and random weights of the same architecture, `--hf-compile` the same model under
 torch.compile(mode="reduce-overhead").
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ENGINE_TARGETS, PUBLISHED, Recorder, percentiles, pyplot
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED, GpuSampler, Recorder, percentiles, pyplot
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 
@@ -95,13 +96,14 @@ def time_throughput(engine: Engine, lens, repeats: int) -> dict:
     for _ in range(3):
         for b in batches:
             engine.step(b).synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        lazies = [engine.step(b) for b in batches]  # pipelined: launch all, then wait
-        for lz in lazies:
-            lz.synchronize()
-    dt = time.perf_counter() - t0
-    return {"emb_per_s": round(len(lens) * repeats / dt, 1), "repeats": repeats, "steps": len(batches)}
+    with GpuSampler() as gpu:  # the SM clock and power while it runs: is the board at its power cap?
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            lazies = [engine.step(b) for b in batches]  # pipelined: launch all, then wait
+            for lz in lazies:
+                lz.synchronize()
+        dt = time.perf_counter() - t0
+    return {"emb_per_s": round(len(lens) * repeats / dt, 1), "repeats": repeats, "steps": len(batches), **gpu.summary()}
 
 
 def hf_baseline(spec, L_list, iters, rec: Recorder, model_name: str, compiled: bool):

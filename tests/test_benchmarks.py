@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,26 @@ def test_rows_say_how_their_servers_were_configured(monkeypatch):
     assert summary._config(row) == "triton + compile, stream"
     assert summary._config({**row, "server_env": "TULIP_COMPILE=false"}) == "triton, stream"
     assert summary._config({"backend": "trellis-tulip --compile", "attention": "varlen"}) == "varlen + compile"
+
+
+def test_gpu_sampler_summarises_nvidia_smi_and_is_empty_without_it(tmp_path):
+    """benchmarks.common.GpuSampler: nvidia-smi's CSV samples (here a stand-in script: no GPU on this
+    machine) become the clock, power and throttle summary a throughput row carries; none of it, and no
+    error, where nvidia-smi is missing."""
+    from benchmarks.common import GpuSampler
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/bash\n"
+                   "echo '1980, 121.80, 700.00, 0x0000000000000000'\n"
+                   "echo '[N/A], [N/A], 700.00, 0x0000000000000000'\n"
+                   "while true; do echo '1665, 693.40, 700.00, 0x0000000000000004'; sleep 0.02; done\n")
+    smi.chmod(0o755)
+    with GpuSampler(ms=20, smi=str(smi)) as gpu:
+        time.sleep(0.5)
+    s = gpu.summary()
+    assert s["gpu_samples"] >= 3 and s["sm_clock_mhz_min"] == 1665 and s["sm_clock_mhz_p50"] == 1665
+    assert s["power_w_max"] == 693.4 and s["power_limit_w"] == 700 and s["throttle_reasons"] == ["sw_power_cap"]
+    assert 0.5 < s["throttled_share"] < 1
+    with GpuSampler(smi=str(tmp_path / "absent")) as gpu:
+        pass
+    assert gpu.summary() == {}
