@@ -115,7 +115,7 @@ class GpuSampler:
     QUERY = "clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active"
 
     def __init__(self, ms: int = 100, gpu: int = 0, smi: str = "nvidia-smi"):
-        self.cmd = [smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", f"-lms={ms}", f"-i={gpu}"]
+        self.cmd = [smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", str(ms), "-i", str(gpu)]
         self.proc = None
         self.lines: list[str] = []
 
