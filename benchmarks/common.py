@@ -129,7 +129,11 @@ class GpuSampler:
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
             self.proc.terminate()
-            out, _ = self.proc.communicate(timeout=10)
+            try:
+                out, _ = self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # an nvidia-smi that ignores SIGTERM costs its samples, not the run
+                self.proc.kill()
+                out, _ = self.proc.communicate()
             self.lines = out.splitlines()
 
     def summary(self) -> dict:
@@ -143,12 +147,11 @@ class GpuSampler:
         if not rows:
             return {}
         clock, power, limit, reasons = (np.array(c) for c in zip(*rows))
-        held = [name for bit, name in THROTTLE_REASONS.items() if (reasons & bit).any()]
+        held = reasons & sum(THROTTLE_REASONS)  # per sample, the bits that held the clock down
         return {"gpu_samples": len(rows), "sm_clock_mhz_p50": float(np.median(clock)), "sm_clock_mhz_min": float(clock.min()),
                 "power_w_p50": round(float(np.median(power)), 1), "power_w_max": round(float(power.max()), 1),
-                "power_limit_w": float(limit.max()),
-                "throttled_share": round(float(np.mean([any(r & b for b in THROTTLE_REASONS) for r in reasons])), 3),
-                "throttle_reasons": held}
+                "power_limit_w": float(limit.max()), "throttled_share": round(float(np.mean(held != 0)), 3),
+                "throttle_reasons": [name for bit, name in THROTTLE_REASONS.items() if (held & bit).any()]}
 
 
 def graph_replay_ms(issue, iters: int) -> float:

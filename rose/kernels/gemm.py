@@ -281,9 +281,9 @@ def add_norm(partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.
     """Sum the partials, add bias and residual, normalise each row (`config`: rows per program and
     warps; default one row and 8 warps, measured by `benchmarks.small_step --tiles`).
 
-    rms: RMSNorm, else LayerNorm (with `norm_bias` where given; its mean and variance from one reduction of
-    the sum and the sum of squares). pre (default: rms): pre-norm, as
-    Qwen3 (RMSNorm) and ModernBERT (LayerNorm): returns (sum, norm(sum)), the sum rounded to
+    rms: RMSNorm, else LayerNorm (with `norm_bias` where given; its mean and variance from one
+    reduction of the sum and the sum of squares). pre (default: rms): pre-norm, as Qwen3 (RMSNorm)
+    and ModernBERT (LayerNorm): returns (sum, norm(sum)), the sum rounded to
     residual's dtype first, as the unfused model rounds it; else post-norm, as BERT: norm(sum), in
     residual's dtype. post: the weight of an RMSNorm (same eps) applied to the projection before the
     residual add, its output rounded to residual's dtype (Gemma3's post-attention / post-feedforward
