@@ -2,7 +2,7 @@
 models (`ivy.served`), each routed by the request's `model` field.
 
 The routes live in `ivy/routes/`, one module per group (embeddings; rerank, /v2/rerank and score;
-tokenize; models, health, ready, metrics); `ivy.front.Front` sits in front of them all (API keys,
+tokenize; text-embeddings-inference's routes; models, health, ready, metrics); `ivy.front.Front` sits in front of them all (API keys,
 body limits, request ids, request counts labelled by the routes' own path templates, the hot POST
 routes from the raw body).
 """
@@ -21,13 +21,13 @@ from ivy.accesslog import AccessLog
 from ivy.config import IvyConfig
 from ivy.front import Front
 from ivy.metrics import Metrics
-from ivy.routes import embeddings, scores, service, tokens
+from ivy.routes import embeddings, scores, service, tei, tokens
 from ivy.routes.common import Context
 from ivy.served import Models
 
 __all__ = ["IvyAPI", "Metrics", "create_app", "create_app_from_env"]
 
-ROUTE_MODULES = (embeddings, scores, tokens, service)
+ROUTE_MODULES = (embeddings, scores, tokens, tei, service)
 
 
 class IvyAPI(FastAPI):

@@ -116,9 +116,9 @@ class IvyConfig:
                                   "(slow or stalled peers); under Granian: its header read timeout")
     keep_alive_s: float = field(5.0, "an idle keep-alive connection is closed after this many seconds (uvicorn)")
     tokenize_offload_chars: int = field(8192, "requests with more characters than this are tokenized off the event loop")
-    api_keys: tuple[str, ...] = field((), "accepted API keys: /v1/* and /v2/* then need 'Authorization: "
-                                      "Bearer KEY'; prefer IVY_API_KEYS=k1,k2 (flags show in process lists); none: "
-                                      "no authentication")
+    api_keys: tuple[str, ...] = field((), "accepted API keys: every route but /health, /ready, /metrics and the "
+                                      "API documents then needs 'Authorization: Bearer KEY'; prefer IVY_API_KEYS=k1,k2 "
+                                      "(flags show in process lists); none: no authentication")
     access_log: bool = field(False, "log one line per HTTP request (the server's access log; under uvicorn it "
                              "cost ~0.1 ms of CPU per request, 10-15 %% of a worker's throughput, benchmarks.gateway); "
                              "with --log-format json, Ivy's own: method, path, status, duration_ms, request_id, model")

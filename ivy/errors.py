@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}; on the text-embeddings-inference
+routes in TEI's (`TEIError`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,36 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> bytes:
+        """The error's JSON body: OpenAI's shape."""
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+class TEIError(APIError):
+    """An error on a text-embeddings-inference route (ivy/routes/tei.py), in TEI's shape and statuses:
+    {"error": message, "error_type": kind}; a request TEI would call invalid is a 422 ("validation";
+    an empty batch: 400 "empty"), a full queue 429 ("overloaded"), no reachable replica 503
+    ("unhealthy"), a replica's failure 424 ("backend"); a deadline stays a 504, an unknown model a 404,
+    a request too large a 413 (both "validation" but the 504's "backend")."""
+
+    def __init__(self, e: APIError):
+        status, kind = e.status, "validation"
+        if status == 400:
+            status, kind = (400, "empty") if e.code == "empty" else (422, "validation")
+        elif status == 429:
+            kind = "overloaded"
+        elif status == 503:
+            kind = "unhealthy"
+        elif status == 502:
+            status, kind = 424, "backend"
+        elif status >= 500:
+            kind = "backend"
+        super().__init__(status, e.message, e.param, e.code)
+        self.kind = kind
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.message, "error_type": self.kind})
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -123,7 +154,8 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
 
 
 async def _api_error_handler(request: Request, exc: APIError) -> Response:
-    return error_response(exc.status, exc.message, exc.param, exc.code)
+    headers = {"Retry-After": RETRY_AFTER[exc.status]} if exc.status in RETRY_AFTER else None
+    return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:

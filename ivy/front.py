@@ -1,6 +1,7 @@
 """Ivy's outermost ASGI layer: API keys, body limits and request counts for every route, and the
-hot POST routes (/v1/embeddings, /v1/rerank, /v2/rerank, /v1/score, /v1/tokenize) answered from the
-raw body before FastAPI's middleware stack, router and Request objects (their FastAPI routes stay
+hot POST routes (/v1/embeddings, /v1/rerank, /v2/rerank, /v1/score, /v1/tokenize, and
+text-embeddings-inference's /, /embed, /embed_sparse, /rerank, /similarity) answered from the raw
+body before FastAPI's middleware stack, router and Request objects (their FastAPI routes stay
 registered, so OpenAPI and /docs describe them, and they run the same handler). Everything else
 goes to FastAPI.
 
@@ -41,6 +42,7 @@ log = logging.getLogger("ivy")
 Stamp = Callable[[str], None]
 Handler = Callable[[bytes, Stamp], Awaitable[bytes]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+OPEN_PATHS = frozenset(("/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"))
 MAX_STAGE_RECORDS = 200_000
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
@@ -156,7 +158,8 @@ class Front:
         c.inc()
 
     def authorized(self, scope) -> bool:
-        if not self.bearers or not scope["path"].startswith(("/v1/", "/v2/")):
+        """With API keys set, every path but the probes', the metrics' and the API documents' needs one."""
+        if not self.bearers or scope["path"] in OPEN_PATHS:
             return True
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, key = got.partition(b" ")
@@ -214,7 +217,7 @@ class Front:
             else:
                 status, payload = 200, await handler(body, stamp)
         except APIError as e:
-            status, payload = e.status, error_body(e.status, e.message, e.param, e.code)
+            status, payload = e.status, e.body()
             if status >= 500:  # the server's side failed (no replica, a deadline): worth a line
                 log.warning("request %s: %s answered %d: %s", rid, path, status, e.message)
         except Exception:

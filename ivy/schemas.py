@@ -70,6 +70,8 @@ class EmbeddingRequest(Body):
                      all embedded, mean-pooled weighted by token count into one vector: ivy/app.py).
     input_type:      "query" or "document": prefix text inputs with the model's prompt for it.
     instruction:     a task for instruction-tuned models ("Instruct: {instruction}\nQuery:{text}").
+    prompt_name:     the model's prompt of that name (a key of `prompts` in its
+                     config_sentence_transformers.json), as sentence-transformers' `encode(prompt_name=...)`.
     encoding_format: also "base64_int8" (round(tanh(x) * 127) as int8) and "base64_binary"
                      (the bits x >= 0, packed MSB first) where the model has a quantizer module.
     return_sparse:   also return BGE-M3 lexical weights: "sparse_embedding" {token id: weight} and
@@ -89,6 +91,7 @@ class EmbeddingRequest(Body):
     truncate: LaxBool = False
     input_type: Union[Literal["query", "document"], None] = None
     instruction: Union[str, None] = None
+    prompt_name: Union[str, None] = None
     return_sparse: LaxBool = False
     return_colbert: LaxBool = False
 
@@ -200,7 +203,67 @@ class TokenizeRequest(Body):
     model: Union[str, None] = None
     input_type: Union[Literal["query", "document"], None] = None
     instruction: Union[str, None] = None
+    prompt_name: Union[str, None] = None
     truncate: LaxBool = False
+
+
+# Hugging Face text-embeddings-inference's request bodies (ivy/routes/tei.py), as its OpenAPI
+# document states them; `model` is an extension (absent: the default model).
+Direction = Literal["right", "left", "Right", "Left"]
+
+
+class TEIEmbedRequest(Body):
+    """TEI's POST /embed (and /embed_sparse, which takes no `normalize` / `dimensions`): `inputs` a
+    text, token ids, or an array of either; `truncate` cuts an input over the model's maximum instead
+    of answering 422, keeping its first tokens (`truncation_direction` "right") or its last ("left");
+    `prompt_name` a key of the model's prompts; `normalize` L2-normalises each vector (after the
+    Matryoshka cut to `dimensions`)."""
+
+    bools: ClassVar = ("normalize",)
+    input_kinds: ClassVar[str] = "a string, token ids, or an array of strings or of token-id arrays"
+
+    inputs: Union[str, list[Union[str, int, list[int]]]]
+    model: Union[str, None] = None
+    normalize: LaxBool = True
+    truncate: Union[LaxBool, None] = None
+    truncation_direction: Direction = "right"
+    prompt_name: Union[str, None] = None
+    dimensions: Union[int, None] = None
+
+
+class TEIRerankRequest(Body):
+    """TEI's POST /rerank: `texts` ordered by their score against `query` (as /v1/rerank scores them);
+    `return_text` echoes each text, `raw_scores` gives a cross-encoder's logits."""
+
+    bools: ClassVar = ("raw_scores", "return_text")
+
+    query: str
+    texts: list[str]
+    model: Union[str, None] = None
+    truncate: Union[LaxBool, None] = None
+    truncation_direction: Direction = "right"
+    raw_scores: LaxBool = False
+    return_text: LaxBool = False
+
+
+class SimilarityInputs(msgspec.Struct):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(msgspec.Struct):
+    truncate: Union[LaxBool, None] = None
+    truncation_direction: Direction = "right"
+    prompt_name: Union[str, None] = None
+
+
+class TEISimilarityRequest(Body):
+    """TEI's POST /similarity (the Hub's sentence-similarity task): the cosine similarity of
+    `source_sentence`'s embedding to each of `sentences`' (all with `parameters.prompt_name`'s prompt)."""
+
+    inputs: SimilarityInputs
+    model: Union[str, None] = None
+    parameters: Union[SimilarityParameters, None] = None
 
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
@@ -210,13 +273,34 @@ _EMBEDDING_INPUT = {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "
 
 def schema(model: type[Body]) -> dict:
     """The body's JSON schema (inline, for OpenAPI): the accepted shapes, not the decoder's."""
-    (ref,), defs = msgspec.json.schema_components([model], ref_template="{name}")
-    s = defs[ref["$ref"]]
+    (ref,), defs = msgspec.json.schema_components([model], ref_template="#/components/schemas/{name}")
+    s = defs.pop(ref["$ref"].rsplit("/", 1)[-1])
+    props = s["properties"]
+    defaults = {f.name: f.default for f in msgspec.structs.fields(model)}
     for name in model.bools:
-        s["properties"][name] = {"type": "boolean", "default": False}
+        props[name] = {"type": "boolean", "default": defaults[name]}
     if model is EmbeddingRequest:
-        s["properties"]["input"] = _EMBEDDING_INPUT
-        s["properties"]["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
-    if "weights" in s["properties"]:
-        s["properties"]["weights"] = _WEIGHTS_SCHEMA  # inline: the document has no ScoreWeights component
+        props["input"] = _EMBEDDING_INPUT
+        props["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
+    if model is TEIEmbedRequest:
+        props["inputs"] = _EMBEDDING_INPUT
+    if "weights" in props:
+        props["weights"] = _WEIGHTS_SCHEMA  # inline: the document has no ScoreWeights component
+    _inline(s, defs)
     return s
+
+
+def _inline(node, defs: dict) -> None:
+    """Nested Structs' schemas (TEI's similarity inputs and parameters) in place of their references,
+    and TEI's optional `truncate` as a boolean or null."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            node.update(defs[node.pop("$ref").rsplit("/", 1)[-1]])
+        props = node.get("properties", {})
+        if "truncate" in props and "anyOf" in props["truncate"] and {"type": "null"} in props["truncate"]["anyOf"]:
+            props["truncate"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None}
+        for v in node.values():
+            _inline(v, defs)
+    elif isinstance(node, list):
+        for v in node:
+            _inline(v, defs)

@@ -81,13 +81,10 @@ class ServedModel:
     async def offload(self, chars: int, fn, *args):
         return fn(*args) if chars <= self.cfg.tokenize_offload_chars else await asyncio.to_thread(fn, *args)
 
-    async def text_sequences(self, texts: list[str], input_type: str | None, instruction: str | None,
-                             truncate: bool, param: str = "input", item: str | None = "input",
-                             stamp: Stamp = _no_stamp) -> tuple[list[np.ndarray], list[int]]:
-        """Token ids of texts with the model's prompt for `input_type`, and per text the leading prompt
-        tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
-        prefix = self.templates.prefix(input_type, instruction)
-        stamp("template")
+    async def text_sequences(self, texts: list[str], prefix: str, truncate: bool, param: str = "input",
+                             item: str | None = "input", stamp: Stamp = _no_stamp) -> tuple[list[np.ndarray], list[int]]:
+        """Token ids of texts with `prefix` (a prompt, `templates.prefix`) before each, and per text the
+        leading prompt tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         seqs = await self.tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param,
                                            item=item)
         stamp("tokenize")
@@ -96,15 +93,12 @@ class ServedModel:
             return seqs, [min(n, len(s) - 1) for s in seqs]
         return seqs, []
 
-    async def long_text_sequences(self, texts: list[str], mode: str, input_type: str | None,
-                                  instruction: str | None, stamp: Stamp
+    async def long_text_sequences(self, texts: list[str], mode: str, prefix: str, stamp: Stamp
                                   ) -> tuple[list[np.ndarray], list[int], list[int]]:
-        """truncate "start" / "chunk": each text encoded whole with its prompt, and one over the
+        """truncate "start" / "chunk": each text encoded whole with its prompt `prefix`, and one over the
         maximum cut to its last tokens (the prompt kept) or split into windows (the prompt in the
         first). Returns the sequences, their pool_from (as `text_sequences`), windows per text."""
         tokenizer = self.tokenizer
-        prefix = self.templates.prefix(input_type, instruction)
-        stamp("template")
         whole = await tokenizer.encode([prefix + t for t in texts] if prefix else texts, False, check_length=False)
         n_prompt = tokenizer.prompt_length(prefix) if prefix else 0
         keep = max(n_prompt - len(tokenizer.wrap[0]), 0) if prefix and tokenizer.wrap else 0
@@ -130,13 +124,15 @@ class ServedModel:
             for i, s in enumerate(inp):
                 if not s:
                     raise APIError(400, f"input {i} is an empty string", "input")
+            prefix = self.templates.prefix(req.input_type, req.instruction, req.prompt_name)
+            stamp("template")
             if mode in ("start", "chunk"):
-                return await self.long_text_sequences(inp, mode, req.input_type, req.instruction, stamp)
-            seqs, pool_from = await self.text_sequences(inp, req.input_type, req.instruction, mode == "end",
-                                                        stamp=stamp)
+                return await self.long_text_sequences(inp, mode, prefix, stamp)
+            seqs, pool_from = await self.text_sequences(inp, prefix, mode == "end", stamp=stamp)
             return seqs, pool_from, [1] * len(seqs)
-        if req.input_type is not None or req.instruction is not None:
-            raise APIError(400, "'input_type' and 'instruction' apply to text inputs, not token ids", "input_type")
+        if req.input_type is not None or req.instruction is not None or req.prompt_name is not None:
+            raise APIError(400, "'input_type', 'instruction' and 'prompt_name' apply to text inputs, not token ids",
+                           "input_type" if req.prompt_name is None else "prompt_name")
         if int in kinds:
             inp = [inp]
         seqs, windows, cap = [], [], info.max_seq_len

@@ -45,13 +45,26 @@ class Templates:
     def instruction_tuned(self) -> bool:
         return self.query_prompt().startswith("Instruct:")
 
-    def apply(self, texts: list[str], input_type: str | None, instruction: str | None) -> list[str]:
-        """Prefix `texts` with the prompt for `input_type`, or with `instruction` (queries only)."""
-        prefix = self.prefix(input_type, instruction)
+    def apply(self, texts: list[str], input_type: str | None, instruction: str | None,
+              prompt_name: str | None = None) -> list[str]:
+        """Prefix `texts` with the prompt for `input_type` or named `prompt_name`, or with `instruction`
+        (queries only)."""
+        prefix = self.prefix(input_type, instruction, prompt_name)
         return [prefix + t for t in texts] if prefix else texts
 
-    def prefix(self, input_type: str | None, instruction: str | None) -> str:
-        """The text put before each input: the prompt for `input_type`, or the instruction's."""
+    def prefix(self, input_type: str | None, instruction: str | None, prompt_name: str | None = None) -> str:
+        """The text put before each input: the prompt for `input_type`, the prompt named `prompt_name`
+        (a key of the prompts, as sentence-transformers' `encode(prompt_name=...)` and TEI take it), or
+        the instruction's. At most one of the three."""
+        if prompt_name is not None:
+            if input_type is not None or instruction is not None:
+                raise APIError(400, "send one of 'prompt_name', 'input_type' and 'instruction'", "prompt_name")
+            prompts = self.prompts()
+            if prompt_name not in prompts:
+                have = ", ".join(f"'{k}'" for k in prompts) or "none"
+                raise APIError(400, f"prompt_name '{prompt_name}' is not one of this model's prompts ({have})",
+                               "prompt_name")
+            return prompts[prompt_name]
         if instruction is not None:
             if not self.instruction_tuned():
                 raise APIError(400, "'instruction' is only accepted by instruction-tuned models", "instruction")

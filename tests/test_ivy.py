@@ -84,8 +84,8 @@ def test_request_timeout_is_a_504_and_the_server_carries_on(tulip_server, tmp_pa
 
 
 def test_api_keys(tulip_server, tmp_path):
-    """With --api-keys, /v1/* needs one of them as a bearer token (the openai client's api_key);
-    probes and metrics stay open."""
+    """With --api-keys, every route needs one of them as a bearer token (the openai client's api_key);
+    probes, metrics and the API documents stay open."""
     import openai
 
     target, _ = tulip_server
@@ -105,6 +105,11 @@ def test_api_keys(tulip_server, tmp_path):
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
         r = httpx.get(url + "/v1/models")  # no key at all
         assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        for path in ("/embed", "/"):  # text-embeddings-inference's routes too
+            assert httpx.post(url + path, json={"inputs": "hi"}).status_code == 401
+            r = httpx.post(url + path, json={"inputs": "hi"}, headers={"Authorization": "Bearer k-two"})
+            assert r.status_code == 200 and len(r.json()[0]) == 384
+        assert httpx.get(url + "/info").status_code == 401 and httpx.get(url + "/openapi.json").status_code == 200
     finally:
         proc.stop()
     assert "Traceback" not in proc.output()

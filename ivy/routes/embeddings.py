@@ -1,6 +1,6 @@
 """POST /v1/embeddings (OpenAI's shape and Ivy's extensions), routed by `model`; long inputs
 (`truncate` false / true / "end" / "start" / "chunk": windows embedded together, token-weighted
-mean per input, `pool_windows`)."""
+mean per input, `pool_windows`). `embed` is the work of every route that embeds (TEI's too)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import orjson
 
 from ivy import errors
 from ivy.errors import APIError
-from ivy.front import Stamp
+from ivy.front import Stamp, _no_stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.schemas import EmbeddingRequest
 from trellis.tulip.v1 import tulip_pb2
@@ -39,51 +39,59 @@ def pool_windows(vectors: np.ndarray, seqs: list[np.ndarray], windows: list[int]
     return v.astype("<f4")
 
 
+async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
+    """An embeddings request's checks, token sequences and Tulip call, whichever route took it:
+    (the model, its Info, Tulip's result (chunked windows pooled into one row per input), the
+    request's token count)."""
+    model = ctx.models.get(req.model)
+    model.check_room()
+    info = await model.info()
+    if info.num_labels:
+        raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
+                       "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
+    stamp("checks")
+    dims = 0
+    if req.dimensions is not None:
+        if not 1 <= req.dimensions <= info.embedding_dim:
+            raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
+                           "dimensions")
+        dims = req.dimensions
+    encoding = ENCODINGS[req.encoding_format]
+    if encoding not in info.encodings:
+        raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
+                       "encoding_format")
+    outputs = tuple(o for o, asked in ((tulip_pb2.OUTPUT_SPARSE, req.return_sparse),
+                                       (tulip_pb2.OUTPUT_COLBERT, req.return_colbert)) if asked)
+    for o in outputs:
+        if o not in info.outputs:
+            name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
+            raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
+    chunked = req.mode == "chunk"
+    if chunked and (outputs or encoding != tulip_pb2.ENCODING_FLOAT32):
+        raise APIError(400, "truncate \"chunk\" pools float vectors: it takes encoding_format float or base64 "
+                       "and no return_sparse / return_colbert", "truncate")
+    stamp("checks")  # accumulates with the one above
+    seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
+    # chunked windows come back whole: pooled, then Matryoshka-cut here
+    opts = ctx.options(dimensions=0 if chunked else dims, encoding=encoding, outputs=outputs, pool_from=pool_from)
+    result = await tulip_call(model.balancer.embed(seqs, opts, stamp))
+    stamp("grpc")
+    if chunked:
+        result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)
+    tokens = int(sum(map(len, seqs)))
+    ctx.metrics.tokens.labels(model.name).inc(tokens)
+    return model, info, result, tokens
+
+
 def routes(ctx: Context) -> Routes:
-    models = ctx.models
-    latency, prompt_tokens = ctx.metrics.latency, ctx.metrics.tokens
+    latency = ctx.metrics.latency
     out = Routes()
 
     async def embeddings(body: bytes, stamp: Stamp) -> bytes:
         t0 = time.perf_counter()
         req = errors.parse_body(EmbeddingRequest, body)
         stamp("decode")
-        model = models.get(req.model)
-        model.check_room()
-        info = await model.info()
-        if info.num_labels:
-            raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
-                           "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
-        stamp("checks")
-        dims = 0
-        if req.dimensions is not None:
-            if not 1 <= req.dimensions <= info.embedding_dim:
-                raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
-                               "dimensions")
-            dims = req.dimensions
-        encoding = ENCODINGS[req.encoding_format]
-        if encoding not in info.encodings:
-            raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
-                           "encoding_format")
-        outputs = tuple(o for o, asked in ((tulip_pb2.OUTPUT_SPARSE, req.return_sparse),
-                                           (tulip_pb2.OUTPUT_COLBERT, req.return_colbert)) if asked)
-        for o in outputs:
-            if o not in info.outputs:
-                name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
-                raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
-        chunked = req.mode == "chunk"
-        if chunked and (outputs or encoding != tulip_pb2.ENCODING_FLOAT32):
-            raise APIError(400, "truncate \"chunk\" pools float vectors: it takes encoding_format float or base64 "
-                           "and no return_sparse / return_colbert", "truncate")
-        stamp("checks")  # accumulates with the one above
-        seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
-        # chunked windows come back whole: pooled, then Matryoshka-cut here
-        opts = ctx.options(dimensions=0 if chunked else dims, encoding=encoding, outputs=outputs, pool_from=pool_from)
-        result = await tulip_call(model.balancer.embed(seqs, opts, stamp))
-        stamp("grpc")
-        if chunked:
-            result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)
-        tokens = int(sum(map(len, seqs)))
+        model, info, result, tokens = await embed(ctx, req, stamp)
         b64 = req.encoding_format != "float"  # rows are already float32 LE, int8 or packed bits
         # float rows go to orjson as numpy views of the reply's bytes (no list, no copy); base64 ones
         # are encoded from those views
@@ -100,7 +108,6 @@ def routes(ctx: Context) -> Routes:
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                              option=orjson.OPT_SERIALIZE_NUMPY)
         latency.labels(model.name).observe(time.perf_counter() - t0)
-        prompt_tokens.labels(model.name).inc(tokens)
         stamp("encode")
         return reply
 

@@ -1,0 +1,206 @@
+"""Hugging Face text-embeddings-inference's HTTP API (TEI), for callers written against it:
+POST /embed, /embed_sparse, /rerank, /similarity, GET /info, and POST / taking what TEI's root
+takes for the model served (a cross-encoder: rerank; SPLADE: sparse embeddings; a body with
+similarity's `{"source_sentence", "sentences"}` inputs: similarity, as the Hub's sentence-similarity
+task sends it; else embeddings), so that `huggingface_hub.InferenceClient` pointed at Ivy works.
+
+Each is the work of the OpenAI-shaped route (`embeddings.embed`, `scores.ranked`) with TEI's body,
+reply and errors (`ivy.errors.TEIError`: {"error", "error_type"}, 422 for what TEI calls invalid).
+`model` (an extension) routes a request to a served model; absent, the default one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+
+import msgspec
+import numpy as np
+import orjson
+
+from ivy import errors
+from ivy.errors import APIError, TEIError
+from ivy.front import Handler, Stamp
+from ivy.routes.common import Context, Routes
+from ivy.routes.embeddings import embed
+from ivy.routes.scores import ranked
+from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIEmbedRequest, TEIRerankRequest,
+                         TEISimilarityRequest, lax_bool)
+from ivy.served import ServedModel
+from trellis.tulip.v1 import tulip_pb2
+
+
+def _tei(handler: Handler) -> Handler:
+    """`handler` with its errors in TEI's shape."""
+    @functools.wraps(handler)
+    async def run(body: bytes, stamp: Stamp) -> bytes:
+        try:
+            return await handler(body, stamp)
+        except TEIError:
+            raise
+        except APIError as e:
+            raise TEIError(e) from None
+
+    return run
+
+
+def _truncation(truncate, direction: str):
+    """TEI's `truncate` (absent: off, as TEI without --auto-truncate) and `truncation_direction` as
+    EmbeddingRequest's `truncate`: False, True (keep the first tokens) or "start" (keep the last)."""
+    if truncate is None:
+        return False
+    try:
+        on = lax_bool(truncate)
+    except ValueError as e:
+        raise APIError(400, f"invalid value for 'truncate': {e}", "truncate") from None
+    return ("start" if direction.lower() == "left" else True) if on else False
+
+
+def _nonempty(inputs, param: str = "inputs") -> None:
+    if not inputs:
+        raise APIError(400, f"'{param}' must not be empty", param, "empty")
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+
+
+@functools.cache
+def _labels(config_path: str, num_labels: int) -> dict[str, str]:
+    """A classifier's id2label from its config.json (transformers' LABEL_i where it names none)."""
+    try:
+        given = json.loads(open(config_path).read()).get("id2label") or {}
+    except (OSError, ValueError):
+        given = {}
+    return {str(i): str(given.get(str(i), f"LABEL_{i}")) for i in range(num_labels)}
+
+
+class _Peek(msgspec.Struct):
+    """What POST / reads before it dispatches: the model and whether `inputs` is an object."""
+
+    inputs: msgspec.Raw = msgspec.Raw(b"null")
+    model: str | None = None
+
+
+def routes(ctx: Context) -> Routes:
+    models = ctx.models
+    out = Routes()
+
+    async def tei_embed(body: bytes, stamp: Stamp) -> bytes:
+        """POST /embed: one float vector per input, L2-normalised with `normalize` (the default)."""
+        req = errors.parse_body(TEIEmbedRequest, body)
+        _nonempty(req.inputs)
+        model, info, result, _ = await embed(ctx, EmbeddingRequest(
+            input=req.inputs, model=req.model, truncate=_truncation(req.truncate, req.truncation_direction),
+            prompt_name=req.prompt_name), stamp)
+        if not req.normalize and info.normalized:
+            raise APIError(400, f"'{model.name}' normalises its embeddings (its sentence-transformers pipeline ends "
+                           "in Normalize): normalize false is not available for it", "normalize")
+        v = result.vectors
+        if req.dimensions is not None:  # TEI's order: the Matryoshka cut, then the norm
+            if not 1 <= req.dimensions <= info.embedding_dim:
+                raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
+                               "dimensions")
+            v = np.ascontiguousarray(v[:, :req.dimensions])  # orjson takes C-ordered arrays
+        if req.normalize and (req.dimensions is not None or not info.normalized):
+            v = _unit(v.astype(np.float64)).astype(np.float32)
+        return orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    async def tei_embed_sparse(body: bytes, stamp: Stamp) -> bytes:
+        """POST /embed_sparse: per input its nonzero weights by token id, [{"index", "value"}] in id order
+        (SPLADE's vocabulary weights, BGE-M3's lexical weights)."""
+        req = errors.parse_body(TEIEmbedRequest, body)
+        _nonempty(req.inputs)
+        model = models.get(req.model)
+        if tulip_pb2.OUTPUT_SPARSE not in (await model.info()).outputs:
+            raise APIError(400, f"'{model.name}' has no sparse output (SPLADE's, or BGE-M3's sparse head); use "
+                           "/embed", "model")
+        _, _, result, _ = await embed(ctx, EmbeddingRequest(
+            input=req.inputs, model=req.model, truncate=_truncation(req.truncate, req.truncation_direction),
+            prompt_name=req.prompt_name, return_sparse=True), stamp)
+        rows = []
+        for ids, weights in result.sparse:
+            order = np.argsort(ids, kind="stable")
+            rows.append([{"index": i, "value": w} for i, w in zip(ids[order].tolist(), weights[order].tolist())
+                         if w != 0])
+        return orjson.dumps(rows)
+
+    async def tei_rerank(body: bytes, stamp: Stamp) -> bytes:
+        """POST /rerank: [{"index", "score"(, "text")}], best first, as /v1/rerank scores them."""
+        req = errors.parse_body(TEIRerankRequest, body)
+        _nonempty(req.texts, "texts")
+        truncate = _truncation(req.truncate, req.truncation_direction)
+        if truncate == "start":
+            raise APIError(400, "truncation_direction 'left' is not available on /rerank: a pair over the maximum "
+                           "is cut on its longer side's end, as sentence-transformers' CrossEncoder cuts it",
+                           "truncation_direction")
+        _, order, scores, _ = await ranked(ctx, RerankRequest(
+            query=req.query, documents=req.texts, model=req.model, truncate=truncate, raw_scores=req.raw_scores))
+        return orjson.dumps([{"index": int(i), "score": float(scores[i]),
+                              **({"text": req.texts[i]} if req.return_text else {})} for i in order])
+
+    async def tei_similarity(body: bytes, stamp: Stamp) -> bytes:
+        """POST /similarity: the cosine of `source_sentence`'s embedding to each of `sentences`'."""
+        req = errors.parse_body(TEISimilarityRequest, body)
+        p = req.parameters or SimilarityParameters()
+        _nonempty(req.inputs.sentences, "inputs.sentences")
+        _, _, result, _ = await embed(ctx, EmbeddingRequest(
+            input=[req.inputs.source_sentence, *req.inputs.sentences], model=req.model,
+            truncate=_truncation(p.truncate, p.truncation_direction), prompt_name=p.prompt_name), stamp)
+        v = _unit(result.vectors.astype(np.float64))
+        return orjson.dumps((v[1:] @ v[0]).tolist())
+
+    async def tei_root(body: bytes, stamp: Stamp) -> bytes:
+        """POST /: what TEI's root serves for this model (see the module docstring)."""
+        try:
+            peek = msgspec.json.decode(body, type=_Peek)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return await tei_embed(body, stamp)  # its parse says what is wrong
+        info = await models.get(peek.model).info()
+        if info.num_labels:
+            return await tei_rerank(body, stamp)
+        if bytes(peek.inputs).startswith(b"{"):
+            return await tei_similarity(body, stamp)
+        if info.pooling == "splade":
+            return await tei_embed_sparse(body, stamp)
+        return await tei_embed(body, stamp)
+
+    out.post("/embed", _tei(tei_embed), TEIEmbedRequest)
+    out.post("/embed_sparse", _tei(tei_embed_sparse), TEIEmbedRequest)
+    out.post("/rerank", _tei(tei_rerank), TEIRerankRequest)
+    out.post("/similarity", _tei(tei_similarity), TEISimilarityRequest)
+    out.post("/", _tei(tei_root), TEIEmbedRequest)
+
+    @out.router.get("/info", name="tei_info")
+    async def tei_info():
+        """TEI's GET /info for the default model: its name, dtype, kind, limits."""
+        try:
+            return await _info(models.default, ctx)
+        except APIError as e:
+            raise TEIError(e) from None
+
+    return out
+
+
+async def _info(model: ServedModel, ctx: Context) -> dict:
+    info = await model.info()
+    if info.num_labels:
+        id2label = _labels(str(model.path / "config.json"), info.num_labels)
+        labels = {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
+        kind = {"reranker" if info.num_labels == 1 else "classifier": labels}
+    else:
+        kind = {"embedding": {"pooling": info.pooling}}
+    return {"model_id": model.name, "model_sha": None, "model_dtype": info.dtype, "served_model_name": model.name,
+            "model_type": kind, "max_concurrent_requests": None, "max_input_length": info.max_seq_len,
+            "max_batch_tokens": info.max_batch_tokens, "max_batch_requests": None,
+            "max_client_batch_size": ctx.cfg.max_inputs, "auto_truncate": False, "tokenization_workers": None,
+            "version": _version(), "sha": None, "docker_label": None}
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trellis")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
