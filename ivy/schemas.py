@@ -231,6 +231,21 @@ class TEIEmbedRequest(Body):
     dimensions: Union[int, None] = None
 
 
+class TEIPredictRequest(Body):
+    """TEI's POST /predict: a classifier's (a cross-encoder's) labels with their scores for `inputs`, a
+    text, a pair [text, text], or an array of [text] and [text, text]; softmax over several labels,
+    the sigmoid of one, or the logits with `raw_scores`."""
+
+    bools: ClassVar = ("raw_scores",)
+    input_kinds: ClassVar[str] = "a string, a pair [string, string], or an array of [string] and [string, string]"
+
+    inputs: Union[str, list[Union[str, list[str]]]]
+    model: Union[str, None] = None
+    truncate: Union[LaxBool, None] = None
+    truncation_direction: Direction = "right"
+    raw_scores: LaxBool = False
+
+
 class TEIRerankRequest(Body):
     """TEI's POST /rerank: `texts` ordered by their score against `query` (as /v1/rerank scores them);
     `return_text` echoes each text, `raw_scores` gives a cross-encoder's logits."""
@@ -284,6 +299,9 @@ def schema(model: type[Body]) -> dict:
         props["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
     if model is TEIEmbedRequest:
         props["inputs"] = _EMBEDDING_INPUT
+    if model is TEIPredictRequest:
+        seq = {"type": "array", "items": _STR, "minItems": 1, "maxItems": 2}
+        props["inputs"] = {"anyOf": [_STR, {**seq, "minItems": 2}, {"type": "array", "items": seq}]}
     if "weights" in props:
         props["weights"] = _WEIGHTS_SCHEMA  # inline: the document has no ScoreWeights component
     _inline(s, defs)

@@ -1,7 +1,7 @@
 """Hugging Face text-embeddings-inference's API on Ivy (`ivy/routes/tei.py`), real processes
 (deploy.local: the default all-MiniLM-L6-v2 and four tiny random models, each with its own Tulip):
 /embed against sentence-transformers (normalize, Matryoshka dimensions, prompt_name, truncation
-both ways, token ids), /embed_sparse against SPLADE's SparseEncoder, /rerank against
+both ways, token ids), /embed_sparse against SPLADE's SparseEncoder, /rerank and /predict against
 CrossEncoder.predict, /similarity against the cosine of encode(), GET /info, POST / dispatching as
 TEI's root does, TEI's error shape and statuses, and `huggingface_hub.InferenceClient` as the client."""
 
@@ -17,6 +17,7 @@ from tests.sentences import SENTENCES
 TEXTS = SENTENCES[:5]
 QUERY = "What is the capital of France?"
 LONG = " ".join(SENTENCES) * 3  # over every model's maximum here
+LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,15 @@ def tei(tmp_path_factory):
     refs = {"tiny-nomic": save_nomic_bert(tmp / "nomic"), "tiny-distil": save_distilbert(tmp / "distil"),
             "tiny-splade": save_splade(tmp / "splade")}
     ce_path, _ = save_cross_encoder("bert", tmp / "ce", max_length=64)
+    cls_path, _ = save_cross_encoder("bert", tmp / "cls", num_labels=3, seed=1, id2label=LABELS,
+                                     label2id={v: k for k, v in LABELS.items()})
     args = [a for name in refs for a in ("--add-model", f"{name}={tmp / name.removeprefix('tiny-')}")]
-    with local_stack("default", tmp, *args, "--add-model", f"tiny-reranker={ce_path}") as (url, proc):
+    with local_stack("default", tmp, *args, "--add-model", f"tiny-reranker={ce_path}",
+                     "--add-model", f"tiny-classifier={cls_path}") as (url, proc):
         from sentence_transformers import CrossEncoder
 
         refs["tiny-reranker"] = CrossEncoder(str(ce_path), device="cpu")
+        refs["tiny-classifier"] = CrossEncoder(str(cls_path), device="cpu")
         yield url, refs
     assert "Traceback" not in proc.output()
 
@@ -46,6 +51,12 @@ def close(got, want, tol=1e-4):
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=tol)
+
+
+def same(a, b):
+    """Two /predict rows: the same labels in the same order, scores to 1e-5 (batches differ in float32)."""
+    assert [r["label"] for r in a] == [r["label"] for r in b]
+    close([r["score"] for r in a], [r["score"] for r in b], 1e-5)
 
 
 def unit(v):
@@ -128,6 +139,40 @@ def test_rerank_against_cross_encoder(tei):
         [{k: v for k, v in r.items() if k != "text"} for r in got]  # TEI's root for a reranker
     err = post(url + "/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": []}, 400)
     assert err == {"error": "'texts' must not be empty", "error_type": "empty"}
+
+
+def test_predict_against_cross_encoder(tei):
+    """/predict as TEI scores: softmax over a classifier's labels, the sigmoid of a reranker's one,
+    labels by the model's id2label, best first; a text, a pair, or a batch of both."""
+    url, refs = tei
+    cls = refs["tiny-classifier"]
+    pairs = [[QUERY, d] for d in TEXTS]
+    logits = cls.predict(pairs, activation_fn=lambda x: x)
+    want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    assert want.std() > 0.01
+    got = post(url + "/predict", {"model": "tiny-classifier", "inputs": pairs})
+    assert len(got) == len(pairs)
+    for row, p in zip(got, want):
+        assert [r["label"] for r in row] == [LABELS[j] for j in np.argsort(-p, kind="stable")]
+        close([r["score"] for r in row], np.sort(p)[::-1])
+    one = post(url + "/predict", {"model": "tiny-classifier", "inputs": pairs[0]})  # one pair: one list
+    same(one, got[0])
+    raw = post(url + "/predict", {"model": "tiny-classifier", "inputs": pairs[0], "raw_scores": True})
+    close(sorted(r["score"] for r in raw), sorted(logits[0]))
+    import torch
+
+    with torch.no_grad():  # one text, no pair: the classifier's logits on the tokenizer's single template
+        single = cls.model(**cls.tokenizer([TEXTS[3]], return_tensors="pt")).logits.numpy()
+    batch = post(url + "/predict", {"model": "tiny-classifier", "inputs": [[TEXTS[3]], pairs[1]]})
+    close(sorted(r["score"] for r in batch[0]), sorted(np.exp(single[0]) / np.exp(single[0]).sum()))
+    same(batch[1], got[1])
+    for a, b in zip(post(url + "/", {"model": "tiny-classifier", "inputs": pairs}), got):  # TEI's root for it
+        same(a, b)
+    rer = post(url + "/predict", {"model": "tiny-reranker", "inputs": pairs[2]})
+    close([rer[0]["score"]], refs["tiny-reranker"].predict([pairs[2]]))
+    assert rer[0]["label"] == "LABEL_0"
+    assert post(url + "/predict", {"inputs": "x"}, 422)["error_type"] == "validation"  # MiniLM embeds
+    assert post(url + "/predict", {"model": "tiny-classifier", "inputs": ["a", "b", "c"]}, 422)
 
 
 def test_similarity_info_and_errors(tei, st_model):

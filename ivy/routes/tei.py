@@ -1,6 +1,7 @@
 """Hugging Face text-embeddings-inference's HTTP API (TEI), for callers written against it:
-POST /embed, /embed_sparse, /rerank, /similarity, GET /info, and POST / taking what TEI's root
-takes for the model served (a cross-encoder: rerank; SPLADE: sparse embeddings; a body with
+POST /embed, /embed_sparse, /rerank, /predict, /similarity, GET /info, and POST / taking what TEI's
+root takes for the model served (a cross-encoder: rerank, or predict for one with several labels;
+SPLADE: sparse embeddings; a body with
 similarity's `{"source_sentence", "sentences"}` inputs: similarity, as the Hub's sentence-similarity
 task sends it; else embeddings), so that `huggingface_hub.InferenceClient` pointed at Ivy works.
 
@@ -22,11 +23,11 @@ import orjson
 from ivy import errors
 from ivy.errors import APIError, TEIError
 from ivy.front import Handler, Stamp
-from ivy.routes.common import Context, Routes
+from ivy.routes.common import Context, Routes, tulip_call
 from ivy.routes.embeddings import embed
 from ivy.routes.scores import ranked
-from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIEmbedRequest, TEIRerankRequest,
-                         TEISimilarityRequest, lax_bool)
+from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIEmbedRequest, TEIPredictRequest,
+                         TEIRerankRequest, TEISimilarityRequest, lax_bool)
 from ivy.served import ServedModel
 from trellis.tulip.v1 import tulip_pb2
 
@@ -60,6 +61,11 @@ def _truncation(truncate, direction: str):
 def _nonempty(inputs, param: str = "inputs") -> None:
     if not inputs:
         raise APIError(400, f"'{param}' must not be empty", param, "empty")
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
 
 
 def _unit(v: np.ndarray) -> np.ndarray:
@@ -140,6 +146,50 @@ def routes(ctx: Context) -> Routes:
         return orjson.dumps([{"index": int(i), "score": float(scores[i]),
                               **({"text": req.texts[i]} if req.return_text else {})} for i in order])
 
+    async def tei_predict(body: bytes, stamp: Stamp) -> bytes:
+        """POST /predict: per input every label with its score, best first ([{"score", "label"}]; a batch:
+        one such list per input), as TEI scores them: softmax over several labels, the sigmoid of one."""
+        req = errors.parse_body(TEIPredictRequest, body)
+        _nonempty(req.inputs)
+        one = isinstance(req.inputs, str) or all(isinstance(t, str) for t in req.inputs)
+        items = [req.inputs] if one else req.inputs
+        items = [[t] if isinstance(t, str) else t for t in items]
+        for i, t in enumerate(items):
+            if not 1 <= len(t) <= 2 or not all(isinstance(x, str) and x for x in t):
+                raise APIError(400, f"input {i} must be a text or a pair [text, text] of non-empty texts", "inputs")
+        model = models.get(req.model)
+        model.check_room()
+        info = await model.info()
+        if not info.num_labels:
+            raise APIError(400, f"'{model.name}' is an embedding model: /predict needs a classifier (a "
+                           "*ForSequenceClassification model); use /embed", "model")
+        if _truncation(req.truncate, req.truncation_direction) == "start":
+            raise APIError(400, "truncation_direction 'left' is not available on /predict", "truncation_direction")
+        truncate = bool(_truncation(req.truncate, req.truncation_direction))
+        tok = model.tokenizer
+        pairs = [i for i, t in enumerate(items) if len(t) == 2]
+        singles = [i for i, t in enumerate(items) if len(t) == 1]
+        seqs: list = [None] * len(items)
+        starts = [0] * len(items)
+        if pairs:
+            got, got_starts = await tok.encode_pairs([items[i][0] for i in pairs], [items[i][1] for i in pairs],
+                                                     truncate, "inputs", "pair {}")
+            for i, s_, st in zip(pairs, got, got_starts):
+                seqs[i], starts[i] = s_, st
+        if singles:
+            for i, s_ in zip(singles, await tok.encode([items[i][0] for i in singles], truncate, param="inputs")):
+                seqs[i] = s_
+        opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=True)
+        result = await tulip_call(model.balancer.embed(seqs, opts))
+        ctx.metrics.tokens.labels(model.name).inc(int(sum(map(len, seqs))))
+        z = result.scores.astype(np.float64)
+        if not req.raw_scores:
+            z = 1 / (1 + np.exp(-z)) if z.shape[1] == 1 else _softmax(z)
+        labels = _labels(str(model.path / "config.json"), info.num_labels)
+        out = [[{"score": float(row[j]), "label": labels[str(j)]} for j in np.argsort(-row, kind="stable")]
+               for row in z]
+        return orjson.dumps(out[0] if one else out)
+
     async def tei_similarity(body: bytes, stamp: Stamp) -> bytes:
         """POST /similarity: the cosine of `source_sentence`'s embedding to each of `sentences`'."""
         req = errors.parse_body(TEISimilarityRequest, body)
@@ -158,8 +208,8 @@ def routes(ctx: Context) -> Routes:
         except (msgspec.ValidationError, msgspec.DecodeError):
             return await tei_embed(body, stamp)  # its parse says what is wrong
         info = await models.get(peek.model).info()
-        if info.num_labels:
-            return await tei_rerank(body, stamp)
+        if info.num_labels:  # TEI: a reranker (one label) reranks, a classifier predicts
+            return await (tei_rerank if info.num_labels == 1 else tei_predict)(body, stamp)
         if bytes(peek.inputs).startswith(b"{"):
             return await tei_similarity(body, stamp)
         if info.pooling == "splade":
@@ -169,6 +219,7 @@ def routes(ctx: Context) -> Routes:
     out.post("/embed", _tei(tei_embed), TEIEmbedRequest)
     out.post("/embed_sparse", _tei(tei_embed_sparse), TEIEmbedRequest)
     out.post("/rerank", _tei(tei_rerank), TEIRerankRequest)
+    out.post("/predict", _tei(tei_predict), TEIPredictRequest)
     out.post("/similarity", _tei(tei_similarity), TEISimilarityRequest)
     out.post("/", _tei(tei_root), TEIEmbedRequest)
 
