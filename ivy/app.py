@@ -2,9 +2,9 @@
 models (`ivy.served`), each routed by the request's `model` field.
 
 The routes live in `ivy/routes/`, one module per group (embeddings; rerank, /v2/rerank and score;
-tokenize; text-embeddings-inference's routes; models, health, ready, metrics); `ivy.front.Front` sits in front of them all (API keys,
-body limits, request ids, request counts labelled by the routes' own path templates, the hot POST
-routes from the raw body).
+tokenize; text-embeddings-inference's routes; models, health, ready, metrics); `ivy.front.Front`
+sits in front of them all (API keys, body limits, request ids, request counts labelled by the
+routes' own path templates, the hot POST routes from the raw body).
 """
 
 from __future__ import annotations

@@ -34,23 +34,23 @@ class APIError(Exception):
 
 class TEIError(APIError):
     """An error on a text-embeddings-inference route (ivy/routes/tei.py), in TEI's shape and statuses:
-    {"error": message, "error_type": kind}; a request TEI would call invalid is a 422 ("validation";
-    an empty batch: 400 "empty"), a full queue 429 ("overloaded"), no reachable replica 503
-    ("unhealthy"), a replica's failure 424 ("backend"); a deadline stays a 504, an unknown model a 404,
-    a request too large a 413 (both "validation" but the 504's "backend")."""
+    {"error": message, "error_type": kind}, the kind as TEI writes its ErrorType: a request TEI would
+    call invalid is a 422 ("Validation"; an empty batch: 400 "Empty"), a full queue 429 ("Overloaded"),
+    no reachable replica 503 ("Unhealthy"), a replica's failure 424 ("Backend"); a deadline stays a 504
+    ("Backend"), an unknown model a 404 and a request too large a 413 ("Validation")."""
 
     def __init__(self, e: APIError):
-        status, kind = e.status, "validation"
+        status, kind = e.status, "Validation"
         if status == 400:
-            status, kind = (400, "empty") if e.code == "empty" else (422, "validation")
+            status, kind = (400, "Empty") if e.code == "empty" else (422, "Validation")
         elif status == 429:
-            kind = "overloaded"
+            kind = "Overloaded"
         elif status == 503:
-            kind = "unhealthy"
+            kind = "Unhealthy"
         elif status == 502:
-            status, kind = 424, "backend"
+            status, kind = 424, "Backend"
         elif status >= 500:
-            kind = "backend"
+            kind = "Backend"
         super().__init__(status, e.message, e.param, e.code)
         self.kind = kind
 

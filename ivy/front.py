@@ -42,7 +42,8 @@ log = logging.getLogger("ivy")
 Stamp = Callable[[str], None]
 Handler = Callable[[bytes, Stamp], Awaitable[bytes]]
 JSON_HEADERS = [(b"content-type", b"application/json")]
-OPEN_PATHS = frozenset(("/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"))
+OPEN_PATHS = frozenset(("/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+                        "/ping"))  # and GET / (TEI's health routes; POST / needs a key): `Front.authorized`
 MAX_STAGE_RECORDS = 200_000
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
@@ -159,7 +160,8 @@ class Front:
 
     def authorized(self, scope) -> bool:
         """With API keys set, every path but the probes', the metrics' and the API documents' needs one."""
-        if not self.bearers or scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if not self.bearers or path in OPEN_PATHS or (path == "/" and scope["method"] in ("GET", "HEAD")):
             return True
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, key = got.partition(b" ")

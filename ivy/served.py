@@ -82,7 +82,8 @@ class ServedModel:
         return fn(*args) if chars <= self.cfg.tokenize_offload_chars else await asyncio.to_thread(fn, *args)
 
     async def text_sequences(self, texts: list[str], prefix: str, truncate: bool, param: str = "input",
-                             item: str | None = "input", stamp: Stamp = _no_stamp) -> tuple[list[np.ndarray], list[int]]:
+                             item: str | None = "input", stamp: Stamp = _no_stamp
+                             ) -> tuple[list[np.ndarray], list[int]]:
         """Token ids of texts with `prefix` (a prompt, `templates.prefix`) before each, and per text the
         leading prompt tokens pooling leaves out (empty unless the model's pooling has include_prompt: false)."""
         seqs = await self.tokenizer.encode([prefix + t for t in texts] if prefix else texts, truncate, param=param,

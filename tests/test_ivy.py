@@ -110,6 +110,7 @@ def test_api_keys(tulip_server, tmp_path):
             r = httpx.post(url + path, json={"inputs": "hi"}, headers={"Authorization": "Bearer k-two"})
             assert r.status_code == 200 and len(r.json()[0]) == 384
         assert httpx.get(url + "/info").status_code == 401 and httpx.get(url + "/openapi.json").status_code == 200
+        assert httpx.get(url + "/").status_code == 200 and httpx.get(url + "/ping").status_code == 200  # TEI's probes
     finally:
         proc.stop()
     assert "Traceback" not in proc.output()

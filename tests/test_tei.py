@@ -77,7 +77,7 @@ def test_embed_against_sentence_transformers(tei, st_model):
     close(post(url + "/embed", {"model": "tiny-distil", "inputs": TEXTS, "normalize": False, "dimensions": 16}),
           distil[:, :16])
     err = post(url + "/embed", {"inputs": TEXTS, "normalize": False}, 422)  # MiniLM's pipeline normalises
-    assert err["error_type"] == "validation" and "normalize" in err["error"]
+    assert err["error_type"] == "Validation" and "normalize" in err["error"]
 
 
 def test_embed_prompt_name_truncation_and_token_ids(tei, st_model):
@@ -97,7 +97,7 @@ def test_embed_prompt_name_truncation_and_token_ids(tei, st_model):
                                         "input_type": "query"}, 400)
     assert err["error"]["param"] == "prompt_name"
     err = post(url + "/embed", {"inputs": LONG}, 422)  # over the maximum, no truncate: TEI's 422
-    assert err["error_type"] == "validation" and "maximum" in err["error"]
+    assert err["error_type"] == "Validation" and "maximum" in err["error"]
     for direction, mode in (("right", True), ("Left", "start")):
         tei_v = post(url + "/embed", {"inputs": LONG, "truncate": True, "truncation_direction": direction})
         oa = post(url + "/v1/embeddings", {"input": LONG, "truncate": mode})["data"][0]["embedding"]
@@ -119,7 +119,7 @@ def test_embed_sparse_against_splade(tei):
         close([e["value"] for e in row], ref[idx])
     assert post(url + "/", {"model": "tiny-splade", "inputs": TEXTS[0]}) == got[:1]  # TEI's root for SPLADE
     err = post(url + "/embed_sparse", {"inputs": TEXTS}, 422)  # MiniLM has no sparse output
-    assert err["error_type"] == "validation" and "/embed" in err["error"]
+    assert err["error_type"] == "Validation" and "/embed" in err["error"]
 
 
 def test_rerank_against_cross_encoder(tei):
@@ -138,7 +138,7 @@ def test_rerank_against_cross_encoder(tei):
     assert post(url + "/", {"model": "tiny-reranker", "query": QUERY, "texts": TEXTS}) == \
         [{k: v for k, v in r.items() if k != "text"} for r in got]  # TEI's root for a reranker
     err = post(url + "/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": []}, 400)
-    assert err == {"error": "'texts' must not be empty", "error_type": "empty"}
+    assert err == {"error": "'texts' must not be empty", "error_type": "Empty"}
 
 
 def test_predict_against_cross_encoder(tei):
@@ -171,7 +171,7 @@ def test_predict_against_cross_encoder(tei):
     rer = post(url + "/predict", {"model": "tiny-reranker", "inputs": pairs[2]})
     close([rer[0]["score"]], refs["tiny-reranker"].predict([pairs[2]]))
     assert rer[0]["label"] == "LABEL_0"
-    assert post(url + "/predict", {"inputs": "x"}, 422)["error_type"] == "validation"  # MiniLM embeds
+    assert post(url + "/predict", {"inputs": "x"}, 422)["error_type"] == "Validation"  # MiniLM embeds
     assert post(url + "/predict", {"model": "tiny-classifier", "inputs": ["a", "b", "c"]}, 422)
 
 
@@ -185,10 +185,17 @@ def test_similarity_info_and_errors(tei, st_model):
     info = httpx.get(url + "/info").json()
     assert info["model_id"] == "all-MiniLM-L6-v2" and info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert info["max_input_length"] == 256 and info["model_dtype"] == "float32" and info["max_client_batch_size"] > 0
-    assert post(url + "/embed", {"inputs": []}, 400) == {"error": "'inputs' must not be empty", "error_type": "empty"}
-    assert post(url + "/embed", {"inputs": 5}, 422)["error_type"] == "validation"
-    assert post(url + "/embed", {"inputs": "x", "model": "nope"}, 404)["error_type"] == "validation"
+    assert post(url + "/embed", {"inputs": []}, 400) == {"error": "'inputs' must not be empty", "error_type": "Empty"}
+    assert post(url + "/embed", {"inputs": 5}, 422)["error_type"] == "Validation"
+    assert post(url + "/embed", {"inputs": "x", "model": "nope"}, 404)["error_type"] == "Validation"
     assert "error_type" in post(url + "/embed", {"text": "x"}, 422)
+    n = info["max_client_batch_size"]  # /rerank: the query is one of them
+    err = post(url + "/rerank", {"model": "tiny-reranker", "query": QUERY, "texts": ["a"] * n}, 422)
+    assert f"at most {n - 1}" in err["error"]
+    assert httpx.get(url + "/").status_code == 200 and httpx.get(url + "/ping").status_code == 200  # TEI's health
+    close(post(url + "/invocations", {"inputs": TEXTS}), st_model.encode(TEXTS))  # SageMaker's path: the root
+    oa = post(url + "/embeddings", {"input": TEXTS})  # TEI serves OpenAI's route unversioned too
+    close([d["embedding"] for d in oa["data"]], st_model.encode(TEXTS))
     spec = httpx.get(url + "/openapi.json").json()
     for path in ("/embed", "/embed_sparse", "/rerank", "/similarity", "/"):
         assert "requestBody" in spec["paths"][path]["post"], path

@@ -128,6 +128,7 @@ async def _scores(ctx: Context, model: ServedModel, queries: str | list[str], do
     return await _embedding_scores(ctx, model, [queries] if isinstance(queries, str) else queries, documents,
                                    instruction, truncate, weights, outputs, query_names, document_names)
 
+
 async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str], documents: list[str],
                             instruction: str | None, truncate: bool, weights: tuple[float, float, float] | None,
                             outputs: tuple[int, ...], query_names: tuple[str, str | None],
@@ -158,8 +159,9 @@ async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str]
                               np.array([maxsim(cb[i], [cb[nq + i]])[0] for i in range(nd)]))
     return seqs, total / sum(weights)
 
-async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
-                       raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
+
+async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str], documents: list[str],
+                       truncate: bool, raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
                        pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
     """A cross-encoder's scores: each (query, document) pair scored together, as
     sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores)."""
@@ -173,7 +175,6 @@ async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str
     opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
     result = await tulip_call(model.balancer.embed(seqs, opts))
     return seqs, result.scores[:, 0].astype(np.float64)
-
 
 
 def routes(ctx: Context) -> Routes:

@@ -76,10 +76,15 @@ def _unit(v: np.ndarray) -> np.ndarray:
 def _labels(config_path: str, num_labels: int) -> dict[str, str]:
     """A classifier's id2label from its config.json (transformers' LABEL_i where it names none)."""
     try:
-        given = json.loads(open(config_path).read()).get("id2label") or {}
-    except (OSError, ValueError):
-        given = {}
+        with open(config_path) as f:
+            given = json.load(f).get("id2label")
+    except (OSError, ValueError, AttributeError):
+        given = None
+    given = given if isinstance(given, dict) else {}
     return {str(i): str(given.get(str(i), f"LABEL_{i}")) for i in range(num_labels)}
+
+
+TEI_POOLING = {"last": "last_token"}  # Ivy's pooling names where TEI's differ
 
 
 class _Peek(msgspec.Struct):
@@ -97,17 +102,19 @@ def routes(ctx: Context) -> Routes:
         """POST /embed: one float vector per input, L2-normalised with `normalize` (the default)."""
         req = errors.parse_body(TEIEmbedRequest, body)
         _nonempty(req.inputs)
-        model, info, result, _ = await embed(ctx, EmbeddingRequest(
-            input=req.inputs, model=req.model, truncate=_truncation(req.truncate, req.truncation_direction),
-            prompt_name=req.prompt_name), stamp)
+        model = models.get(req.model)
+        info = await model.info()
         if not req.normalize and info.normalized:
             raise APIError(400, f"'{model.name}' normalises its embeddings (its sentence-transformers pipeline ends "
                            "in Normalize): normalize false is not available for it", "normalize")
+        if req.dimensions is not None and not 1 <= req.dimensions <= info.embedding_dim:
+            raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
+                           "dimensions")
+        _, _, result, _ = await embed(ctx, EmbeddingRequest(
+            input=req.inputs, model=req.model, truncate=_truncation(req.truncate, req.truncation_direction),
+            prompt_name=req.prompt_name), stamp)
         v = result.vectors
         if req.dimensions is not None:  # TEI's order: the Matryoshka cut, then the norm
-            if not 1 <= req.dimensions <= info.embedding_dim:
-                raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
-                               "dimensions")
             v = np.ascontiguousarray(v[:, :req.dimensions])  # orjson takes C-ordered arrays
         if req.normalize and (req.dimensions is not None or not info.normalized):
             v = _unit(v.astype(np.float64)).astype(np.float32)
@@ -136,6 +143,9 @@ def routes(ctx: Context) -> Routes:
         """POST /rerank: [{"index", "score"(, "text")}], best first, as /v1/rerank scores them."""
         req = errors.parse_body(TEIRerankRequest, body)
         _nonempty(req.texts, "texts")
+        if len(req.texts) >= ctx.cfg.max_inputs:
+            raise APIError(400, f"'texts' has {len(req.texts)} items; at most {ctx.cfg.max_inputs - 1} are accepted "
+                           "(with the query, max_client_batch_size texts in all)", "texts")
         truncate = _truncation(req.truncate, req.truncation_direction)
         if truncate == "start":
             raise APIError(400, "truncation_direction 'left' is not available on /rerank: a pair over the maximum "
@@ -222,6 +232,13 @@ def routes(ctx: Context) -> Routes:
     out.post("/predict", _tei(tei_predict), TEIPredictRequest)
     out.post("/similarity", _tei(tei_similarity), TEISimilarityRequest)
     out.post("/", _tei(tei_root), TEIEmbedRequest)
+    out.post("/invocations", _tei(tei_root), TEIEmbedRequest, name="tei_invocations")  # SageMaker's path
+
+    @out.router.get("/", name="tei_health")
+    @out.router.get("/ping", name="tei_ping")
+    async def tei_health():
+        """TEI's public health routes (GET / and /ping): the process is up, as /health."""
+        return {"status": "ok"}
 
     @out.router.get("/info", name="tei_info")
     async def tei_info():
@@ -241,7 +258,7 @@ async def _info(model: ServedModel, ctx: Context) -> dict:
         labels = {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
         kind = {"reranker" if info.num_labels == 1 else "classifier": labels}
     else:
-        kind = {"embedding": {"pooling": info.pooling}}
+        kind = {"embedding": {"pooling": TEI_POOLING.get(info.pooling, info.pooling)}}
     return {"model_id": model.name, "model_sha": None, "model_dtype": info.dtype, "served_model_name": model.name,
             "model_type": kind, "max_concurrent_requests": None, "max_input_length": info.max_seq_len,
             "max_batch_tokens": info.max_batch_tokens, "max_batch_requests": None,

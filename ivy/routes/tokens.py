@@ -17,8 +17,8 @@ def routes(ctx: Context) -> Routes:
         req = errors.parse_body(TokenizeRequest, body)
         model = ctx.models.get(req.model)
         inp = ctx.input_list(req.input)
-        seqs = await model.tokenizer.encode(model.templates.apply(inp, req.input_type, req.instruction, req.prompt_name), req.truncate,
-                                            check_length=False)
+        texts = model.templates.apply(inp, req.input_type, req.instruction, req.prompt_name)
+        seqs = await model.tokenizer.encode(texts, req.truncate, check_length=False)
         return orjson.dumps({"object": "list", "model": model.name, "max_model_len": model.tokenizer.max_len,
                              "data": [{"index": i, "tokens": s, "count": len(s)} for i, s in enumerate(seqs)]},
                             option=orjson.OPT_SERIALIZE_NUMPY)
