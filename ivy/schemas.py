@@ -261,6 +261,29 @@ class TEIRerankRequest(Body):
     return_text: LaxBool = False
 
 
+class TEITokenizeRequest(Body):
+    """TEI's POST /tokenize: each text's tokens (`prompt_name`'s prompt before it; special tokens with
+    `add_special_tokens`, the default) with their ids and byte offsets in the text."""
+
+    bools: ClassVar = ("add_special_tokens",)
+    input_kinds: ClassVar[str] = "a string or an array of strings"
+
+    inputs: Union[str, list[str]]
+    model: Union[str, None] = None
+    add_special_tokens: LaxBool = True
+    prompt_name: Union[str, None] = None
+
+
+class TEIDecodeRequest(Body):
+    """TEI's POST /decode: token ids (one sequence, or an array of them) back to text."""
+
+    bools: ClassVar = ("skip_special_tokens",)
+
+    ids: list[Union[int, list[int]]]
+    model: Union[str, None] = None
+    skip_special_tokens: LaxBool = True
+
+
 class SimilarityInputs(msgspec.Struct):
     source_sentence: str
     sentences: list[str]

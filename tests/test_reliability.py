@@ -309,7 +309,8 @@ def test_schema_driven_fuzzing_of_every_route_never_5xx(cluster):
     cases = list(_openapi_cases(spec))
     assert {p for _, p, _ in cases} >= {"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/score", "/v1/tokenize",
                                         "/v1/models", "/health", "/ready", "/metrics", "/", "/embed", "/embed_sparse",
-                                        "/rerank", "/predict", "/similarity", "/info"}
+                                        "/rerank", "/predict", "/similarity", "/tokenize", "/decode",
+                                        "/info"}
     counts: dict[str, dict[int, int]] = {}
     anything = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                             lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,

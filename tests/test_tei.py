@@ -1,9 +1,10 @@
 """Hugging Face text-embeddings-inference's API on Ivy (`ivy/routes/tei.py`), real processes
-(deploy.local: the default all-MiniLM-L6-v2 and four tiny random models, each with its own Tulip):
+(deploy.local: the default all-MiniLM-L6-v2 and five tiny random models, each with its own Tulip):
 /embed against sentence-transformers (normalize, Matryoshka dimensions, prompt_name, truncation
 both ways, token ids), /embed_sparse against SPLADE's SparseEncoder, /rerank and /predict against
-CrossEncoder.predict, /similarity against the cosine of encode(), GET /info, POST / dispatching as
-TEI's root does, TEI's error shape and statuses, and `huggingface_hub.InferenceClient` as the client."""
+CrossEncoder, /similarity against the cosine of encode(), /tokenize and /decode against the model's
+tokenizer, GET /info, POST / dispatching as TEI's root does, TEI's error shape and statuses, and
+`huggingface_hub.InferenceClient` as the client."""
 
 import httpx
 import numpy as np
@@ -175,6 +176,33 @@ def test_predict_against_cross_encoder(tei):
     assert post(url + "/predict", {"model": "tiny-classifier", "inputs": ["a", "b", "c"]}, 422)
 
 
+def test_tokenize_and_decode(tei, st_model):
+    """/tokenize: ids as the model's tokenizer gives them, each token's text at its byte offsets (a
+    non-ASCII text too), special tokens without offsets, prompts by name; /decode back to text."""
+    url, refs = tei
+    texts = ["Paris is the capital of France.", "Zürich ist größer als Genève, naïvement"]
+    got = post(url + "/tokenize", {"inputs": texts})
+    for text, toks in zip(texts, got):
+        assert [t["id"] for t in toks] == st_model.tokenizer(text)["input_ids"]
+        assert toks[0] == {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None}
+        body = [t for t in toks if not t["special"]]
+        assert len(body) == len(toks) - 2
+        raw = text.encode()
+        for t in body:
+            assert raw[t["start"]:t["stop"]].decode() == t["text"]
+        assert body[-1]["stop"] == len(raw)
+    assert "ö" in "".join(t["text"] for t in got[1])  # offsets in bytes landed on whole characters
+    one = post(url + "/tokenize", {"inputs": texts[0], "add_special_tokens": False})
+    assert [t["id"] for t in one[0]] == st_model.tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    nomic = post(url + "/tokenize", {"model": "tiny-nomic", "inputs": texts[0], "prompt_name": "query"})
+    assert [t["id"] for t in nomic[0]] == refs["tiny-nomic"].tokenizer("search_query: " + texts[0])["input_ids"]
+    ids = [[t["id"] for t in toks] for toks in got]
+    assert post(url + "/decode", {"ids": ids}) == [st_model.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    assert post(url + "/decode", {"ids": ids[0], "skip_special_tokens": False})[0].startswith("[CLS] paris")
+    assert post(url + "/decode", {"ids": [10 ** 6]}, 422)["error_type"] == "Validation"
+    assert post(url + "/decode", {"ids": []}, 400)["error_type"] == "Empty"
+
+
 def test_similarity_info_and_errors(tei, st_model):
     url, _ = tei
     body = {"inputs": {"source_sentence": QUERY, "sentences": TEXTS}}
@@ -197,7 +225,7 @@ def test_similarity_info_and_errors(tei, st_model):
     oa = post(url + "/embeddings", {"input": TEXTS})  # TEI serves OpenAI's route unversioned too
     close([d["embedding"] for d in oa["data"]], st_model.encode(TEXTS))
     spec = httpx.get(url + "/openapi.json").json()
-    for path in ("/embed", "/embed_sparse", "/rerank", "/similarity", "/"):
+    for path in ("/embed", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize", "/decode", "/"):
         assert "requestBody" in spec["paths"][path]["post"], path
     assert spec["paths"]["/embed"]["post"]["requestBody"]["content"]["application/json"]["schema"][
         "properties"]["normalize"] == {"type": "boolean", "default": True}

@@ -1,7 +1,7 @@
 """Hugging Face text-embeddings-inference's HTTP API (TEI), for callers written against it:
-POST /embed, /embed_sparse, /rerank, /predict, /similarity, GET /info, and POST / taking what TEI's
-root takes for the model served (a cross-encoder: rerank, or predict for one with several labels;
-SPLADE: sparse embeddings; a body with
+POST /embed, /embed_sparse, /rerank, /predict, /similarity, /tokenize, /decode, GET /info, and
+POST / (and /invocations) taking what TEI's root takes for the model served (a cross-encoder:
+rerank, or predict for one with several labels; SPLADE: sparse embeddings; a body with
 similarity's `{"source_sentence", "sentences"}` inputs: similarity, as the Hub's sentence-similarity
 task sends it; else embeddings), so that `huggingface_hub.InferenceClient` pointed at Ivy works.
 
@@ -26,8 +26,8 @@ from ivy.front import Handler, Stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.routes.embeddings import embed
 from ivy.routes.scores import ranked
-from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIEmbedRequest, TEIPredictRequest,
-                         TEIRerankRequest, TEISimilarityRequest, lax_bool)
+from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIDecodeRequest, TEIEmbedRequest,
+                         TEIPredictRequest, TEIRerankRequest, TEISimilarityRequest, TEITokenizeRequest, lax_bool)
 from ivy.served import ServedModel
 from trellis.tulip.v1 import tulip_pb2
 
@@ -211,6 +211,40 @@ def routes(ctx: Context) -> Routes:
         v = _unit(result.vectors.astype(np.float64))
         return orjson.dumps((v[1:] @ v[0]).tolist())
 
+    async def tei_tokenize(body: bytes, stamp: Stamp) -> bytes:
+        """POST /tokenize: per text its tokens, [{"id", "text", "special", "start", "stop"}] (start / stop:
+        byte offsets in the text with its prompt; null for special tokens, whose text is the token's)."""
+        req = errors.parse_body(TEITokenizeRequest, body)
+        texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        _nonempty(texts)
+        ctx.check_count(len(texts), "inputs")
+        model = models.get(req.model)
+        texts = model.templates.apply(texts, None, None, req.prompt_name)
+        encode = functools.partial(model.tokenizer.exact.encode_batch, add_special_tokens=req.add_special_tokens)
+        out = []
+        for text, enc in zip(texts, await model.offload(sum(map(len, texts)), encode, texts)):
+            at = np.cumsum([0, *(len(c.encode()) for c in text)]).tolist()  # a character's byte offset
+            out.append([{"id": i, "text": tok, "special": True, "start": None, "stop": None} if special else
+                        {"id": i, "text": text[a:b], "special": False, "start": at[a], "stop": at[b]}
+                        for i, (a, b), special, tok in zip(enc.ids, enc.offsets, enc.special_tokens_mask,
+                                                            enc.tokens)])
+        return orjson.dumps(out)
+
+    async def tei_decode(body: bytes, stamp: Stamp) -> bytes:
+        """POST /decode: one text per sequence of ids."""
+        req = errors.parse_body(TEIDecodeRequest, body)
+        _nonempty(req.ids, "ids")
+        one = all(isinstance(i, int) for i in req.ids)
+        seqs = [req.ids] if one else [[i] if isinstance(i, int) else i for i in req.ids]
+        ctx.check_count(len(seqs), "ids")
+        model = models.get(req.model)
+        vocab = model.spec.vocab_size
+        for n, ids in enumerate(seqs):
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"ids {n} has token id {bad}, outside the vocabulary [0, {vocab})", "ids")
+        return orjson.dumps(model.tokenizer.exact.decode_batch(seqs, skip_special_tokens=req.skip_special_tokens))
+
     async def tei_root(body: bytes, stamp: Stamp) -> bytes:
         """POST /: what TEI's root serves for this model (see the module docstring)."""
         try:
@@ -231,6 +265,8 @@ def routes(ctx: Context) -> Routes:
     out.post("/rerank", _tei(tei_rerank), TEIRerankRequest)
     out.post("/predict", _tei(tei_predict), TEIPredictRequest)
     out.post("/similarity", _tei(tei_similarity), TEISimilarityRequest)
+    out.post("/tokenize", _tei(tei_tokenize), TEITokenizeRequest)
+    out.post("/decode", _tei(tei_decode), TEIDecodeRequest)
     out.post("/", _tei(tei_root), TEIEmbedRequest)
     out.post("/invocations", _tei(tei_root), TEIEmbedRequest, name="tei_invocations")  # SageMaker's path
 
