@@ -214,8 +214,9 @@ Direction = Literal["right", "left", "Right", "Left"]
 
 class TEIEmbedRequest(Body):
     """TEI's POST /embed (and /embed_sparse, which takes no `normalize` / `dimensions`): `inputs` a
-    text, token ids, or an array of either; `truncate` cuts an input over the model's maximum instead
-    of answering 422, keeping its first tokens (`truncation_direction` "right") or its last ("left");
+    text, token ids, or an array of either; `truncate` (absent: true, TEI's --auto-truncate default) cuts
+    an input over the model's maximum instead of answering 422, keeping its first tokens
+    (`truncation_direction` "right") or its last ("left");
     `prompt_name` a key of the model's prompts; `normalize` L2-normalises each vector (after the
     Matryoshka cut to `dimensions`)."""
 
@@ -339,7 +340,8 @@ def _inline(node, defs: dict) -> None:
             node.update(defs[node.pop("$ref").rsplit("/", 1)[-1]])
         props = node.get("properties", {})
         if "truncate" in props and "anyOf" in props["truncate"] and {"type": "null"} in props["truncate"]["anyOf"]:
-            props["truncate"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None}
+            props["truncate"] = {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None,
+                                 "description": "absent or null: true (TEI's --auto-truncate default)"}
         for v in node.values():
             _inline(v, defs)
     elif isinstance(node, list):

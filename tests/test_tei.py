@@ -97,13 +97,13 @@ def test_embed_prompt_name_truncation_and_token_ids(tei, st_model):
     err = post(url + "/v1/embeddings", {"model": "tiny-nomic", "input": TEXTS, "prompt_name": "query",
                                         "input_type": "query"}, 400)
     assert err["error"]["param"] == "prompt_name"
-    err = post(url + "/embed", {"inputs": LONG}, 422)  # over the maximum, no truncate: TEI's 422
+    err = post(url + "/embed", {"inputs": LONG, "truncate": False}, 422)  # over the maximum: TEI's 422
     assert err["error_type"] == "Validation" and "maximum" in err["error"]
     for direction, mode in (("right", True), ("Left", "start")):
         tei_v = post(url + "/embed", {"inputs": LONG, "truncate": True, "truncation_direction": direction})
         oa = post(url + "/v1/embeddings", {"input": LONG, "truncate": mode})["data"][0]["embedding"]
         close(tei_v, [oa], 1e-6)
-    close(post(url + "/embed", {"inputs": LONG, "truncate": True}), st_model.encode([LONG]))  # ST keeps the start
+    close(post(url + "/embed", {"inputs": LONG}), st_model.encode([LONG]))  # TEI's default: cut, ST keeps the start
     ids = st_model.tokenizer(TEXTS[1])["input_ids"]
     close(post(url + "/embed", {"inputs": ids}), st_model.encode(TEXTS[1:2]))  # token ids: one sequence
     close(post(url + "/embed", {"inputs": [ids, ids]}), st_model.encode(TEXTS[1:2])[[0, 0]])

@@ -47,12 +47,10 @@ def _tei(handler: Handler) -> Handler:
 
 
 def _truncation(truncate, direction: str):
-    """TEI's `truncate` (absent: off, as TEI without --auto-truncate) and `truncation_direction` as
+    """TEI's `truncate` (absent: on, as TEI's --auto-truncate defaults) and `truncation_direction` as
     EmbeddingRequest's `truncate`: False, True (keep the first tokens) or "start" (keep the last)."""
-    if truncate is None:
-        return False
     try:
-        on = lax_bool(truncate)
+        on = True if truncate is None else lax_bool(truncate)
     except ValueError as e:
         raise APIError(400, f"invalid value for 'truncate': {e}", "truncate") from None
     return ("start" if direction.lower() == "left" else True) if on else False
@@ -173,9 +171,9 @@ def routes(ctx: Context) -> Routes:
         if not info.num_labels:
             raise APIError(400, f"'{model.name}' is an embedding model: /predict needs a classifier (a "
                            "*ForSequenceClassification model); use /embed", "model")
-        if _truncation(req.truncate, req.truncation_direction) == "start":
+        truncate = _truncation(req.truncate, req.truncation_direction)
+        if truncate == "start":
             raise APIError(400, "truncation_direction 'left' is not available on /predict", "truncation_direction")
-        truncate = bool(_truncation(req.truncate, req.truncation_direction))
         tok = model.tokenizer
         pairs = [i for i, t in enumerate(items) if len(t) == 2]
         singles = [i for i, t in enumerate(items) if len(t) == 1]
@@ -298,7 +296,7 @@ async def _info(model: ServedModel, ctx: Context) -> dict:
     return {"model_id": model.name, "model_sha": None, "model_dtype": info.dtype, "served_model_name": model.name,
             "model_type": kind, "max_concurrent_requests": None, "max_input_length": info.max_seq_len,
             "max_batch_tokens": info.max_batch_tokens, "max_batch_requests": None,
-            "max_client_batch_size": ctx.cfg.max_inputs, "auto_truncate": False, "tokenization_workers": None,
+            "max_client_batch_size": ctx.cfg.max_inputs, "auto_truncate": True, "tokenization_workers": None,
             "version": _version(), "sha": None, "docker_label": None}
 
 
