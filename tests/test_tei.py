@@ -24,7 +24,8 @@ LABELS = {0: "contradiction", 1: "entailment", 2: "neutral"}
 @pytest.fixture(scope="module")
 def tei(tmp_path_factory):
     """Yields (Ivy URL, {name: reference}) for the default model and tiny-nomic (prompts, normalised),
-    tiny-distil (mean pooling, not normalised), tiny-splade and tiny-reranker (a BERT cross-encoder)."""
+    tiny-distil (mean pooling, not normalised), tiny-splade, tiny-reranker (a BERT cross-encoder) and
+    tiny-classifier (one with three labels)."""
     tmp = tmp_path_factory.mktemp("tei")
     refs = {"tiny-nomic": save_nomic_bert(tmp / "nomic"), "tiny-distil": save_distilbert(tmp / "distil"),
             "tiny-splade": save_splade(tmp / "splade")}
@@ -201,6 +202,9 @@ def test_tokenize_and_decode(tei, st_model):
     assert post(url + "/decode", {"ids": ids[0], "skip_special_tokens": False})[0].startswith("[CLS] paris")
     assert post(url + "/decode", {"ids": [10 ** 6]}, 422)["error_type"] == "Validation"
     assert post(url + "/decode", {"ids": []}, 400)["error_type"] == "Empty"
+    assert post(url + "/decode", {"ids": [[101], []]}, 400)["error_type"] == "Empty"
+    assert post(url + "/decode", {"ids": [101, [102]]}, 422)["error_type"] == "Validation"  # not a mix
+    assert post(url + "/tokenize", {"inputs": ["a", ""]}, 400)["error_type"] == "Empty"
 
 
 def test_similarity_info_and_errors(tei, st_model):
@@ -212,6 +216,13 @@ def test_similarity_info_and_errors(tei, st_model):
     close(post(url + "/", body), want)  # the Hub's sentence-similarity payload at the root
     info = httpx.get(url + "/info").json()
     assert info["model_id"] == "all-MiniLM-L6-v2" and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    assert info["auto_truncate"] is True  # every TEI route cuts a long input unless told not to:
+    close(post(url + "/similarity", {"inputs": {"source_sentence": LONG, "sentences": TEXTS}}),
+          unit(v[1:]) @ unit(st_model.encode([LONG])[0]))
+    long_pair = {"model": "tiny-reranker", "query": QUERY, "texts": [LONG, TEXTS[0]]}
+    assert len(post(url + "/rerank", long_pair)) == 2
+    assert post(url + "/rerank", {**long_pair, "truncate": False}, 422)["error_type"] == "Validation"
+    assert len(post(url + "/predict", {"model": "tiny-reranker", "inputs": [QUERY, LONG]})) == 1
     assert info["max_input_length"] == 256 and info["model_dtype"] == "float32" and info["max_client_batch_size"] > 0
     assert post(url + "/embed", {"inputs": []}, 400) == {"error": "'inputs' must not be empty", "error_type": "Empty"}
     assert post(url + "/embed", {"inputs": 5}, 422)["error_type"] == "Validation"
@@ -222,8 +233,6 @@ def test_similarity_info_and_errors(tei, st_model):
     assert f"at most {n - 1}" in err["error"]
     assert httpx.get(url + "/").status_code == 200 and httpx.get(url + "/ping").status_code == 200  # TEI's health
     close(post(url + "/invocations", {"inputs": TEXTS}), st_model.encode(TEXTS))  # SageMaker's path: the root
-    oa = post(url + "/embeddings", {"input": TEXTS})  # TEI serves OpenAI's route unversioned too
-    close([d["embedding"] for d in oa["data"]], st_model.encode(TEXTS))
     spec = httpx.get(url + "/openapi.json").json()
     for path in ("/embed", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize", "/decode", "/"):
         assert "requestBody" in spec["paths"][path]["post"], path

@@ -112,5 +112,4 @@ def routes(ctx: Context) -> Routes:
         return reply
 
     out.post("/v1/embeddings", embeddings, EmbeddingRequest)
-    out.post("/embeddings", embeddings, EmbeddingRequest, name="embeddings_unversioned")  # as TEI serves it too
     return out

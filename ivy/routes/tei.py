@@ -5,8 +5,9 @@ rerank, or predict for one with several labels; SPLADE: sparse embeddings; a bod
 similarity's `{"source_sentence", "sentences"}` inputs: similarity, as the Hub's sentence-similarity
 task sends it; else embeddings), so that `huggingface_hub.InferenceClient` pointed at Ivy works.
 
-Each is the work of the OpenAI-shaped route (`embeddings.embed`, `scores.ranked`) with TEI's body,
-reply and errors (`ivy.errors.TEIError`: {"error", "error_type"}, 422 for what TEI calls invalid).
+The embedding and scoring routes do the work of the OpenAI-shaped ones (`embeddings.embed`,
+`scores.ranked`), /tokenize and /decode the model's tokenizer.json's; each with TEI's body, reply and
+errors (`ivy.errors.TEIError`: {"error", "error_type"}, 422 for what TEI calls invalid).
 `model` (an extension) routes a request to a served model; absent, the default one.
 """
 
@@ -80,6 +81,18 @@ def _labels(config_path: str, num_labels: int) -> dict[str, str]:
         given = None
     given = given if isinstance(given, dict) else {}
     return {str(i): str(given.get(str(i), f"LABEL_{i}")) for i in range(num_labels)}
+
+
+def _tokens(tokenizer, add_special_tokens: bool, texts: list[str]) -> bytes:
+    """/tokenize's reply for `texts` (with their prompts): TEI's tokens, offsets in bytes."""
+    out = []
+    for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)):
+        at = None if text.isascii() else np.cumsum([0, *(len(c.encode()) for c in text)]).tolist()
+        out.append([{"id": i, "text": tok, "special": True, "start": None, "stop": None} if special else
+                    {"id": i, "text": text[a:b], "special": False, "start": a if at is None else at[a],
+                     "stop": b if at is None else at[b]}
+                    for i, (a, b), special, tok in zip(enc.ids, enc.offsets, enc.special_tokens_mask, enc.tokens)])
+    return orjson.dumps(out)
 
 
 TEI_POOLING = {"last": "last_token"}  # Ivy's pooling names where TEI's differ
@@ -215,33 +228,34 @@ def routes(ctx: Context) -> Routes:
         req = errors.parse_body(TEITokenizeRequest, body)
         texts = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         _nonempty(texts)
+        if not all(texts):
+            raise APIError(400, f"input {texts.index('')} is an empty string", "inputs", "empty")
         ctx.check_count(len(texts), "inputs")
         model = models.get(req.model)
         texts = model.templates.apply(texts, None, None, req.prompt_name)
-        encode = functools.partial(model.tokenizer.exact.encode_batch, add_special_tokens=req.add_special_tokens)
-        out = []
-        for text, enc in zip(texts, await model.offload(sum(map(len, texts)), encode, texts)):
-            at = np.cumsum([0, *(len(c.encode()) for c in text)]).tolist()  # a character's byte offset
-            out.append([{"id": i, "text": tok, "special": True, "start": None, "stop": None} if special else
-                        {"id": i, "text": text[a:b], "special": False, "start": at[a], "stop": at[b]}
-                        for i, (a, b), special, tok in zip(enc.ids, enc.offsets, enc.special_tokens_mask,
-                                                            enc.tokens)])
-        return orjson.dumps(out)
+        tokens = functools.partial(_tokens, model.tokenizer.exact, req.add_special_tokens)
+        return await model.offload(sum(map(len, texts)), tokens, texts)
 
     async def tei_decode(body: bytes, stamp: Stamp) -> bytes:
-        """POST /decode: one text per sequence of ids."""
+        """POST /decode: one text per sequence of ids (one sequence, or an array of them)."""
         req = errors.parse_body(TEIDecodeRequest, body)
         _nonempty(req.ids, "ids")
-        one = all(isinstance(i, int) for i in req.ids)
-        seqs = [req.ids] if one else [[i] if isinstance(i, int) else i for i in req.ids]
+        kinds = {type(i) for i in req.ids}
+        if len(kinds) != 1:
+            raise APIError(400, "'ids' must be token ids or an array of token-id arrays, not a mix", "ids")
+        seqs = [req.ids] if int in kinds else req.ids
         ctx.check_count(len(seqs), "ids")
         model = models.get(req.model)
         vocab = model.spec.vocab_size
         for n, ids in enumerate(seqs):
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"ids {n} has token id {bad}, outside the vocabulary [0, {vocab})", "ids")
-        return orjson.dumps(model.tokenizer.exact.decode_batch(seqs, skip_special_tokens=req.skip_special_tokens))
+            if not ids:
+                raise APIError(400, f"ids {n} is empty", "ids", "empty")
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= vocab:
+                raise APIError(400, f"ids {n} has token id {lo if lo < 0 else hi}, outside the vocabulary "
+                               f"[0, {vocab})", "ids")
+        decode = functools.partial(model.tokenizer.exact.decode_batch, skip_special_tokens=req.skip_special_tokens)
+        return orjson.dumps(await model.offload(sum(map(len, seqs)) * 4, decode, seqs))
 
     async def tei_root(body: bytes, stamp: Stamp) -> bytes:
         """POST /: what TEI's root serves for this model (see the module docstring)."""
