@@ -1,8 +1,8 @@
 """Ivy's outermost ASGI layer: API keys, body limits and request counts for every route, and the
 hot POST routes (/v1/embeddings, /v1/rerank, /v2/rerank, /v1/score, /v1/tokenize, and
 text-embeddings-inference's POST routes, ivy/routes/tei.py) answered from the raw body before
-FastAPI's middleware stack, router and Request objects (their FastAPI routes stay registered, so OpenAPI and /docs describe them, and they run the same handler). Everything else
-goes to FastAPI.
+FastAPI's middleware stack, router and Request objects (their FastAPI routes stay registered, so
+OpenAPI and /docs describe them, and they run the same handler). Everything else goes to FastAPI.
 
 A fast handler takes (body bytes, stamp) and returns the JSON bytes of a 200, or raises APIError;
 the response goes out as one start and one body message. With IVY_STAGES=PATH set, every fast
