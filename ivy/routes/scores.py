@@ -58,14 +58,15 @@ def maxsim(q: np.ndarray, docs: list[np.ndarray]) -> np.ndarray:
     keep = [i for i, d in enumerate(docs) if len(d)]
     if not len(q) or not keep:
         return out
-    flat = _unit(np.concatenate([docs[i] for i in keep]))
+    flat = unit(np.concatenate([docs[i] for i in keep]))
     starts = np.cumsum([0] + [len(docs[i]) for i in keep[:-1]])
-    sims = _unit(q) @ flat.T  # [query vectors, every document's vectors]
+    sims = unit(q) @ flat.T  # [query vectors, every document's vectors]
     out[keep] = np.maximum.reduceat(sims, starts, axis=1).mean(0)
     return out
 
 
-def _unit(v: np.ndarray) -> np.ndarray:
+def unit(v: np.ndarray) -> np.ndarray:
+    """Rows (the last axis) L2-normalised, in float64."""
     v = v.astype(np.float64)
     return v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
 
@@ -143,7 +144,7 @@ async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str]
     pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
     seqs = q + d
     result = await tulip_call(model.balancer.embed(seqs, ctx.options(pool_from=pool_from, outputs=outputs)))
-    v = _unit(result.vectors)
+    v = unit(result.vectors)
     dense = (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
     if weights is None:
         return seqs, dense

@@ -26,7 +26,7 @@ from ivy.errors import APIError, TEIError
 from ivy.front import Handler, Stamp
 from ivy.routes.common import Context, Routes, tulip_call
 from ivy.routes.embeddings import embed
-from ivy.routes.scores import ranked
+from ivy.routes.scores import ranked, unit
 from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIDecodeRequest, TEIEmbedRequest,
                          TEIPredictRequest, TEIRerankRequest, TEISimilarityRequest, TEITokenizeRequest, lax_bool)
 from ivy.served import ServedModel
@@ -65,10 +65,6 @@ def _nonempty(inputs, param: str = "inputs") -> None:
 def _softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max(axis=1, keepdims=True))
     return e / e.sum(axis=1, keepdims=True)
-
-
-def _unit(v: np.ndarray) -> np.ndarray:
-    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
 
 
 @functools.cache
@@ -128,7 +124,7 @@ def routes(ctx: Context) -> Routes:
         if req.dimensions is not None:  # TEI's order: the Matryoshka cut, then the norm
             v = np.ascontiguousarray(v[:, :req.dimensions])  # orjson takes C-ordered arrays
         if req.normalize and (req.dimensions is not None or not info.normalized):
-            v = _unit(v.astype(np.float64)).astype(np.float32)
+            v = unit(v).astype(np.float32)
         return orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def tei_embed_sparse(body: bytes, stamp: Stamp) -> bytes:
@@ -219,7 +215,7 @@ def routes(ctx: Context) -> Routes:
         _, _, result, _ = await embed(ctx, EmbeddingRequest(
             input=[req.inputs.source_sentence, *req.inputs.sentences], model=req.model,
             truncate=_truncation(p.truncate, p.truncation_direction), prompt_name=p.prompt_name), stamp)
-        v = _unit(result.vectors.astype(np.float64))
+        v = unit(result.vectors)
         return orjson.dumps((v[1:] @ v[0]).tolist())
 
     async def tei_tokenize(body: bytes, stamp: Stamp) -> bytes:
