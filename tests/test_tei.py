@@ -175,6 +175,8 @@ def test_predict_against_cross_encoder(tei):
     assert rer[0]["label"] == "LABEL_0"
     assert post(url + "/predict", {"inputs": "x"}, 422)["error_type"] == "Validation"  # MiniLM embeds
     assert post(url + "/predict", {"model": "tiny-classifier", "inputs": ["a", "b", "c"]}, 422)
+    n = httpx.get(url + "/info").json()["max_client_batch_size"]  # the input limit holds here too
+    assert "at most" in post(url + "/predict", {"model": "tiny-classifier", "inputs": [["a"]] * (n + 1)}, 422)["error"]
 
 
 def test_tokenize_and_decode(tei, st_model):

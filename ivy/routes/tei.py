@@ -171,6 +171,7 @@ def routes(ctx: Context) -> Routes:
         one = isinstance(req.inputs, str) or all(isinstance(t, str) for t in req.inputs)
         items = [req.inputs] if one else req.inputs
         items = [[t] if isinstance(t, str) else t for t in items]
+        ctx.check_count(len(items), "inputs")
         for i, t in enumerate(items):
             if not 1 <= len(t) <= 2 or not all(isinstance(x, str) and x for x in t):
                 raise APIError(400, f"input {i} must be a text or a pair [text, text] of non-empty texts", "inputs")
