@@ -67,9 +67,12 @@ RETRY_AFTER = {429: "1", 503: "1"}  # seconds a client should wait before it tri
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
+    return _response(status, error_body(status, message, param, code))
+
+
+def _response(status: int, body: bytes) -> Response:
     headers = {"Retry-After": RETRY_AFTER[status]} if status in RETRY_AFTER else None
-    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json",
-                    headers=headers)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 # gRPC status from a Tulip -> HTTP status for our caller.
@@ -154,8 +157,7 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
 
 
 async def _api_error_handler(request: Request, exc: APIError) -> Response:
-    headers = {"Retry-After": RETRY_AFTER[exc.status]} if exc.status in RETRY_AFTER else None
-    return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
+    return _response(exc.status, exc.body())
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:

@@ -192,7 +192,7 @@ class ScoreRequest(Body):
 
 
 class TokenizeRequest(Body):
-    """POST /tokenize: the token ids the model would see for each text (special tokens and, with
+    """POST /v1/tokenize: the token ids the model would see for each text (special tokens and, with
     `input_type` / `instruction`, the prompt included), and their count. Texts longer than the
     model's maximum are counted whole unless `truncate` is set."""
 
