@@ -36,7 +36,8 @@ class ServedModel:
         self.path = resolve_model_path(mc.model)
         self.spec = ModelSpec.read(self.path)
         self.name = mc.name or default_served_name(mc.model, self.path)
-        self.tokenizer = TextTokenizer(self.path, self.spec.max_seq_len, cfg.tokenize_offload_chars)
+        self.tokenizer = TextTokenizer(self.path, self.spec.max_seq_len, cfg.tokenize_offload_chars,
+                                       chat_template=self.spec.chat_template, message_format=self.spec.message_format)
         self.templates = Templates(self.spec.prompts, Path(mc.prompts_file) if mc.prompts_file else None)
         # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)
         self.pool_without_prompt = self.spec.pooling != "last" and not self.spec.include_prompt

@@ -132,9 +132,11 @@ class TextTokenizer:
     """Turns texts into token-id arrays, exactly, or truncated to `max_len` on request.
 
     `backend`: "auto" (ivy.native where it applies and is token-exact, else tokenizers), "native"
-    or "tokenizers"."""
+    or "tokenizers". `chat_template` (with its `message_format`): a cross-encoder's pairs are rendered
+    by it (`ivy.chat`) instead of going through the pair template."""
 
-    def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto"):
+    def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto",
+                 chat_template: str = "", message_format: str = "flat"):
         path = Path(model_path) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_path} has no tokenizer.json")
@@ -164,6 +166,11 @@ class TextTokenizer:
                     self._pair_wrap = None
                     break
         self._special = {i for i, t in self.exact.get_added_tokens_decoder().items() if t.special}
+        self.chat = None
+        if chat_template:
+            from ivy.chat import ChatPairs, special_tokens
+
+            self.chat = ChatPairs(chat_template, message_format, self.exact, max_len, special_tokens(Path(model_path)))
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
 
@@ -212,21 +219,29 @@ class TextTokenizer:
         return seqs, starts
 
     async def encode_pairs(self, query: str | list[str], documents: list[str], truncate: bool,
-                           param: str = "documents", item: str = "document {} with the query"
-                           ) -> tuple[list[np.ndarray], list[int]]:
+                           param: str = "documents", item: str = "document {} with the query",
+                           instruction: str | None = None) -> tuple[list[np.ndarray], list[int]]:
         """A cross-encoder's (query, document) pairs as the tokenizer's pair template builds them
         (`tokenizer(query, document)`: `[CLS] q [SEP] d [SEP]`, `<s> q </s></s> d </s>`), and per pair
         where token type 1 starts (0: the template types every token 0). `query`: one for every
         document, or one per document (pairwise). With `truncate` the pair is cut to the maximum
         longest side first (`truncation="longest_first"`, as sentence-transformers' CrossEncoder cuts
         it: in practice the document); without, a longer pair is a 400 for `param` naming it as
-        `item.format(i)`."""
-        if not self.pair_boundary:
-            raise APIError(400, "this model's tokenizer types a pair's tokens other than as two segments; "
-                           "it cannot score pairs", "model")
+        `item.format(i)`. A model with a chat template (`chat`) renders each pair by it instead, with
+        `instruction` as its system message, one segment each."""
         queries = [query] * len(documents) if isinstance(query, str) else query
         pairs = list(zip(queries, documents))
-        if sum(map(len, queries)) + sum(map(len, documents)) <= self.offload_chars:
+        chars = sum(map(len, queries)) + sum(map(len, documents))
+        if self.chat is not None:
+            try:
+                seqs = await self._chat_pairs(pairs, truncate, instruction, chars)
+            except ValueError as e:
+                raise APIError(400, str(e), param) from None
+            starts = [0] * len(seqs)
+        elif not self.pair_boundary:
+            raise APIError(400, "this model's tokenizer types a pair's tokens other than as two segments; "
+                           "it cannot score pairs", "model")
+        elif chars <= self.offload_chars:
             seqs, starts = self._pairs(pairs, truncate)
         else:  # `tokenizers` releases the GIL: off the event loop
             seqs, starts = await asyncio.to_thread(self._pairs_exact, pairs, truncate)
@@ -237,6 +252,12 @@ class TextTokenizer:
                                    f"maximum of {self.max_len}; shorten it or send \"truncate\": true",
                                    param, "context_length_exceeded")
         return seqs, starts
+
+    async def _chat_pairs(self, pairs: list[tuple[str, str]], truncate: bool, instruction: str | None,
+                          chars: int) -> list[np.ndarray]:
+        if chars <= self.offload_chars:
+            return self.chat.encode(pairs, truncate, instruction)
+        return await asyncio.to_thread(self.chat.encode, pairs, truncate, instruction)
 
     def cut(self, texts: list[str], max_tokens: int) -> list[str]:
         """Each text cut after its first `max_tokens` tokens (tokenized alone, special tokens not

@@ -4,9 +4,10 @@
     lazy = engine.step(Batch.from_sequences([[101, 7592, 102]]))
     vectors = lazy.synchronize()          # float32 [N, dim] on the host
 
-A cross-encoder directory (`*ForSequenceClassification`, `Family.classifier_architectures`)
-steps to its classification head's raw logits instead, float32 [N, num_labels]; `activate` applies
-the activation sentence-transformers' CrossEncoder would.
+A cross-encoder directory (`*ForSequenceClassification`, `Family.classifier_architectures`, or a
+causal LM whose modules.json ends in sentence-transformers' LogitScore: Qwen3-Reranker) steps to its
+classification head's raw logits instead, float32 [N, num_labels]; `activate` applies the activation
+sentence-transformers' CrossEncoder would.
 
 The step path reads nothing back from the device: all launch parameters
 (sequence lengths, max_seqlen) come from the host-side `Batch`.
@@ -28,7 +29,7 @@ from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
 from rose.layers.heads import BgeM3Heads, Extra
 from rose.layers.pooling import kept_rows, normalize, pool, pool_fused
-from rose.layers.scores import ACTIVATIONS, activation_name, token_types
+from rose.layers.scores import ACTIVATIONS, LogitScore, activation_name, token_types
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
 from rose.models import model_class
@@ -135,10 +136,14 @@ class Engine:
         else:
             self.model = load_weights(model, self.spec.path, self.device, self.dtype)
         self.causal = self.model.causal
-        # a cross-encoder: scores per sequence from its classification head (0: an embedding model)
-        self.num_labels = family.num_labels(self.spec.config)
+        # a cross-encoder: scores per sequence from its classification head (0: an embedding model), or
+        # from a causal LM's head through LogitScore (one score, at the last token)
+        logit_score = LogitScore.load(self.spec, self.device, self.dtype)
+        self._classify = logit_score or getattr(self.model, "classify", None)
+        self.num_labels = 1 if logit_score else family.num_labels(self.spec.config)
         self.activation = activation_name(self.spec, self.num_labels) if self.num_labels else ""
-        self._head_pool = family.classifier_pooling(self.spec.config) if self.num_labels else ""
+        self._head_pool = "last" if logit_score else \
+            family.classifier_pooling(self.spec.config) if self.num_labels else ""
         self.heads = BgeM3Heads.load(self.spec.path, self.spec.hidden_size, self.device, self.dtype)
         self.dense = DenseStack.load(self.spec.dense, self.device)  # after pooling, before Normalize
         # include_prompt: false leaves a prompt out of pooling, as sentence-transformers does: CLS
@@ -244,7 +249,7 @@ class Engine:
         rows = kept_rows(cu, ids.shape[0], self._head_pool)  # the head reads the first token's state alone
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types, rows)
         first = hidden if rows is not None else pool(hidden, cu, seq_ids, self._head_pool)
-        return self.model.classify(first.to(hidden.dtype)).float()
+        return self._classify(first.to(hidden.dtype)).float()
 
     def _pooled(self, hidden, cu, seq_ids, positions, tokens: int, pooled: bool) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling (already done where

@@ -124,3 +124,72 @@ def save_embeddinggemma(path, seed: int = 0, width: int = 256):
         st = SentenceTransformer(modules=mods, device="cpu", prompts=LAYOUTS["gemma3_text"]["prompts"])
         st.save(str(path))
     return st.eval()
+
+
+# Qwen3-Reranker's chat template (the published one's structure: a system line, then the instruction,
+# query and document; the assistant's empty think block closes it), with a shorter system line.
+RERANKER_TEMPLATE = (
+    '<|im_start|>system\nJudge: "yes" or "no".{{ eos_token }}\n<|im_start|>user\n'
+    '<Instruct>: {{ messages | selectattr("role", "eq", "system") | map(attribute="content") | first'
+    ' | default("Given a web search query, retrieve relevant passages that answer the query") }}\n'
+    '<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}\n'
+    '<Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}'
+    '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+
+
+def _reranker_tokenizer(max_length: int):
+    """A byte-level BPE tokenizer with Qwen's chat tokens and the merges that make "yes" and "no" one
+    token each, as a transformers tokenizer carrying `RERANKER_TEMPLATE`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = [("y", "e"), ("ye", "s"), ("n", "o"), ("Ġ", "t"), ("Ġt", "h"), ("e", "r")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    ft = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ft.chat_template, ft.model_max_length = RERANKER_TEMPLATE, max_length
+    return ft
+
+
+def save_chat_reranker(path, kind: str = "logit", tied: bool = True, max_length: int = 160, seed: int = 0,
+                       family: str = "qwen3"):
+    """A tiny random Qwen3 (or `family` "llama") reranker saved by sentence-transformers (6) as it
+    publishes one: `kind` "logit" is Qwen3-Reranker's layout (*ForCausalLM, Transformer "text-generation"
+    + LogitScore on the "yes" / "no" logits, `tied` or an own lm_head), "seq-cls" its conversion to
+    *ForSequenceClassification (one label); both with the chat template that renders each pair.
+    Returns (path, the CrossEncoder loaded back from it)."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+    from sentence_transformers import CrossEncoder
+
+    tok = _reranker_tokenizer(max_length)
+    n = len(tok)
+    torch.manual_seed(seed)
+    prefix = {"qwen3": "Qwen3", "llama": "Llama"}[family]
+    cfg = getattr(transformers, f"{prefix}Config")(
+        vocab_size=n, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=tied, pad_token_id=0,
+        eos_token_id=tok.eos_token_id, num_labels=1)
+    cls = getattr(transformers, f"{prefix}ForCausalLM" if kind == "logit" else f"{prefix}ForSequenceClassification")
+    model = cls(cfg).eval()
+    with torch.no_grad():  # random norms (each loaded one shows) and heads that spread the scores
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        head = model.lm_head if kind == "logit" and not tied else model.model.embed_tokens if kind == "logit" \
+            else model.score
+        head.weight.normal_(0.0, 0.5)
+    with tempfile.TemporaryDirectory() as src:
+        model.save_pretrained(src)
+        tok.save_pretrained(src)
+        CrossEncoder(src, device="cpu").save(str(path))
+    return path, CrossEncoder(str(path), device="cpu")

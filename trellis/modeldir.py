@@ -80,8 +80,9 @@ DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"
 # Custom modules read as they are published (modules.json "type" -> what it adds): perplexity-ai's
 # pplx-embed-v1 quantizer (its repo's st_quantize.py): int8 = round(tanh(x) * 127), packed sign bits.
 QUANTIZER_MODULES = ("st_quantize.FlexibleQuantizer",)
-# The pipeline's stages in the order they must come (Dense may repeat).
-_STAGES = ("Transformer", "Pooling", "Dense", "Normalize", "Quantizer")
+# The pipeline's stages in the order they must come (Dense may repeat). LogitScore: a CrossEncoder over a
+# causal LM (sentence-transformers 6: Qwen3-Reranker), the score read from the LM head at the last token.
+_STAGES = ("Transformer", "LogitScore", "Pooling", "Dense", "Normalize", "Quantizer")
 # sentence-transformers' SparseEncoder (SPLADE) modules, read as the stage they hold.
 _ALIASES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling"}
 
@@ -114,6 +115,14 @@ class ModelSpec:
     activation_fn: a cross-encoder's activation as sentence-transformers saved it in
                  config_sentence_transformers.json (e.g. "torch.nn.modules.activation.Sigmoid"); ""
                  none (`rose.layers.scores.activation_name` has the whole rule).
+    logit_tokens: a LogitScore module's (true_token_id,) or (true_token_id, false_token_id): the
+                 directory is a cross-encoder over a causal LM whose one score per pair is the LM head's
+                 logit of the first at the sequence's last token, less the second's (`rose.layers.scores`).
+    chat_template: the Jinja chat template a cross-encoder's (query, document) pairs are rendered with
+                 (`ivy.chat`), where its Transformer module takes messages; "" where pairs go through the
+                 tokenizer's pair template. From chat_template.jinja, else tokenizer_config.json.
+    message_format: how that template reads a message's content: "flat" (a string) or "structured"
+                 (`[{"type": "text", "text": ...}]`), as sentence-transformers saved or infers it.
     """
 
     path: Path
@@ -128,6 +137,9 @@ class ModelSpec:
     dense: tuple[DenseSpec, ...] = ()
     quantized_outputs: bool = False
     activation_fn: str = ""
+    logit_tokens: tuple[int, ...] = ()
+    chat_template: str = ""
+    message_format: str = "flat"
 
     @property
     def hidden_size(self) -> int:
@@ -147,9 +159,11 @@ class ModelSpec:
         config = _read_json(path / "config.json")
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
-        pipeline = _read_pipeline(path, _read_json(path / "modules.json") or [], int(config.get("hidden_size", 0)))
+        modules = _read_json(path / "modules.json")
+        pipeline = _read_pipeline(path, modules or [], int(config.get("hidden_size", 0)))
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
+        chat = _pair_messages(path, modules is not None, st, tok_cfg)
         limit = tok_cfg.get("model_max_length")
         limit = int(limit) if isinstance(limit, (int, float)) and limit < 1 << 30 else None  # HF's "no limit"
         max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))
@@ -158,7 +172,8 @@ class ModelSpec:
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], max_seq_len=max_len, prompts=dict(prompts),
-                   special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **pipeline)
+                   special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **chat,
+                   **pipeline)
 
 
 def _stage(module_type: str) -> str:
@@ -168,18 +183,18 @@ def _stage(module_type: str) -> str:
     "sentence_transformers.base.modules.dense.Dense" in newer ones); custom modules by full name."""
     kind = module_type.rsplit(".", 1)[-1]
     kind = _ALIASES.get(kind, kind)
-    if module_type.startswith("sentence_transformers.") and kind in _STAGES[:4]:
+    if module_type.startswith("sentence_transformers.") and kind in _STAGES[:5]:
         return kind
     if module_type in QUANTIZER_MODULES:
         return "Quantizer"
     raise ValueError(f"module {module_type!r} is not supported (supported: sentence-transformers' "
-                     f"Transformer, Pooling, Dense, Normalize; custom: {', '.join(QUANTIZER_MODULES)})")
+                     f"Transformer, LogitScore, Pooling, Dense, Normalize; custom: {', '.join(QUANTIZER_MODULES)})")
 
 
 def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
     """modules.json (Transformer, Pooling, Dense..., Normalize, quantizer, in that order, each optional)
     -> the ModelSpec fields it decides."""
-    out = dict(pooling="", normalize=False, include_prompt=True, dense=(), quantized_outputs=False)
+    out = dict(pooling="", normalize=False, include_prompt=True, dense=(), quantized_outputs=False, logit_tokens=())
     where = path / "modules.json"
     last, dim = -1, hidden
     for m in modules:
@@ -191,6 +206,9 @@ def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
                              f"{' -> '.join(_STAGES)}, Dense repeatable)")
         if stage == "Dense" and not out["pooling"]:
             raise ValueError(f"{where}: Dense module {module_type!r} without a Pooling module before it")
+        if out["logit_tokens"]:
+            raise ValueError(f"{where}: module {module_type!r} after LogitScore (a cross-encoder's score is its "
+                             "last output)")
         last = at
         mdir = path / m.get("path", "")
         cfg = _read_json(mdir / "config.json") or {}
@@ -199,7 +217,9 @@ def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
                 if cfg.get(key, "sentence_embedding") != "sentence_embedding":
                     raise ValueError(f"{mdir / 'config.json'}: {key} {cfg[key]!r} is not supported (only modules "
                                      "on the pooled vector, 'sentence_embedding')")
-        if stage == "Pooling" and module_type.endswith(".SpladePooling"):
+        if stage == "LogitScore":
+            out["logit_tokens"] = _logit_score(mdir, cfg)
+        elif stage == "Pooling" and module_type.endswith(".SpladePooling"):
             out["pooling"] = _splade_pooling(cfg)
         elif stage == "Pooling":
             out["pooling"], out["include_prompt"] = _pooling_mode(cfg), bool(cfg.get("include_prompt", True))
@@ -216,12 +236,53 @@ def _read_pipeline(path: Path, modules: list, hidden: int) -> dict:
     return out
 
 
-def _splade_pooling(cfg: dict) -> str:
-    """SpladePooling's config: the max / relu SPLADE of the published models is supported."""
-    got = (cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu"))
-    if got != ("max", "relu"):
-        raise ValueError(f"unsupported SpladePooling {cfg!r} (supported: pooling_strategy max, activation_function relu)")
-    return "splade"
+def _logit_score(mdir: Path, cfg: dict) -> tuple[int, ...]:
+    """LogitScore's config.json: (true_token_id,) or (true_token_id, false_token_id), read from causal_logits."""
+    true, false = cfg.get("true_token_id"), cfg.get("false_token_id")
+    if not isinstance(true, int) or not (false is None or isinstance(false, int)):
+        raise ValueError(f"{mdir / 'config.json'}: LogitScore needs an integer true_token_id (and false_token_id "
+                         f"an integer or null), got {true!r}, {false!r}")
+    if cfg.get("module_input_name", "causal_logits") != "causal_logits":
+        raise ValueError(f"{mdir / 'config.json'}: LogitScore on {cfg['module_input_name']!r} is not supported "
+                         "(only the causal LM's logits, 'causal_logits')")
+    return (true,) if false is None else (true, false)
+
+
+def _chat_template(path: Path, tok_cfg: dict) -> str:
+    """The directory's chat template, as transformers finds it: chat_template.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or named templates: the "default" one)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    t = tok_cfg.get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else ""
+
+
+# A chat template that reads a message's content as a list of typed parts (sentence-transformers' test).
+_STRUCTURED = ("content[0]", ".type", "'type'", '"type"', "item.type", "message.content[")
+
+
+def _pair_messages(path: Path, has_modules: bool, st: dict, tok_cfg: dict) -> dict:
+    """ModelSpec's chat_template and message_format, as sentence-transformers (6) decides whether a pair
+    becomes messages: its Transformer module's saved `modality_config` has "message"; a directory with
+    modules.json but no modality_config was saved text-only; one without modules.json takes messages where
+    the tokenizer has a chat template. Format "auto" (or none saved) is inferred from the template."""
+    template = _chat_template(path, tok_cfg)
+    modality = st.get("modality_config")
+    if isinstance(modality, dict):
+        message = modality.get("message")
+    else:
+        message = None if has_modules else ({} if template else None)
+    if not isinstance(message, dict) or not template:
+        return {"chat_template": "", "message_format": "flat"}
+    fmt = message.get("format", "auto")
+    if fmt == "auto":
+        fmt = "structured" if any(p in template for p in _STRUCTURED) else "flat"
+    if fmt not in ("flat", "structured"):
+        raise ValueError(f"{path / 'sentence_bert_config.json'}: message format {fmt!r} is not supported "
+                         "(flat, structured)")
+    return {"chat_template": template, "message_format": fmt}
 
 
 def _dense(mdir: Path, cfg: dict) -> DenseSpec:

@@ -165,14 +165,16 @@ async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str
                        truncate: bool, raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
                        pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
     """A cross-encoder's scores: each (query, document) pair scored together, as
-    sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores)."""
+    sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores);
+    `instruction` is its `prompt` for a model whose pairs go through a chat template (the system message)."""
     if info.num_labels != 1:
         raise APIError(400, f"'{model.name}' gives {info.num_labels} scores per pair (a classifier); scoring "
                        "pairs needs one relevance score per pair", "model")
-    if instruction is not None:
-        raise APIError(400, "'instruction' applies to a bi-encoder's query prompt; this cross-encoder reads "
-                       "the query and each document together, without one", "instruction")
-    seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item)
+    if instruction is not None and model.tokenizer.chat is None:
+        raise APIError(400, "'instruction' applies to a bi-encoder's query prompt or a chat-template reranker's "
+                       "system message; this cross-encoder reads the query and each document together, "
+                       "without one", "instruction")
+    seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item, instruction)
     opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
     result = await tulip_call(model.balancer.embed(seqs, opts))
     return seqs, result.scores[:, 0].astype(np.float64)

@@ -1,12 +1,15 @@
-"""Cross-encoder outputs: token types from per-sequence segment starts, and the activation on the
-classification head's logits by sentence-transformers' `CrossEncoder` rules."""
+"""Cross-encoder outputs: token types from per-sequence segment starts, the score of a causal LM read
+through sentence-transformers' LogitScore, and the activation on the classification head's logits by
+its `CrossEncoder` rules."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from trellis.modeldir import ModelSpec
 
@@ -60,3 +63,51 @@ def activation_name(spec: ModelSpec, num_labels: int) -> str:
                              f"(supported: torch.nn {', '.join(ACTIVATIONS)})")
         return name
     return default
+
+
+class LogitScore(nn.Module):
+    """sentence-transformers' LogitScore over a causal LM (Qwen3-Reranker as published for
+    sentence-transformers 6): the LM head's logit of `true_token_id` at each sequence's last token, less
+    that of `false_token_id` where there is one; one score per pair. Only those rows of the LM head are
+    read (`lm_head.weight`, or the input embeddings where `tie_word_embeddings` ties them), so the
+    vocabulary-wide projection is never computed; the logits come in the model's dtype, as transformers'
+    lm_head gives them, and are subtracted in float32."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.register_buffer("rows", rows)  # [1 or 2, hidden]
+
+    @classmethod
+    def load(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> "LogitScore | None":
+        """The head for a directory whose modules.json ends in LogitScore (`spec.logit_tokens`), else None."""
+        if not spec.logit_tokens:
+            return None
+        if not any(a.endswith("ForCausalLM") for a in spec.config.get("architectures") or ()):
+            raise ValueError(f"{spec.path}: a LogitScore module reads a causal LM's logits; this checkpoint is "
+                             f"{spec.config.get('architectures')} (supported: *ForCausalLM)")
+        vocab = spec.vocab_size
+        if any(not 0 <= t < vocab for t in spec.logit_tokens):
+            raise ValueError(f"{spec.path}: LogitScore token ids {list(spec.logit_tokens)} are outside the "
+                             f"vocabulary [0, {vocab})")
+        rows = _lm_head_rows(spec.path, bool(spec.config.get("tie_word_embeddings", False)), spec.logit_tokens)
+        return cls(rows.to(device=device, dtype=dtype))
+
+    def forward(self, last: torch.Tensor) -> torch.Tensor:
+        logits = (last @ self.rows.T).float()  # [N, 1 or 2]
+        return logits[:, :1] - logits[:, 1:] if logits.shape[1] == 2 else logits
+
+
+def _lm_head_rows(path: Path, tied: bool, tokens: tuple[int, ...]) -> torch.Tensor:
+    """Rows `tokens` of the LM head in path/*.safetensors, read row by row (not the whole matrix)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            key = next((k for k in keys if k.endswith("embed_tokens.weight")), None) if tied else \
+                ("lm_head.weight" if "lm_head.weight" in keys else None)
+            if key is not None:
+                t = f.get_slice(key)
+                return torch.cat([t[i:i + 1] for i in tokens])
+    raise ValueError(f"{path}: no {'input embeddings (tie_word_embeddings)' if tied else 'lm_head.weight'} "
+                     "to read the LogitScore rows from")

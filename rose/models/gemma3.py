@@ -108,6 +108,7 @@ def layer_types(config: dict) -> list[str]:
 
 class Gemma3TextModel(SmallStepKernels, LlamaModel):
     layer = Gemma3DecoderLayer
+    classifier_architectures = frozenset()  # an embedding model only
     norm_class = Gemma3RMSNorm
     bidirectional_windows = True
 
@@ -167,7 +168,7 @@ class Gemma3TextModel(SmallStepKernels, LlamaModel):
     MAX_KERNEL_TOKENS = 512
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # sqrt(hidden) rounded to the compute dtype first, as transformers does (27.75 for 768 in bfloat16)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()

@@ -6,7 +6,12 @@ names follow Hugging Face's.
 Causal by default (last-token pooling, as decoder embedders are published); `is_causal: false` or
 `use_bidirectional_attention: true` in config.json makes attention bidirectional. Rotary scaling:
 default, linear and llama3 (`rose.layers.rotary`); others are refused naming the field.
-Families with sliding-window layers say which in `layer_windows`."""
+Families with sliding-window layers say which in `layer_windows`.
+
+As a cross-encoder (`*ForSequenceClassification`: Qwen3-Reranker converted to a classifier) the head is
+`score` (no bias) on each sequence's last token, as transformers reads the last non-padding token; a
+causal LM scored by sentence-transformers' LogitScore (Qwen3-Reranker as published) has its head in
+`rose.layers.scores.LogitScore`, not here."""
 
 from __future__ import annotations
 
@@ -88,6 +93,7 @@ class LlamaModel(Family):
     strip_prefixes = ("model.",)
     ignored = re.compile(r"^lm_head\.|(^|\.)rotary_emb\.")
     stacked_params = {**QKV, **GATE_UP}
+    classifier_architectures = frozenset({"LlamaForSequenceClassification"})
     layer = LlamaDecoderLayer
     norm_class = RMSNorm
 
@@ -97,6 +103,11 @@ class LlamaModel(Family):
 
     @classmethod
     def default_pooling(cls, config: dict) -> str:
+        return "last"
+
+    @classmethod
+    def classifier_pooling(cls, config: dict) -> str:
+        """A decoder's classifier reads the last token (the one that has seen the whole pair when causal)."""
         return "last"
 
     @classmethod
@@ -129,6 +140,11 @@ class LlamaModel(Family):
         self.layers = nn.ModuleList(self.layer(cfg, **kw) for _ in range(cfg["num_hidden_layers"]))
         self.norm = self.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.rotary = self.make_rotary(cfg, d)
+        if n := self.num_labels(cfg):
+            self.score = nn.Linear(cfg["hidden_size"], n, bias=False)
+
+    def classify(self, last: torch.Tensor) -> torch.Tensor:
+        return self.score(last)
 
     def make_rotary(self, cfg: dict, head_dim: int) -> nn.Module:
         return Rotary.from_params(head_dim, cfg.get("max_position_embeddings", 32768), rope_params(cfg))
@@ -150,7 +166,8 @@ class LlamaModel(Family):
         self.rotary.materialize(device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_type_ids` is ignored: a decoder has no segment embeddings (a pair is one text to it)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer, w, r in zip(self.layers, self.windows, last_only(self.layers, rows)):

@@ -8,6 +8,8 @@ from rose.models.llama import LlamaModel
 
 
 class MistralModel(LlamaModel):
+    classifier_architectures = frozenset({"MistralForSequenceClassification"})
+
     @classmethod
     def layer_windows(cls, config: dict) -> tuple[int, ...]:
         return (int(config.get("sliding_window") or 0),) * config["num_hidden_layers"]

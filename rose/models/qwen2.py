@@ -9,6 +9,8 @@ from rose.models.llama import LlamaModel
 
 
 class Qwen2Model(LlamaModel):
+    classifier_architectures = frozenset({"Qwen2ForSequenceClassification"})
+
     @classmethod
     def layer_kwargs(cls, config: dict) -> dict:
         return {"qkv_bias": True, "o_bias": False}

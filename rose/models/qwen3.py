@@ -59,6 +59,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3Model(SmallStepKernels, LlamaModel):
     layer = Qwen3DecoderLayer
+    classifier_architectures = frozenset({"Qwen3ForSequenceClassification"})
 
     @classmethod
     def default_pooling(cls, config: dict) -> str:
@@ -81,9 +82,9 @@ class Qwen3Model(SmallStepKernels, LlamaModel):
         return self.layers[0].mlp.gate_up_proj.bias is None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
-            return super().forward(input_ids, positions, meta, attn, rows)
+            return super().forward(input_ids, positions, meta, attn, rows=rows)
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
         for i, (layer, r) in enumerate(zip(self.layers, last_only(self.layers, rows))):
