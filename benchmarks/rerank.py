@@ -101,10 +101,18 @@ def reference(model: str, query: str, docs: list[str]) -> dict:
         tok = Tokenizer.from_file(str(engine.spec.path / "tokenizer.json"))
         tok.no_padding()
         tok.no_truncation()
-        if engine.num_labels:
+        if engine.num_labels and engine.spec.chat_template:  # a decoder reranker: pairs rendered as Ivy renders
+            from ivy.chat import ChatPairs, special_tokens  # them (tokens checked against sentence-transformers'
+            # by tests/test_chat_reranker.py)
+            spec = engine.spec
+            chat = ChatPairs(spec.chat_template, spec.message_format, tok, spec.max_seq_len, special_tokens(spec.path))
+            seqs = [s.tolist() for s in chat.encode([(query, d) for d in docs], True)]
+            starts = [0] * len(seqs)
+        elif engine.num_labels:
             encs = tok.encode_batch([(query, d) for d in docs])
             seqs = [e.ids for e in encs]
             starts = [e.type_ids.index(1) if 1 in e.type_ids else 0 for e in encs]
+        if engine.num_labels:
             logits = engine.step(Batch.from_sequences(seqs, None, starts)).synchronize().numpy()
             return {"kind": "cross-encoder", "tokens": sum(map(len, seqs)), "logits": logits[:, 0].astype(np.float64),
                     "scores": engine.activate(logits)[:, 0].astype(np.float64)}

@@ -38,7 +38,8 @@ class ServedModel:
         self.name = mc.name or default_served_name(mc.model, self.path)
         self.tokenizer = TextTokenizer(self.path, self.spec.max_seq_len, cfg.tokenize_offload_chars,
                                        chat_template=self.spec.chat_template, message_format=self.spec.message_format)
-        self.templates = Templates(self.spec.prompts, Path(mc.prompts_file) if mc.prompts_file else None)
+        self.templates = Templates(self.spec.prompts, Path(mc.prompts_file) if mc.prompts_file else None,
+                                   self.spec.default_prompt_name)
         # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)
         self.pool_without_prompt = self.spec.pooling != "last" and not self.spec.include_prompt
         self.balancer: Balancer | None = None  # gRPC channels must be made on the server's event loop
@@ -94,6 +95,19 @@ class ServedModel:
             n = self.tokenizer.prompt_length(prefix)
             return seqs, [min(n, len(s) - 1) for s in seqs]
         return seqs, []
+
+    async def pair_sequences(self, queries: str | list[str], documents: list[str], truncate: bool, param: str,
+                             item: str, instruction: str | None = None) -> tuple[list[np.ndarray], list[int]]:
+        """A cross-encoder's pairs (`TextTokenizer.encode_pairs`), with the prompt CrossEncoder.predict
+        applies where the request sends none: the model's default prompt (`default_prompt_name`), as a
+        chat template's system message, or before each query."""
+        default = self.templates.default_prompt()
+        if instruction is None and default:
+            if self.tokenizer.chat is not None:
+                instruction = default
+            else:  # sentence-transformers puts a prompt before a pair's first text
+                queries = default + queries if isinstance(queries, str) else [default + q for q in queries]
+        return await self.tokenizer.encode_pairs(queries, documents, truncate, param, item, instruction)
 
     async def long_text_sequences(self, texts: list[str], mode: str, prefix: str, stamp: Stamp
                                   ) -> tuple[list[np.ndarray], list[int], list[int]]:

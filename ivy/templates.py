@@ -3,7 +3,8 @@
 Prompts come from the model directory's config_sentence_transformers.json (`prompts`, e.g.
 {"query": "Instruct: ...\\nQuery:", "document": ""}); an Ivy prompts file (JSON of the same
 shape, `--prompts-file`) overrides them and is re-read whenever it changes, so templates can
-change without restarting any Tulip (or Ivy).
+change without restarting any Tulip (or Ivy). A `default_prompt_name` (config_sentence_transformers.json)
+names the prompt an input gets when the request picks none, as sentence-transformers applies it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ ALIASES = {"document": ("document", "passage", "doc"), "query": ("query", "web_s
 
 
 class Templates:
-    def __init__(self, model_prompts: dict[str, str], override: Path | None):
+    def __init__(self, model_prompts: dict[str, str], override: Path | None, default_prompt_name: str = ""):
         self.model_prompts = dict(model_prompts)
+        self.default_prompt_name = default_prompt_name
         self.override = Path(override) if override else None
         self._mtime = None
         self._override_prompts: dict[str, str] = {}
@@ -37,6 +39,10 @@ class Templates:
                     raise APIError(503, f"prompts file {self.override} must hold a JSON object")
                 self._mtime = m
         return {**self.model_prompts, **self._override_prompts}
+
+    def default_prompt(self) -> str:
+        """The prompt `default_prompt_name` names ("" none, or where a prompts file dropped it)."""
+        return self.prompts().get(self.default_prompt_name, "") if self.default_prompt_name else ""
 
     def query_prompt(self) -> str:
         prompts = self.prompts()
@@ -55,7 +61,7 @@ class Templates:
     def prefix(self, input_type: str | None, instruction: str | None, prompt_name: str | None = None) -> str:
         """The text put before each input: the prompt for `input_type`, the prompt named `prompt_name`
         (a key of the prompts, as sentence-transformers' `encode(prompt_name=...)` and TEI take it), or
-        the instruction's. At most one of the three."""
+        the instruction's. At most one of the three; none: the default prompt, if the model names one."""
         if prompt_name is not None:
             if input_type is not None or instruction is not None:
                 raise APIError(400, "send one of 'prompt_name', 'input_type' and 'instruction'", "prompt_name")
@@ -73,6 +79,6 @@ class Templates:
             # As the model's own query prompt ends: "Query:" (Qwen3-Embedding) or "Query: " (e5, gte-Qwen2).
             return f"Instruct: {instruction}\nQuery:" + (" " if self.query_prompt().endswith(" ") else "")
         if input_type is None:
-            return ""
+            return self.default_prompt()
         prompts = self.prompts()
         return next((prompts[k] for k in ALIASES[input_type] if k in prompts), "")

@@ -138,7 +138,7 @@ class Engine:
         self.causal = self.model.causal
         # a cross-encoder: scores per sequence from its classification head (0: an embedding model), or
         # from a causal LM's head through LogitScore (one score, at the last token)
-        logit_score = LogitScore.load(self.spec, self.device, self.dtype)
+        logit_score = LogitScore.load(self.spec, self.model)
         self._classify = logit_score or getattr(self.model, "classify", None)
         self.num_labels = 1 if logit_score else family.num_labels(self.spec.config)
         self.activation = activation_name(self.spec, self.num_labels) if self.num_labels else ""

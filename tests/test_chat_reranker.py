@@ -19,6 +19,7 @@ from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from tests.checkpoints_decoders import RERANKER_TEMPLATE, save_chat_reranker
 from tests.conftest import local_stack
+from tests.test_cross_encoder import assert_preset_scores_repeat
 from tests.sentences import SENTENCES
 from trellis.modeldir import ModelSpec
 
@@ -151,10 +152,19 @@ def test_layout_rules(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """deploy.local serving the LogitScore reranker (tied head) and its sequence-classification form."""
+    """deploy.local serving the LogitScore reranker (tied head) and its sequence-classification form (with
+    a default prompt)."""
+    from sentence_transformers import CrossEncoder
+
     tmp = tmp_path_factory.mktemp("served-chat")
     logit, ce_logit = save_chat_reranker(tmp / "logit", "logit", max_length=MAX_LEN)
-    seqcls, ce_seqcls = save_chat_reranker(tmp / "seqcls", "seq-cls", max_length=MAX_LEN, seed=1)
+    seqcls, _ = save_chat_reranker(tmp / "seqcls", "seq-cls", max_length=MAX_LEN, seed=1)
+    # a default prompt (config_sentence_transformers.json): what predict() uses where none is sent
+    st = seqcls / "config_sentence_transformers.json"
+    st.write_text(json.dumps({**json.loads(st.read_text()), "prompts": {"city": "Find the sentence naming a city"},
+                              "default_prompt_name": "city"}))
+    ce_seqcls = CrossEncoder(str(seqcls), device="cpu")
+    assert ce_seqcls.default_prompt_name == "city"
     with local_stack(str(logit), tmp, "--served-model-name", "qwen3-reranker",
                      "--add-model", f"qwen3-reranker-seq-cls={seqcls}") as (url, _):
         yield url, {"qwen3-reranker": (logit, ce_logit), "qwen3-reranker-seq-cls": (seqcls, ce_seqcls)}
@@ -186,6 +196,60 @@ def test_rerank_score_and_tei_routes(served, name):
     assert t.status_code == 200, t.text
     np.testing.assert_allclose([x["score"] for x in sorted(t.json(), key=lambda x: x["index"])], plain, atol=1e-4)
 
+    # TEI's /predict scores pairs as /rerank does, and refuses a single text (the template renders pairs)
+    pr = httpx.post(url + "/predict", json={"model": name, "inputs": [[QUERY, DOCS[0]], [QUERY, DOCS[1]]],
+                                            "raw_scores": True}, timeout=60)
+    assert pr.status_code == 200, pr.text
+    raw = ce.predict([(QUERY, d) for d in DOCS[:2]], activation_fn=nn.Identity())
+    np.testing.assert_allclose([x[0]["score"] for x in pr.json()], raw, atol=2e-4)
+    one = httpx.post(url + "/predict", json={"model": name, "inputs": [[QUERY, DOCS[0]], ["alone"]]}, timeout=60)
+    assert one.status_code == 422 and "input 1 is a single text" in one.json()["error"]
+
     # a pair over the maximum without truncate is a 400 naming it
     long = httpx.post(url + "/v1/rerank", json={"model": name, "query": QUERY, "documents": DOCS}, timeout=60)
     assert long.status_code == 400 and f"document {len(DOCS) - 1} with the query has" in long.text
+
+
+def test_reranker_preset(tmp_path, monkeypatch):
+    """qwen3-reranker-0.6b's preset: Qwen3-0.6B's causal LM in sentence-transformers 6's layout (LogitScore,
+    the chat template), read as the published directory is; Ivy renders its pairs (the stand-in's chat
+    tokens special), and its random weights run (a copy at small widths: the full one is 600M parameters)
+    with the LogitScore rows taken from the random tied embeddings: the same scores from two engines,
+    apart across pairs."""
+    from ivy.chat import ChatPairs, special_tokens
+    from tokenizers import Tokenizer
+    from trellis.modeldir import resolve_model_path
+    from trellis.presets import PRESETS
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("qwen3-reranker-0.6b")
+    spec = ModelSpec.read(path)
+    assert spec.config["architectures"] == ["Qwen3ForCausalLM"] and spec.message_format == "flat"
+    assert len(spec.logit_tokens) == 2 and spec.chat_template and spec.max_seq_len == 32768
+    pairs = ChatPairs(spec.chat_template, spec.message_format, Tokenizer.from_file(str(path / "tokenizer.json")),
+                      spec.max_seq_len, special_tokens(path))
+    seqs = pairs.encode([(QUERY, d) for d in DOCS[:4]], True)
+    assert all(s[0] == 2 and list(s).count(3) == 2 for s in seqs)  # <|im_start|> first, two <|im_end|>
+
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    config = PRESETS["qwen3-reranker-0.6b"]["config"]
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                                   "intermediate_size": 128}))
+    assert_preset_scores_repeat(small, [s.tolist() for s in seqs], None, max_seq_len=32768)
+
+
+def test_default_prompt_name(tmp_path):
+    """config_sentence_transformers.json's default_prompt_name: the prompt an input gets when the request
+    names none (Templates.prefix), and a name that is not one of the prompts refused at load."""
+    from ivy.templates import Templates
+
+    t = Templates({"query": "q: ", "city": "Find a city: "}, None, "city")
+    assert (t.prefix(None, None), t.prefix("query", None), t.prefix(None, None, "query")) == ("Find a city: ", "q: ", "q: ")
+    assert Templates({"query": "q: "}, None).prefix(None, None) == ""
+    path, _ = save_chat_reranker(tmp_path / "r", "seq-cls", max_length=MAX_LEN)
+    st = path / "config_sentence_transformers.json"
+    st.write_text(json.dumps({**json.loads(st.read_text()), "prompts": {}, "default_prompt_name": "web"}))
+    with pytest.raises(ValueError, match="default_prompt_name 'web' is not one of its prompts"):
+        ModelSpec.read(path)

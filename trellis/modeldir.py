@@ -103,6 +103,8 @@ class ModelSpec:
                  model_max_length, else config.json's max_position_embeddings; the family caps it
                  by the positions its architecture numbers (`Family.max_positions`).
     prompts:     named prompts from config_sentence_transformers.json.
+    default_prompt_name: its `default_prompt_name`: the prompt sentence-transformers applies to every
+                 input that names none (`encode()` / `predict()` without prompt or prompt_name); "" none.
     special_token_ids: ids tokenizer.json marks special (dropped from sparse lexical weights).
     include_prompt: False when the Pooling config says `include_prompt: false`: pooling then leaves a
                  prompt's tokens out (mean / max / weighted mean over the rest, weighted mean keeping
@@ -132,6 +134,7 @@ class ModelSpec:
     normalize: bool
     max_seq_len: int
     prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str = ""
     special_token_ids: tuple[int, ...] = ()
     include_prompt: bool = True
     dense: tuple[DenseSpec, ...] = ()
@@ -169,9 +172,14 @@ class ModelSpec:
         max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))
         st_cfg = _read_json(path / "config_sentence_transformers.json") or {}
         prompts = st_cfg.get("prompts") or {}
+        default_prompt = st_cfg.get("default_prompt_name") or ""
+        if default_prompt and default_prompt not in prompts:
+            raise ValueError(f"{path / 'config_sentence_transformers.json'}: default_prompt_name {default_prompt!r} "
+                             f"is not one of its prompts ({', '.join(prompts) or 'none'})")
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         return cls(path, config, config["model_type"], max_seq_len=max_len, prompts=dict(prompts),
+                   default_prompt_name=str(default_prompt),
                    special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **chat,
                    **pipeline)
 

@@ -77,6 +77,24 @@ PRESETS.update({
                              **_QWEN3_SPECIALS},
 })
 
+# Qwen/Qwen3-Reranker-0.6B in the layout sentence-transformers 6 publishes: Qwen3ForCausalLM (the 0.6B's LM
+# head tied to its embeddings), Transformer + LogitScore (logit("yes") - logit("no") at the last token),
+# pairs rendered by its chat template. The byte-level stand-in has Qwen's chat tokens; LogitScore reads the
+# rows of its "y" and "n" bytes (random weights: any two rows cost the same).
+RERANKER_TEMPLATE = (
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: '
+    '{{ messages | selectattr("role", "eq", "system") | map(attribute="content") | first'
+    ' | default("Given a web search query, retrieve relevant passages that answer the query") }}\n'
+    '<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}\n'
+    '<Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}'
+    '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+PRESETS["qwen3-reranker-0.6b"] = {
+    "config": {**_QWEN3_0_6B, "architectures": ["Qwen3ForCausalLM"]}, "logit_score": ("y", "n"),
+    "max_seq_length": 32768, "specials": {"<|endoftext|>": 0, "<unk>": 1, "<|im_start|>": 2, "<|im_end|>": 3},
+    "wrap": (None, "<|endoftext|>"), "chat_template": RERANKER_TEMPLATE,
+}
+
 _E5_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
 PRESETS.update({
     # intfloat/e5-mistral-7b-instruct: Mistral-7B-v0.1 (sliding window 4096), causal, last-token pooling,
@@ -261,6 +279,34 @@ def _sentence_transformers_files(p: dict, d: Path) -> None:
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))
 
 
+def _logit_score_files(p: dict, d: Path) -> None:
+    """A causal-LM reranker's sentence-transformers 6 files: modules.json (Transformer, LogitScore), the
+    Transformer's text-generation task taking messages, the LogitScore ids (of the stand-in's bytes
+    `p["logit_score"]`), Sigmoid, the chat template, and the tokenizer's limit and end token."""
+    from tokenizers import pre_tokenizers
+
+    ids = {ch: len(p["specials"]) + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    true, false = (ids[c] for c in p["logit_score"])
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_LogitScore",
+         "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}], indent=2))
+    forward = {"method": "forward", "method_output_name": "logits"}
+    (d / "sentence_bert_config.json").write_text(json.dumps(
+        {"transformer_task": "text-generation", "modality_config": {"text": forward, "message": {**forward, "format": "flat"}},
+         "module_output_name": "causal_logits"}, indent=2))
+    (d / "1_LogitScore").mkdir(exist_ok=True)
+    (d / "1_LogitScore" / "config.json").write_text(json.dumps(
+        {"true_token_id": true, "false_token_id": false, "module_input_name": "causal_logits"}, indent=2))
+    (d / "config_sentence_transformers.json").write_text(json.dumps(
+        {"activation_fn": "torch.nn.modules.activation.Sigmoid", "model_type": "CrossEncoder", "prompts": {},
+         "default_prompt_name": None}, indent=2))
+    (d / "chat_template.jinja").write_text(p["chat_template"])
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"],
+         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "padding_side": "left"}, indent=2))
+
+
 def materialize(name: str) -> Path:
     """Write (once per definition: a cache written by an older definition is rewritten) and return
     the directory of preset `name`."""
@@ -278,6 +324,8 @@ def materialize(name: str) -> Path:
             {"tokenizer_class": "XLMRobertaTokenizer", "model_max_length": p["max_seq_length"], "bos_token": "<s>",
              "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
              "mask_token": "<mask>"}, indent=2))
+    elif p.get("logit_score"):
+        _logit_score_files(p, d)
     elif p.get("cross_encoder"):  # the byte-level stand-in (BERT specials); no token type ids, as ModernBERT's
         (d / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"],

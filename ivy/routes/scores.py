@@ -174,7 +174,7 @@ async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str
         raise APIError(400, "'instruction' applies to a bi-encoder's query prompt or a chat-template reranker's "
                        "system message; this cross-encoder reads the query and each document together, "
                        "without one", "instruction")
-    seqs, starts = await model.tokenizer.encode_pairs(queries, documents, truncate, param, pair_item, instruction)
+    seqs, starts = await model.pair_sequences(queries, documents, truncate, param, pair_item, instruction)
     opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
     result = await tulip_call(model.balancer.embed(seqs, opts))
     return seqs, result.scores[:, 0].astype(np.float64)

@@ -189,9 +189,12 @@ def routes(ctx: Context) -> Routes:
         singles = [i for i, t in enumerate(items) if len(t) == 1]
         seqs: list = [None] * len(items)
         starts = [0] * len(items)
+        if singles and tok.chat is not None:
+            raise APIError(400, f"'{model.name}' scores (query, document) pairs through its chat template; input "
+                           f"{singles[0]} is a single text: send pairs [text, text]", "inputs")
         if pairs:
-            got, got_starts = await tok.encode_pairs([items[i][0] for i in pairs], [items[i][1] for i in pairs],
-                                                     truncate, "inputs", "pair {}")
+            got, got_starts = await model.pair_sequences([items[i][0] for i in pairs], [items[i][1] for i in pairs],
+                                                         truncate, "inputs", "pair {}")
             for i, s_, st in zip(pairs, got, got_starts):
                 seqs[i], starts[i] = s_, st
         if singles:

@@ -78,8 +78,10 @@ class LogitScore(nn.Module):
         self.register_buffer("rows", rows)  # [1 or 2, hidden]
 
     @classmethod
-    def load(cls, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> "LogitScore | None":
-        """The head for a directory whose modules.json ends in LogitScore (`spec.logit_tokens`), else None."""
+    def load(cls, spec: ModelSpec, model: nn.Module) -> "LogitScore | None":
+        """The head for a directory whose modules.json ends in LogitScore (`spec.logit_tokens`), else None:
+        rows of `model`'s loaded input embeddings where `tie_word_embeddings` ties the LM head to them (a
+        preset's random ones too), else of the checkpoint's `lm_head.weight`."""
         if not spec.logit_tokens:
             return None
         if not any(a.endswith("ForCausalLM") for a in spec.config.get("architectures") or ()):
@@ -89,25 +91,26 @@ class LogitScore(nn.Module):
         if any(not 0 <= t < vocab for t in spec.logit_tokens):
             raise ValueError(f"{spec.path}: LogitScore token ids {list(spec.logit_tokens)} are outside the "
                              f"vocabulary [0, {vocab})")
-        rows = _lm_head_rows(spec.path, bool(spec.config.get("tie_word_embeddings", False)), spec.logit_tokens)
-        return cls(rows.to(device=device, dtype=dtype))
+        embeddings = model.embed_tokens.weight
+        if spec.config.get("tie_word_embeddings", False):
+            rows = embeddings[list(spec.logit_tokens)]
+        else:
+            rows = _lm_head_rows(spec.path, spec.logit_tokens)
+        return cls(rows.to(device=embeddings.device, dtype=embeddings.dtype))
 
     def forward(self, last: torch.Tensor) -> torch.Tensor:
         logits = (last @ self.rows.T).float()  # [N, 1 or 2]
         return logits[:, :1] - logits[:, 1:] if logits.shape[1] == 2 else logits
 
 
-def _lm_head_rows(path: Path, tied: bool, tokens: tuple[int, ...]) -> torch.Tensor:
-    """Rows `tokens` of the LM head in path/*.safetensors, read row by row (not the whole matrix)."""
+def _lm_head_rows(path: Path, tokens: tuple[int, ...]) -> torch.Tensor:
+    """Rows `tokens` of `lm_head.weight` in path/*.safetensors, read row by row (not the whole matrix)."""
     from safetensors import safe_open
 
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            keys = list(f.keys())
-            key = next((k for k in keys if k.endswith("embed_tokens.weight")), None) if tied else \
-                ("lm_head.weight" if "lm_head.weight" in keys else None)
-            if key is not None:
-                t = f.get_slice(key)
+            if "lm_head.weight" in f.keys():
+                t = f.get_slice("lm_head.weight")
                 return torch.cat([t[i:i + 1] for i in tokens])
-    raise ValueError(f"{path}: no {'input embeddings (tie_word_embeddings)' if tied else 'lm_head.weight'} "
-                     "to read the LogitScore rows from")
+    raise ValueError(f"{path}: no lm_head.weight to read the LogitScore rows from (and tie_word_embeddings is not "
+                     "set in config.json)")

@@ -12,11 +12,13 @@ from rose.models.nomic_bert import NomicBertModel
 from rose.models.pplx_qwen3 import PPLXQwen3Model
 from rose.models.qwen2 import Qwen2Model
 from rose.models.qwen3 import Qwen3Model
+from rose.models.roberta import CamembertModel, RobertaModel
 from rose.models.splade import SpladeModel
 from rose.models.xlm_roberta import XLMRobertaModel
 from trellis.modeldir import ModelSpec
 
-MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "qwen3": Qwen3Model,
+MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "roberta": RobertaModel,
+                                   "camembert": CamembertModel, "qwen3": Qwen3Model,
                                    "bidirectional_pplx_qwen3": PPLXQwen3Model,
                                    "distilbert": DistilBertModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
                                    "nomic_bert": NomicBertModel, "llama": LlamaModel, "mistral": MistralModel,

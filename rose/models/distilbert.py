@@ -6,6 +6,10 @@ Hugging Face parameter names (`transformer.layer.N.attention.q_lin` ..., `sa_lay
 DistilBERT's own keys (`dim`, `n_heads`, `n_layers`, `hidden_dim`: the FFN width, `activation`);
 `standard_config` adds the usual names. `sinusoidal_pos_embds: true` needs nothing here: transformers
 writes the sinusoidal table into `embeddings.position_embeddings.weight`, which is loaded as is.
+
+As a classifier or cross-encoder (`DistilBertForSequenceClassification`: distilbert-base-uncased-finetuned-
+sst-2-english) its head is `pre_classifier`, ReLU, `classifier` on the first token ([CLS]); DistilBERT
+has no token types, so a pair's second segment is not marked.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class DistilBertTransformer(nn.Module):
 
 class DistilBertModel(SmallStepKernels, Family):
     strip_prefixes = ("distilbert.",)
+    classifier_architectures = frozenset({"DistilBertForSequenceClassification"})
     ignored = re.compile(r"(^|\.)position_ids$|^(vocab_transform|vocab_layer_norm|vocab_projector)\.")
     stacked_params = {
         ".attention.q_lin.": (".attention.qkv.", 0),
@@ -114,6 +119,12 @@ class DistilBertModel(SmallStepKernels, Family):
         self.embeddings = DistilBertEmbeddings(cfg)
         self.transformer = DistilBertTransformer(cfg)
         self.gelu = cfg.get("hidden_act", "gelu") in GELUS
+        if n := self.num_labels(cfg):
+            self.pre_classifier = nn.Linear(cfg["hidden_size"], cfg["hidden_size"])
+            self.classifier = nn.Linear(cfg["hidden_size"], n)
+
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.relu(self.pre_classifier(first)))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -124,7 +135,8 @@ class DistilBertModel(SmallStepKernels, Family):
         return self.gelu
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_type_ids` is ignored: DistilBERT has no token type embeddings."""
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         x = self.embeddings(input_ids, positions)
         for layer, r in zip(self.transformer.layer, last_only(self.transformer.layer, rows)):
