@@ -105,8 +105,9 @@ def _unigram_tokenizer_json(path, texts, vocab_size: int = 400) -> int:
 def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int = 64, seed: int = 0, **overrides):
     """A random `BertForSequenceClassification` ("bert", with all-MiniLM-L6-v2's real WordPiece
     tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template),
+    `DistilBertForSequenceClassification` ("distilbert", MiniLM's tokenizer without token type ids),
     `XLMRobertaForSequenceClassification` ("xlm-roberta", a small Unigram tokenizer with XLM-R's
-    template) or `ModernBertForSequenceClassification` ("modernbert", gte-reranker-modernbert-base's
+    template), `RobertaForSequenceClassification` ("roberta", the same tokenizer) or `ModernBertForSequenceClassification` ("modernbert", gte-reranker-modernbert-base's
     architecture: MiniLM's tokenizer without token type ids, as ModernBERT's tokenizer_config has it;
     three layers, global / local / global with a 16-token window the pairs exceed; `classifier_pooling`
     "cls" or "mean" through `overrides`) saved by transformers, as a cross-encoder is published; the
@@ -123,7 +124,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
     kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
               initializer_range=0.2)
-    if family in ("bert", "modernbert"):
+    if family in ("bert", "modernbert", "distilbert"):
         src = resolve_model_path("default")
         for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
             shutil.copy(src / name, path / name)
@@ -141,7 +142,14 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
         kw.update(overrides)
         torch.manual_seed(seed)
         model = transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(**kw))
-    elif family == "xlm-roberta":
+    elif family == "distilbert":  # MiniLM's WordPiece without token type ids, as DistilBERT's tokenizer
+        tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
+        kw = dict(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128, num_labels=num_labels,
+                  initializer_range=0.2, max_position_embeddings=96)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(**kw))
+    elif family in ("xlm-roberta", "roberta"):
         vocab = _unigram_tokenizer_json(path, SENTENCES)
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>", "pad_token": "<pad>",
@@ -149,11 +157,14 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
         kw.update(vocab_size=vocab, max_position_embeddings=max_length + 2, type_vocab_size=1, pad_token_id=1)
         kw.update(overrides)
         torch.manual_seed(seed)
-        model = transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(**kw))
+        if family == "roberta":
+            model = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(**kw))
+        else:
+            model = transformers.XLMRobertaForSequenceClassification(transformers.XLMRobertaConfig(**kw))
     else:
         raise ValueError(family)
     with torch.no_grad():  # scores spread over (0, 1), not all near sigmoid(0); a second segment that shows
-        head = model.classifier.out_proj if family == "xlm-roberta" else model.classifier
+        head = model.classifier.out_proj if family in ("xlm-roberta", "roberta") else model.classifier
         head.weight.normal_(0.0, 0.5)
         if family == "bert":
             model.bert.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)

@@ -1,4 +1,4 @@
-"""Tiny random encoder checkpoints (DistilBERT, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
+"""Tiny random encoder checkpoints (DistilBERT, RoBERTa, CamemBERT, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
 transformers in their published layouts, each with a small WordPiece tokenizer and the
 sentence-transformers files their published models carry; the builders return the
 sentence-transformers model (SentenceTransformer, or SparseEncoder for SPLADE) as the reference."""
@@ -74,6 +74,20 @@ def save_distilbert(path, seed: int = 0):
                                         max_position_embeddings=256, pad_token_id=0)
     _save(transformers.DistilBertModel(cfg), path)
     return _sentence_transformer(path, "mean", False)
+
+
+def save_roberta(path, seed: int = 0, family: str = "roberta"):
+    """all-distilroberta-v1's layout: RobertaModel (or CamembertModel: `family` "camembert"), positions
+    from pad_token_id + 1 = 2, mean pooling, normalised."""
+    import transformers
+
+    torch.manual_seed(seed)
+    prefix = {"roberta": "Roberta", "camembert": "Camembert"}[family]
+    cfg = getattr(transformers, f"{prefix}Config")(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, intermediate_size=128,
+                                                   max_position_embeddings=258, pad_token_id=1, type_vocab_size=1)
+    _save(getattr(transformers, f"{prefix}Model")(cfg, add_pooling_layer=False), path)
+    return _sentence_transformer(path, "mean", True)
 
 
 def save_mpnet(path, seed: int = 0):

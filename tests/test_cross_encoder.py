@@ -1,4 +1,5 @@
-"""Cross-encoders (`BertForSequenceClassification`, `XLMRobertaForSequenceClassification`,
+"""Cross-encoders (`BertForSequenceClassification`, `DistilBertForSequenceClassification`,
+`XLMRobertaForSequenceClassification`, `RobertaForSequenceClassification`,
 `ModernBertForSequenceClassification` with either `classifier_pooling`): ROSE's scores against
 sentence-transformers' `CrossEncoder.predict` (and transformers' logits) on the same tiny random
 checkpoints, the second segment's token types, several labels and a saved activation, the graph
@@ -30,7 +31,8 @@ DOCS = SENTENCES[:12] + [" ".join(SENTENCES)]  # the last one is cut (truncate) 
 PAIRS = [(QUERY, d) for d in DOCS] + [(SENTENCES[i], SENTENCES[-1 - i]) for i in range(8)]
 # fixture param -> save_cross_encoder's family and overrides (ModernBERT: both classifier_pooling modes;
 # the mean one with a bias on its head's dense layer, the published default being none)
-FAMILIES = {"bert": ("bert", {}), "xlm-roberta": ("xlm-roberta", {}),
+FAMILIES = {"bert": ("bert", {}), "distilbert": ("distilbert", {}), "xlm-roberta": ("xlm-roberta", {}),
+            "roberta": ("roberta", {}),
             "modernbert-cls": ("modernbert", {"classifier_pooling": "cls"}),
             "modernbert-mean": ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True})}
 
@@ -81,9 +83,9 @@ def test_tokenized_as_sentence_transformers(cross):
     assert ce.max_seq_length == MAX_LEN and max(map(len, seqs)) == MAX_LEN  # one pair is cut
     assert [s.tolist() for s in seqs] == ref["input_ids"]
     assert [t.index(1) if 1 in t else 0 for t in ref["token_type_ids"]] == starts
-    if family == "xlm-roberta":  # XLM-R's template types every token 0
+    if family in ("xlm-roberta", "roberta"):  # XLM-R's template types every token 0
         assert not any(starts)
-    else:  # BERT's (the ModernBERT checkpoint's too, though it does not read them) types the document 1
+    else:  # BERT's (the ModernBERT and DistilBERT checkpoints' too, though they do not read them) types the document 1
         assert all(starts)
 
 
@@ -104,7 +106,8 @@ def test_scores_match_cross_encoder(cross):
 
 def test_second_segment_token_types_are_used(cross):
     """BERT numbers the document's tokens type 1: dropping the segment starts changes the scores (and
-    breaks parity); XLM-R has one token type and ModernBERT none, so they change nothing."""
+    breaks parity); XLM-R and RoBERTa have one token type and ModernBERT and DistilBERT none, so they
+    change nothing."""
     family, path, ce, engine = cross
     seqs, starts = pair_ids(path, PAIRS[:6])
     raw = ce.predict(PAIRS[:6], activation_fn=nn.Identity())

@@ -1,5 +1,5 @@
 """Encoder families on CPU in float32 against sentence-transformers (itself over transformers'
-own models) on tiny random checkpoints saved in their published layouts: DistilBERT, MPNet
+own models) on tiny random checkpoints saved in their published layouts: DistilBERT, RoBERTa, CamemBERT, MPNet
 (relative position bias), ModernBERT (local window layers), NomicBERT (published config keys,
 prompts, Matryoshka dimensions) and SPLADE (sparse vocabulary weights), plus the attention rules
 the families declare (score bias only on sdpa, local layers routed to a windowed backend)."""
@@ -20,7 +20,8 @@ from tests import checkpoints_encoders as ck
 from tests.sentences import SENTENCES
 
 TEXTS = SENTENCES[:24]  # 1 to ~90 tokens with the character-level tokenizer
-BUILDERS = {"distilbert": ck.save_distilbert, "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
+BUILDERS = {"distilbert": ck.save_distilbert, "roberta": ck.save_roberta,
+            "camembert": lambda path: ck.save_roberta(path, family="camembert"), "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
             "nomic_bert": ck.save_nomic_bert, "splade": ck.save_splade}
 
 
@@ -56,7 +57,8 @@ def reference(ref, texts, **kw) -> torch.Tensor:
 
 
 EXPECT = {  # family -> (model_type, pooling, normalised, output width)
-    "distilbert": ("distilbert", "mean", False, 64), "mpnet": ("mpnet", "mean", True, 64),
+    "distilbert": ("distilbert", "mean", False, 64), "roberta": ("roberta", "mean", True, 64),
+    "camembert": ("camembert", "mean", True, 64), "mpnet": ("mpnet", "mean", True, 64),
     "modernbert": ("modernbert", "cls", True, 64), "nomic_bert": ("nomic_bert", "mean", True, 64),
     "splade": ("bert", "splade", False, ck.VOCAB),
 }
