@@ -106,6 +106,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     """A random `BertForSequenceClassification` ("bert", with all-MiniLM-L6-v2's real WordPiece
     tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template),
     `DistilBertForSequenceClassification` ("distilbert", MiniLM's tokenizer without token type ids),
+    `ElectraForSequenceClassification` ("electra", MiniLM's tokenizer; 32-wide embeddings projected),
     `XLMRobertaForSequenceClassification` ("xlm-roberta", a small Unigram tokenizer with XLM-R's
     template), `RobertaForSequenceClassification` ("roberta", the same tokenizer) or `ModernBertForSequenceClassification` ("modernbert", gte-reranker-modernbert-base's
     architecture: MiniLM's tokenizer without token type ids, as ModernBERT's tokenizer_config has it;
@@ -124,7 +125,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
     kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
               initializer_range=0.2)
-    if family in ("bert", "modernbert", "distilbert"):
+    if family in ("bert", "modernbert", "distilbert", "electra"):
         src = resolve_model_path("default")
         for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
             shutil.copy(src / name, path / name)
@@ -142,6 +143,11 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
         kw.update(overrides)
         torch.manual_seed(seed)
         model = transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(**kw))
+    elif family == "electra":  # ELECTRA-small's narrower embeddings, projected to the hidden size
+        kw.update(vocab_size=30522, max_position_embeddings=96, embedding_size=32)
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.ElectraForSequenceClassification(transformers.ElectraConfig(**kw))
     elif family == "distilbert":  # MiniLM's WordPiece without token type ids, as DistilBERT's tokenizer
         tok_cfg["model_input_names"] = ["input_ids", "attention_mask"]
         kw = dict(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128, num_labels=num_labels,
@@ -164,10 +170,10 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     else:
         raise ValueError(family)
     with torch.no_grad():  # scores spread over (0, 1), not all near sigmoid(0); a second segment that shows
-        head = model.classifier.out_proj if family in ("xlm-roberta", "roberta") else model.classifier
+        head = model.classifier.out_proj if family in ("xlm-roberta", "roberta", "electra") else model.classifier
         head.weight.normal_(0.0, 0.5)
-        if family == "bert":
-            model.bert.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)
+        if family in ("bert", "electra"):
+            model.base_model.embeddings.token_type_embeddings.weight[1].normal_(0.0, 0.5)
     tok_cfg["model_max_length"] = max_length
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     model.eval().save_pretrained(path, safe_serialization=True)

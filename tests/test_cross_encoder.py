@@ -1,4 +1,5 @@
 """Cross-encoders (`BertForSequenceClassification`, `DistilBertForSequenceClassification`,
+`ElectraForSequenceClassification`,
 `XLMRobertaForSequenceClassification`, `RobertaForSequenceClassification`,
 `ModernBertForSequenceClassification` with either `classifier_pooling`): ROSE's scores against
 sentence-transformers' `CrossEncoder.predict` (and transformers' logits) on the same tiny random
@@ -31,7 +32,8 @@ DOCS = SENTENCES[:12] + [" ".join(SENTENCES)]  # the last one is cut (truncate) 
 PAIRS = [(QUERY, d) for d in DOCS] + [(SENTENCES[i], SENTENCES[-1 - i]) for i in range(8)]
 # fixture param -> save_cross_encoder's family and overrides (ModernBERT: both classifier_pooling modes;
 # the mean one with a bias on its head's dense layer, the published default being none)
-FAMILIES = {"bert": ("bert", {}), "distilbert": ("distilbert", {}), "xlm-roberta": ("xlm-roberta", {}),
+FAMILIES = {"bert": ("bert", {}), "distilbert": ("distilbert", {}), "electra": ("electra", {}),
+            "xlm-roberta": ("xlm-roberta", {}),
             "roberta": ("roberta", {}),
             "modernbert-cls": ("modernbert", {"classifier_pooling": "cls"}),
             "modernbert-mean": ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True})}
@@ -105,14 +107,14 @@ def test_scores_match_cross_encoder(cross):
 
 
 def test_second_segment_token_types_are_used(cross):
-    """BERT numbers the document's tokens type 1: dropping the segment starts changes the scores (and
-    breaks parity); XLM-R and RoBERTa have one token type and ModernBERT and DistilBERT none, so they
-    change nothing."""
+    """BERT and ELECTRA number the document's tokens type 1: dropping the segment starts changes the
+    scores (and breaks parity); XLM-R and RoBERTa have one token type and ModernBERT and DistilBERT none,
+    so they change nothing."""
     family, path, ce, engine = cross
     seqs, starts = pair_ids(path, PAIRS[:6])
     raw = ce.predict(PAIRS[:6], activation_fn=nn.Identity())
     with_types = scores(engine, seqs, starts)[:, 0]
-    if family != "bert":
+    if family not in ("bert", "electra"):
         for other in ([3] * len(seqs), None):  # any boundary, or none: one token type
             np.testing.assert_allclose(scores(engine, seqs, other)[:, 0], with_types, atol=1e-6)
         np.testing.assert_allclose(with_types, raw, atol=1e-4)

@@ -343,3 +343,23 @@ def test_triton_attention_on_long_sequences_equals_the_reference(heads, kv_heads
         n = sum(lens)
         assert F.cosine_similarity(got[:n].flatten(1), want[:n].flatten(1)).min().item() >= 0.999
         assert (got[n:] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["electra", "distilbert", "roberta"])
+def test_cross_encoder_heads_in_graphs_equal_float32(tmp_path, family):
+    """The newer cross-encoder families on the GPU's fast path (bfloat16, the small step in CUDA graphs):
+    ELECTRA's narrow embeddings through the fused embedding kernel, then projected; DistilBERT's and
+    RoBERTa's heads; the pairs' logits against the float32 eager step's."""
+    from tests.checkpoints import save_cross_encoder
+    from tests.test_cross_encoder import PAIRS, pair_ids
+
+    path, _ = save_cross_encoder(family, tmp_path / family, max_length=64)
+    seqs, starts = pair_ids(path, PAIRS[:6])
+    batch = Batch.from_sequences(seqs, None, starts)
+    want = engine(path, dtype="float32", attention="sdpa", graphs="off").step(batch).synchronize().clone()
+    fast = engine(path, dtype="bfloat16", graphs="lazy")
+    assert fast.runner is not None and fast.kernels
+    for _ in range(3):  # eager hit, capture, replay
+        got = fast.step(batch).synchronize().clone()
+        torch.testing.assert_close(got, want, atol=0.03 * max(1.0, want.abs().max().item()), rtol=0)
+    assert fast.runner.stats.replays >= 1

@@ -3,6 +3,7 @@
 from rose.models.base import Family
 from rose.models.bert import BertModel
 from rose.models.distilbert import DistilBertModel
+from rose.models.electra import ElectraModel
 from rose.models.gemma3 import Gemma3TextModel
 from rose.models.llama import LlamaModel
 from rose.models.mistral import MistralModel
@@ -17,12 +18,11 @@ from rose.models.splade import SpladeModel
 from rose.models.xlm_roberta import XLMRobertaModel
 from trellis.modeldir import ModelSpec
 
-MODELS: dict[str, type[Family]] = {"bert": BertModel, "xlm-roberta": XLMRobertaModel, "roberta": RobertaModel,
-                                   "camembert": CamembertModel, "qwen3": Qwen3Model,
-                                   "bidirectional_pplx_qwen3": PPLXQwen3Model,
-                                   "distilbert": DistilBertModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
-                                   "nomic_bert": NomicBertModel, "llama": LlamaModel, "mistral": MistralModel,
-                                   "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel}
+MODELS: dict[str, type[Family]] = {
+    "bert": BertModel, "xlm-roberta": XLMRobertaModel, "roberta": RobertaModel, "camembert": CamembertModel,
+    "distilbert": DistilBertModel, "electra": ElectraModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
+    "nomic_bert": NomicBertModel, "qwen3": Qwen3Model, "bidirectional_pplx_qwen3": PPLXQwen3Model,
+    "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
 SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}

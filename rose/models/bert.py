@@ -179,6 +179,12 @@ class BertModel(SmallStepKernels, Family):
     def classify(self, first: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.pooler(first))
 
+    def embed(self, input_ids, positions, token_type_ids, small: bool) -> torch.Tensor:
+        """The embeddings' output, the first layer's input (one fused kernel in small steps of one segment)."""
+        if small and (token_type_ids is None or self.embeddings.token_type_embeddings.num_embeddings == 1):
+            return self.embeddings.fused(input_ids, positions, self.offset)
+        return self.embeddings(input_ids, positions + self.offset if self.offset else positions, token_type_ids)
+
     @property
     def blocks(self) -> nn.ModuleList:
         return self.encoder.layer
@@ -190,10 +196,7 @@ class BertModel(SmallStepKernels, Family):
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
-        if small and (token_type_ids is None or self.embeddings.token_type_embeddings.num_embeddings == 1):
-            x = self.embeddings.fused(input_ids, positions, self.offset)
-        else:
-            x = self.embeddings(input_ids, positions + self.offset if self.offset else positions, token_type_ids)
+        x = self.embed(input_ids, positions, token_type_ids, small)
         for layer, r in zip(self.encoder.layer, last_only(self.encoder.layer, rows)):
             x = layer.small_step(x, meta, attn, r) if small else layer(x, meta, attn, r)
         return x
