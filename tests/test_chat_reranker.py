@@ -135,6 +135,12 @@ def test_layout_rules(tmp_path):
     with pytest.raises(ValueError, match="causal LM"):
         Engine(EngineConfig(model=str(path), device="cpu"))
 
+    # a chat template on an embedding model's directory is not a pair's (Ivy never renders it)
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3Model"]}))
+    shutil.rmtree(path / "1_LogitScore")
+    (path / "modules.json").unlink()
+    assert ModelSpec.read(path).chat_template == "" and (path / "chat_template.jinja").is_file()
+
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -166,7 +166,9 @@ class ModelSpec:
         pipeline = _read_pipeline(path, modules or [], int(config.get("hidden_size", 0)))
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
-        chat = _pair_messages(path, modules is not None, st, tok_cfg)
+        cross_encoder = bool(pipeline["logit_tokens"]) or any(
+            str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
+        chat = _pair_messages(path, modules is not None, st, tok_cfg) if cross_encoder else {}
         limit = tok_cfg.get("model_max_length")
         limit = int(limit) if isinstance(limit, (int, float)) and limit < 1 << 30 else None  # HF's "no limit"
         max_len = int(st.get("max_seq_length") or limit or config.get("max_position_embeddings", 512))

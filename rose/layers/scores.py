@@ -91,7 +91,13 @@ class LogitScore(nn.Module):
         if any(not 0 <= t < vocab for t in spec.logit_tokens):
             raise ValueError(f"{spec.path}: LogitScore token ids {list(spec.logit_tokens)} are outside the "
                              f"vocabulary [0, {vocab})")
-        embeddings = model.embed_tokens.weight
+        if spec.config.get("final_logit_softcapping"):
+            raise ValueError(f"{spec.path}: LogitScore over a causal LM with final_logit_softcapping is not supported")
+        embed = getattr(model, "embed_tokens", None)
+        if embed is None:
+            raise ValueError(f"{spec.path}: LogitScore is served for decoder families (Llama, Mistral, Qwen2, Qwen3), "
+                             f"not {spec.model_type}")
+        embeddings = embed.weight
         if spec.config.get("tie_word_embeddings", False):
             rows = embeddings[list(spec.logit_tokens)]
         else:
