@@ -1,13 +1,16 @@
 """Small random decoder checkpoints (Llama, Mistral, Qwen2, Gemma3 text) saved by transformers, in
 the sentence-transformers layouts their published embedding models use (pooling, Normalize,
 prompts, a byte-level tokenizer; EmbeddingGemma's whole pipeline, its two Dense modules, saved by
-sentence-transformers), so that the engine, sentence-transformers and Ivy read real files."""
+sentence-transformers; Qwen3 / Llama rerankers in sentence-transformers 6's layout, `save_chat_reranker`), so
+that the engine, sentence-transformers and Ivy read real files."""
 
 from __future__ import annotations
 
 import json
 
 import torch
+
+from trellis.presets import RERANKER_TEMPLATE as _PUBLISHED_TEMPLATE
 
 # The published models' pooling and prompts (config_sentence_transformers.json), per family.
 E5_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
@@ -126,15 +129,12 @@ def save_embeddinggemma(path, seed: int = 0, width: int = 256):
     return st.eval()
 
 
-# Qwen3-Reranker's chat template (the published one's structure: a system line, then the instruction,
-# query and document; the assistant's empty think block closes it), with a shorter system line.
-RERANKER_TEMPLATE = (
-    '<|im_start|>system\nJudge: "yes" or "no".{{ eos_token }}\n<|im_start|>user\n'
-    '<Instruct>: {{ messages | selectattr("role", "eq", "system") | map(attribute="content") | first'
-    ' | default("Given a web search query, retrieve relevant passages that answer the query") }}\n'
-    '<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}\n'
-    '<Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}'
-    '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+# Qwen3-Reranker's chat template (the preset's, as published) with a shorter system line that names the
+# end token through the tokenizer's `eos_token` (transformers hands a template the special tokens by name).
+RERANKER_TEMPLATE = _PUBLISHED_TEMPLATE.replace(
+    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the '
+    'answer can only be "yes" or "no".<|im_end|>', 'Judge: "yes" or "no".{{ eos_token }}')
+assert RERANKER_TEMPLATE != _PUBLISHED_TEMPLATE
 
 
 def _reranker_tokenizer(max_length: int):
