@@ -65,6 +65,21 @@ def activation_name(spec: ModelSpec, num_labels: int) -> str:
     return default
 
 
+class ClassificationHead(nn.Module):
+    """transformers' XLMRobertaClassificationHead (RoBERTa's, CamemBERT's; ELECTRA's with GELU): `dense`,
+    tanh (or `activation`), then `out_proj`, on each sequence's first token (<s>, [CLS]); dropout is
+    inference's identity. Parameter names as the checkpoints' `classifier.*`."""
+
+    def __init__(self, cfg: dict, n: int, activation=torch.tanh):
+        super().__init__()
+        self.dense = nn.Linear(cfg["hidden_size"], cfg["hidden_size"])
+        self.out_proj = nn.Linear(cfg["hidden_size"], n)
+        self.activation = activation
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.activation(self.dense(first)))
+
+
 class LogitScore(nn.Module):
     """sentence-transformers' LogitScore over a causal LM (Qwen3-Reranker as published for
     sentence-transformers 6): the LM head's logit of `true_token_id` at each sequence's last token, less

@@ -12,17 +12,8 @@ import re
 import torch
 from torch import nn
 
+from rose.layers.scores import ClassificationHead
 from rose.models.bert import BertEmbeddings, BertModel
-
-
-class ElectraClassificationHead(nn.Module):
-    def __init__(self, cfg: dict, n: int):
-        super().__init__()
-        self.dense = nn.Linear(cfg["hidden_size"], cfg["hidden_size"])
-        self.out_proj = nn.Linear(cfg["hidden_size"], n)
-
-    def forward(self, first: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.nn.functional.gelu(self.dense(first)))
 
 
 class ElectraModel(BertModel):
@@ -38,7 +29,7 @@ class ElectraModel(BertModel):
             self.embeddings_project = nn.Linear(e, cfg["hidden_size"])
 
     def add_classifier(self, cfg: dict, n: int) -> None:
-        self.classifier = ElectraClassificationHead(cfg, n)
+        self.classifier = ClassificationHead(cfg, n, torch.nn.functional.gelu)
 
     def classify(self, first: torch.Tensor) -> torch.Tensor:
         return self.classifier(first)
