@@ -18,11 +18,13 @@ Class-level rules (read before the model is built, from config.json alone):
     is_causal(config)         causal attention (decoders used as such) or bidirectional.
     serving(spec)             the directory's `ModelSpec` completed with the above.
     classifier_architectures  config.json `architectures` this family serves as a cross-encoder (a
-                     `*ForSequenceClassification` head on the first token: one score per query-document
-                     pair, or num_labels); empty: embeddings only.
+                     `*ForSequenceClassification` head: one score per query-document pair, or num_labels);
+                     empty: embeddings only. (A causal LM scored through sentence-transformers' LogitScore
+                     needs none: `rose.layers.scores.LogitScore` reads its LM head.)
     num_labels(config)        the head's outputs per sequence for such a directory; 0 for an embedding model.
     classifier_pooling(config)  which state of each sequence the head reads: "cls" (the first token, the
-                     default) or "mean" (every token of the sequence; ModernBERT's `classifier_pooling`).
+                     default), "mean" (every token of the sequence; ModernBERT's `classifier_pooling`) or
+                     "last" (decoders' `*ForSequenceClassification`).
     standard_config(config)   config.json with Hugging Face's usual key names added where the family's
                      config uses its own (DistilBERT's `dim`, NomicBERT's GPT-2 style `n_embd`), so
                      the rest of the stack reads `hidden_size`, `vocab_size`, ... alike.
