@@ -146,7 +146,9 @@ class RerankRequest(Body):
     return_documents: echo each document's text in its result.
     truncate:         cut texts longer than the model's maximum instead of answering 400 (a pair: the
                       longer side first, as sentence-transformers' CrossEncoder; in practice the document).
-    instruction:      a task for instruction-tuned models, applied to the query (embedding models).
+    instruction:      a task for instruction-tuned models, applied to the query (embedding models), or a
+                      chat-template reranker's system message (Qwen3-Reranker's `<Instruct>`;
+                      CrossEncoder.predict's `prompt`).
     raw_scores:       a cross-encoder's raw logits instead of its activated scores (sigmoid for one
                       label, unless the model saved another activation), as TEI's and Infinity's flag.
     max_tokens_per_doc: Cohere's: cut each document after its first this many tokens (tokenized
