@@ -1,4 +1,4 @@
-"""Tiny random encoder checkpoints (DistilBERT, RoBERTa, CamemBERT, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
+"""Tiny random encoder checkpoints (DistilBERT, RoBERTa, CamemBERT, T5's encoder, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
 transformers in their published layouts, each with a small WordPiece tokenizer and the
 sentence-transformers files their published models carry; the builders return the
 sentence-transformers model (SentenceTransformer, or SparseEncoder for SPLADE) as the reference."""
@@ -88,6 +88,27 @@ def save_roberta(path, seed: int = 0, family: str = "roberta"):
                                                    max_position_embeddings=258, pad_token_id=1, type_vocab_size=1)
     _save(getattr(transformers, f"{prefix}Model")(cfg, add_pooling_layer=False), path)
     return _sentence_transformer(path, "mean", True)
+
+
+def save_t5(path, seed: int = 0, gated: bool = False):
+    """sentence-t5-base's layout (T5EncoderModel with ReLU, T5 v1.0) or, `gated`, gtr-t5-base's (gated-GELU,
+    T5 v1.1): mean pooling, a Dense module (no bias, Identity; 768 -> 768 published, 64 -> 48 here),
+    Normalize, saved by sentence-transformers. Relative position buckets over 8 distances so the test texts
+    reach the logarithmic ones."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                relative_attention_num_buckets=16, relative_attention_max_distance=24,
+                                feed_forward_proj="gated-gelu" if gated else "relu")
+    _save(transformers.T5EncoderModel(cfg), path)
+    t = models.Transformer(str(path), max_seq_length=256)
+    mods = [t, models.Pooling(64, "mean"), models.Dense(64, 48, bias=False, activation_function=torch.nn.Identity()),
+            models.Normalize()]
+    st = SentenceTransformer(modules=mods, device="cpu")
+    st.save(str(path))
+    return st.eval()
 
 
 def save_mpnet(path, seed: int = 0):

@@ -1,6 +1,6 @@
 """CUDA only: each encoder family's real-shape preset (random weights) in bfloat16, CUDA-graph replay
-against the same engine's eager steps (cosine >= 0.999), and the attention each one runs: MPNet on
-its biased Triton attention in graphs (against SDPA per sequence and the padded batch), ModernBERT's
+against the same engine's eager steps (cosine >= 0.999), and the attention each one runs: MPNet and
+T5 on the biased Triton attention in graphs (against SDPA per sequence and the padded batch), ModernBERT's
 local layers on a windowed backend; the cross-encoder presets' logits replayed against eager."""
 
 import pytest
@@ -13,7 +13,7 @@ from rose.engine import Engine, EngineConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PRESETS = ["msmarco-distilbert", "all-mpnet-base-v2", "gte-modernbert-base", "nomic-embed-text-v1.5",
-           "splade-cocondenser"]
+           "splade-cocondenser", "sentence-t5-base"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -23,7 +23,7 @@ def test_graph_replay_matches_eager(preset):
     batch = Batch.from_sequences(seqs)
     eager = Engine(EngineConfig(model=preset, graphs="off")).step(batch).synchronize()
     e = Engine(EngineConfig(model=preset, graphs="eager-all"))
-    if preset == "all-mpnet-base-v2":  # its position bias: the Triton kernel, captured; SDPA per sequence
+    if preset in ("all-mpnet-base-v2", "sentence-t5-base"):  # the position bias: the Triton kernel, captured; SDPA
         assert e.attention.name == "triton" and e.runner is not None  # and the padded batch agree
         for name in ("sdpa", "padded"):
             other = Engine(EngineConfig(model=preset, graphs="off", attention=name)).step(batch).synchronize()

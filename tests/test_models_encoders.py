@@ -1,5 +1,6 @@
 """Encoder families on CPU in float32 against sentence-transformers (itself over transformers'
-own models) on tiny random checkpoints saved in their published layouts: DistilBERT, RoBERTa, CamemBERT, MPNet
+own models) on tiny random checkpoints saved in their published layouts: DistilBERT, RoBERTa, CamemBERT,
+T5's encoder (ReLU and gated-GELU, with a Dense module), MPNet
 (relative position bias), ModernBERT (local window layers), NomicBERT (published config keys,
 prompts, Matryoshka dimensions) and SPLADE (sparse vocabulary weights), plus the attention rules
 the families declare (score bias only on sdpa, local layers routed to a windowed backend)."""
@@ -21,7 +22,8 @@ from tests.sentences import SENTENCES
 
 TEXTS = SENTENCES[:24]  # 1 to ~90 tokens with the character-level tokenizer
 BUILDERS = {"distilbert": ck.save_distilbert, "roberta": ck.save_roberta,
-            "camembert": lambda path: ck.save_roberta(path, family="camembert"), "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
+            "camembert": lambda path: ck.save_roberta(path, family="camembert"), "t5": ck.save_t5,
+            "t5-gated": lambda path: ck.save_t5(path, gated=True), "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
             "nomic_bert": ck.save_nomic_bert, "splade": ck.save_splade}
 
 
@@ -58,7 +60,8 @@ def reference(ref, texts, **kw) -> torch.Tensor:
 
 EXPECT = {  # family -> (model_type, pooling, normalised, output width)
     "distilbert": ("distilbert", "mean", False, 64), "roberta": ("roberta", "mean", True, 64),
-    "camembert": ("camembert", "mean", True, 64), "mpnet": ("mpnet", "mean", True, 64),
+    "camembert": ("camembert", "mean", True, 64), "t5": ("t5", "mean", True, 48), "t5-gated": ("t5", "mean", True, 48),
+    "mpnet": ("mpnet", "mean", True, 64),
     "modernbert": ("modernbert", "cls", True, 64), "nomic_bert": ("nomic_bert", "mean", True, 64),
     "splade": ("bert", "splade", False, ck.VOCAB),
 }
@@ -289,3 +292,19 @@ def test_served_end_to_end(built, family, tmp_path):
                 assert max(abs(sparse[j] - want[i, j].item()) for j in nz) < 1e-4
     finally:
         proc.stop(signal.SIGINT)
+
+
+def test_sentence_t5_preset(tmp_path, monkeypatch):
+    """sentence-t5-base's preset: T5-base's encoder (random weights) with its Dense module and Normalize,
+    read as published; a step gives unit vectors of the Dense module's width, the same from two engines."""
+    from trellis.modeldir import ModelSpec, resolve_model_path
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("sentence-t5-base")
+    spec = ModelSpec.read(path)
+    assert (spec.model_type, spec.pooling, spec.normalize, spec.max_seq_len) == ("t5", "mean", True, 256)
+    assert [(d.in_features, d.out_features, d.bias) for d in spec.dense] == [(768, 768, False)]
+    seqs = [[5 + i for i in range(n)] + [1] for n in (30, 7)]
+    got = [run(engine(path), seqs) for _ in range(2)]
+    assert got[0].shape == (2, 768) and torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0].norm(dim=1), torch.ones(2))

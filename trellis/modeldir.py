@@ -163,7 +163,7 @@ class ModelSpec:
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
         modules = _read_json(path / "modules.json")
-        pipeline = _read_pipeline(path, modules or [], int(config.get("hidden_size", 0)))
+        pipeline = _read_pipeline(path, modules or [], hidden_width(config))
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
         cross_encoder = bool(pipeline["logit_tokens"]) or any(
@@ -184,6 +184,12 @@ class ModelSpec:
                    default_prompt_name=str(default_prompt),
                    special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **chat,
                    **pipeline)
+
+
+def hidden_width(config: dict) -> int:
+    """The model's hidden size under its config's name for it (`hidden_size`; T5's `d_model`, DistilBERT's
+    `dim`, NomicBERT's GPT-2 style `n_embd`): what a Pooling module's vector is wide."""
+    return int(next((config[k] for k in ("hidden_size", "d_model", "dim", "n_embd") if config.get(k)), 0))
 
 
 def _stage(module_type: str) -> str:

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from trellis import cache_root
+from trellis.modeldir import hidden_width
 
 RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
 FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
@@ -174,6 +175,15 @@ PRESETS.update({
                                        "pad_token_id": 50283, "cls_token_id": 50281, "sep_token_id": 50282,
                                        "classifier_pooling": "cls"},
                             "pooling": "cls", "normalize": True, "max_seq_length": 8192, **_BERT_SPECIALS},
+    # sentence-transformers/sentence-t5-base: T5-base's encoder (v1.0: ReLU), mean pooling, its Dense module
+    # (768 -> 768, no bias, Identity), normalised; the byte-level stand-in ends a text with </s> as T5's does.
+    "sentence-t5-base": {"config": {"model_type": "t5", "architectures": ["T5EncoderModel"], "vocab_size": 32128,
+                                    "d_model": 768, "d_kv": 64, "d_ff": 3072, "num_layers": 12, "num_heads": 12,
+                                    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+                                    "layer_norm_epsilon": 1e-6, "feed_forward_proj": "relu", "n_positions": 512,
+                                    "pad_token_id": 0, "eos_token_id": 1},
+                         "pooling": "mean", "normalize": True, "max_seq_length": 256, "dense": [[768, 768]],
+                         "specials": {"<pad>": 0, "</s>": 1, "<unk>": 2}, "wrap": (None, "</s>")},
     # nomic-ai/nomic-embed-text-v1.5: NomicBERT (its published GPT-2 style config), mean pooling, normalised,
     # search_query / search_document prompts.
     "nomic-embed-text-v1.5": {"config": {"model_type": "nomic_bert", "architectures": ["NomicBertModel"],
@@ -272,8 +282,7 @@ def _sentence_transformers_files(p: dict, d: Path) -> None:
     mode = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken"}
     (pool_dir / "config.json").write_text(json.dumps(
         {"pooling_strategy": "max", "activation_function": "relu"} if splade else
-        {"word_embedding_dimension": p["config"].get("hidden_size") or p["config"].get("dim") or p["config"]["n_embd"],
-         mode[p["pooling"]]: True}))
+        {"word_embedding_dimension": hidden_width(p["config"]), mode[p["pooling"]]: True}))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": p["max_seq_length"]}))
     if p.get("prompts"):
         (d / "config_sentence_transformers.json").write_text(json.dumps({"prompts": p["prompts"]}, indent=2))

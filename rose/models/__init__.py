@@ -15,6 +15,7 @@ from rose.models.qwen2 import Qwen2Model
 from rose.models.qwen3 import Qwen3Model
 from rose.models.roberta import CamembertModel, RobertaModel
 from rose.models.splade import SpladeModel
+from rose.models.t5 import T5EncoderModel
 from rose.models.xlm_roberta import XLMRobertaModel
 from trellis.modeldir import ModelSpec
 
@@ -22,7 +23,8 @@ MODELS: dict[str, type[Family]] = {
     "bert": BertModel, "xlm-roberta": XLMRobertaModel, "roberta": RobertaModel, "camembert": CamembertModel,
     "distilbert": DistilBertModel, "electra": ElectraModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
     "nomic_bert": NomicBertModel, "qwen3": Qwen3Model, "bidirectional_pplx_qwen3": PPLXQwen3Model,
-    "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel}
+    "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel,
+    "t5": T5EncoderModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
 SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}
