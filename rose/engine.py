@@ -188,6 +188,14 @@ class Engine:
         heads = family.head_shape(config)
         make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
                                  causal=self.causal)
+        if family.sequence_bias:
+            if cfg.attention not in ("auto", "sdpa", "padded"):
+                raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: its attention scores "
+                                 "take a bias of each sequence's own, which only 'sdpa' and 'padded' add (choose auto, "
+                                 "sdpa or padded)")
+            name = cfg.attention if cfg.attention != "auto" else "padded" if self.device.type == "cuda" else "sdpa"
+            log.info("engine: %s adds a per-sequence bias to attention scores: attention %s", self.spec.model_type, name)
+            return make(name)
         if family.score_bias:
             if cfg.attention not in ("auto", "sdpa", "padded", "triton"):
                 raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: it adds a relative "

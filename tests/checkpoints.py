@@ -107,6 +107,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     tokenizer.json and its `[CLS] $A [SEP] $B:1 [SEP]:1` pair template),
     `DistilBertForSequenceClassification` ("distilbert", MiniLM's tokenizer without token type ids),
     `ElectraForSequenceClassification` ("electra", MiniLM's tokenizer; 32-wide embeddings projected),
+    `DebertaV2ForSequenceClassification` ("deberta-v2", DeBERTa-v3's layout, MiniLM's tokenizer),
     `XLMRobertaForSequenceClassification` ("xlm-roberta", a small Unigram tokenizer with XLM-R's
     template), `RobertaForSequenceClassification` ("roberta", the same tokenizer) or `ModernBertForSequenceClassification` ("modernbert", gte-reranker-modernbert-base's
     architecture: MiniLM's tokenizer without token type ids, as ModernBERT's tokenizer_config has it;
@@ -125,7 +126,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart
     kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels,
               initializer_range=0.2)
-    if family in ("bert", "modernbert", "distilbert", "electra"):
+    if family in ("bert", "modernbert", "distilbert", "electra", "deberta-v2"):
         src = resolve_model_path("default")
         for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
             shutil.copy(src / name, path / name)
@@ -143,6 +144,13 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
         kw.update(overrides)
         torch.manual_seed(seed)
         model = transformers.ModernBertForSequenceClassification(transformers.ModernBertConfig(**kw))
+    elif family == "deberta-v2":  # DeBERTa-v3's layout (mxbai-rerank-*-v1): relative attention, no token types
+        kw.update(vocab_size=30522, max_position_embeddings=96, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                  position_buckets=16, max_relative_positions=-1, norm_rel_ebd="layer_norm", share_att_key=True,
+                  position_biased_input=False, type_vocab_size=0, pooler_hidden_size=64, pooler_hidden_act="gelu")
+        kw.update(overrides)
+        torch.manual_seed(seed)
+        model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(**kw))
     elif family == "electra":  # ELECTRA-small's narrower embeddings, projected to the hidden size
         kw.update(vocab_size=30522, max_position_embeddings=96, embedding_size=32)
         kw.update(overrides)

@@ -1,4 +1,4 @@
-"""Tiny random encoder checkpoints (DistilBERT, RoBERTa, CamemBERT, T5's encoder, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
+"""Tiny random encoder checkpoints (DistilBERT, RoBERTa, CamemBERT, DeBERTa-v2 / v3, T5's encoder, MPNet, ModernBERT, NomicBERT, SPLADE) saved by
 transformers in their published layouts, each with a small WordPiece tokenizer and the
 sentence-transformers files their published models carry; the builders return the
 sentence-transformers model (SentenceTransformer, or SparseEncoder for SPLADE) as the reference."""
@@ -109,6 +109,24 @@ def save_t5(path, seed: int = 0, gated: bool = False):
     st = SentenceTransformer(modules=mods, device="cpu")
     st.save(str(path))
     return st.eval()
+
+
+def save_deberta_v2(path, seed: int = 0, v3: bool = True):
+    """DeBERTa-v3's layout (deberta-v3-base: relative attention p2c|c2p with shared keys, log buckets,
+    normalised relative embeddings, no absolute positions or token types), or with `v3` false v2's
+    (own position projections, absolute positions too, token types); mean pooling, normalised. 16
+    buckets so the test texts reach the logarithmic ones."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=-1,
+              norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False, type_vocab_size=0) if v3 else \
+        dict(relative_attention=True, pos_att_type="p2c|c2p", position_buckets=-1, max_relative_positions=32,
+             share_att_key=False, position_biased_input=True, type_vocab_size=2)
+    cfg = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=256, pad_token_id=0, **kw)
+    _save(transformers.DebertaV2Model(cfg), path)
+    return _sentence_transformer(path, "mean", True)
 
 
 def save_mpnet(path, seed: int = 0):

@@ -1,5 +1,5 @@
 """Cross-encoders (`BertForSequenceClassification`, `DistilBertForSequenceClassification`,
-`ElectraForSequenceClassification`,
+`ElectraForSequenceClassification`, `DebertaV2ForSequenceClassification`,
 `XLMRobertaForSequenceClassification`, `RobertaForSequenceClassification`,
 `ModernBertForSequenceClassification` with either `classifier_pooling`): ROSE's scores against
 sentence-transformers' `CrossEncoder.predict` (and transformers' logits) on the same tiny random
@@ -33,6 +33,7 @@ PAIRS = [(QUERY, d) for d in DOCS] + [(SENTENCES[i], SENTENCES[-1 - i]) for i in
 # fixture param -> save_cross_encoder's family and overrides (ModernBERT: both classifier_pooling modes;
 # the mean one with a bias on its head's dense layer, the published default being none)
 FAMILIES = {"bert": ("bert", {}), "distilbert": ("distilbert", {}), "electra": ("electra", {}),
+            "deberta-v2": ("deberta-v2", {}),
             "xlm-roberta": ("xlm-roberta", {}),
             "roberta": ("roberta", {}),
             "modernbert-cls": ("modernbert", {"classifier_pooling": "cls"}),
@@ -108,8 +109,8 @@ def test_scores_match_cross_encoder(cross):
 
 def test_second_segment_token_types_are_used(cross):
     """BERT and ELECTRA number the document's tokens type 1: dropping the segment starts changes the
-    scores (and breaks parity); XLM-R and RoBERTa have one token type and ModernBERT and DistilBERT none,
-    so they change nothing."""
+    scores (and breaks parity); XLM-R and RoBERTa have one token type and ModernBERT, DistilBERT and
+    DeBERTa-v3 none, so they change nothing."""
     family, path, ce, engine = cross
     seqs, starts = pair_ids(path, PAIRS[:6])
     raw = ce.predict(PAIRS[:6], activation_fn=nn.Identity())
@@ -145,9 +146,12 @@ def test_graph_runner_pads_segments_like_eager(cross):
 
 
 def _masked(engine, *args):
+    """The engine's step on a capturable CPU backend: the block-diagonal mask, or for a per-sequence
+    score bias (DeBERTa) the padded batch."""
+    from rose.layers.attention import PaddedBackend
     from tests.test_graphs import MaskedAttention
 
-    saved, engine.attention = engine.attention, MaskedAttention()
+    saved, engine.attention = engine.attention, PaddedBackend() if engine.model.sequence_bias else MaskedAttention()
     try:
         return engine._scores(*args)
     finally:

@@ -1,6 +1,6 @@
 """Encoder families on CPU in float32 against sentence-transformers (itself over transformers'
 own models) on tiny random checkpoints saved in their published layouts: DistilBERT, RoBERTa, CamemBERT,
-T5's encoder (ReLU and gated-GELU, with a Dense module), MPNet
+T5's encoder (ReLU and gated-GELU, with a Dense module), DeBERTa-v3 and v2 (disentangled attention), MPNet
 (relative position bias), ModernBERT (local window layers), NomicBERT (published config keys,
 prompts, Matryoshka dimensions) and SPLADE (sparse vocabulary weights), plus the attention rules
 the families declare (score bias only on sdpa, local layers routed to a windowed backend)."""
@@ -23,7 +23,8 @@ from tests.sentences import SENTENCES
 TEXTS = SENTENCES[:24]  # 1 to ~90 tokens with the character-level tokenizer
 BUILDERS = {"distilbert": ck.save_distilbert, "roberta": ck.save_roberta,
             "camembert": lambda path: ck.save_roberta(path, family="camembert"), "t5": ck.save_t5,
-            "t5-gated": lambda path: ck.save_t5(path, gated=True), "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
+            "t5-gated": lambda path: ck.save_t5(path, gated=True), "deberta-v3": ck.save_deberta_v2,
+            "deberta-v2": lambda path: ck.save_deberta_v2(path, v3=False), "mpnet": ck.save_mpnet, "modernbert": ck.save_modernbert,
             "nomic_bert": ck.save_nomic_bert, "splade": ck.save_splade}
 
 
@@ -61,6 +62,7 @@ def reference(ref, texts, **kw) -> torch.Tensor:
 EXPECT = {  # family -> (model_type, pooling, normalised, output width)
     "distilbert": ("distilbert", "mean", False, 64), "roberta": ("roberta", "mean", True, 64),
     "camembert": ("camembert", "mean", True, 64), "t5": ("t5", "mean", True, 48), "t5-gated": ("t5", "mean", True, 48),
+    "deberta-v3": ("deberta-v2", "mean", True, 64), "deberta-v2": ("deberta-v2", "mean", True, 64),
     "mpnet": ("mpnet", "mean", True, 64),
     "modernbert": ("modernbert", "cls", True, 64), "nomic_bert": ("nomic_bert", "mean", True, 64),
     "splade": ("bert", "splade", False, ck.VOCAB),

@@ -51,7 +51,8 @@ class AttentionMetadata:
     window:     sliding-window layers: a query sees only keys at distance < window (before it, and
                 after it unless causal); 0: no limit. Set per layer by the model (`with_window`).
     bias:       an additive score bias [heads, L, L] by position within a sequence (L >= the longest
-                sequence; each sequence takes its top-left [n, n]), or None; set by the family.
+                sequence; each sequence takes its top-left [n, n]), or one per sequence [N, heads, L, L]
+                (DeBERTa's; `sdpa` and `padded` take it), or None; set by the family.
     """
 
     cu_seqlens: torch.Tensor
@@ -113,9 +114,10 @@ class SdpaBackend(AttentionBackend):
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
         start = 0
-        for n in meta.seq_lens:
+        for i, n in enumerate(meta.seq_lens):
             s = slice(start, start + n)
-            mask = None if meta.bias is None else meta.bias[:, :n, :n]
+            bias = meta.bias if meta.bias is None or meta.bias.dim() == 3 else meta.bias[i]
+            mask = None if bias is None else bias[:, :n, :n]
             band = band_mask(n, meta.window, meta.causal, q.device) if 0 < meta.window < n else None
             if band is None and meta.causal and mask is not None:  # causal with a bias: the rule as a mask
                 band = band_mask(n, n + 1, True, q.device)
@@ -159,8 +161,8 @@ class PaddedBackend(AttentionBackend):
         if rule is not None:
             keep = keep & rule
         mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
-        if meta.bias is not None:
-            mask = mask + meta.bias[None, :, :L, :L]
+        if meta.bias is not None:  # one for every sequence, or each its own
+            mask = mask + (meta.bias[None, :, :L, :L] if meta.bias.dim() == 3 else meta.bias[:, :, :L, :L])
         o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask,
                                            enable_gqa=q.shape[1] != k.shape[1])
         out = q.new_zeros(T + 1, h, d)

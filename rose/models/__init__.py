@@ -2,6 +2,7 @@
 
 from rose.models.base import Family
 from rose.models.bert import BertModel
+from rose.models.deberta_v2 import DebertaV2Model
 from rose.models.distilbert import DistilBertModel
 from rose.models.electra import ElectraModel
 from rose.models.gemma3 import Gemma3TextModel
@@ -21,10 +22,10 @@ from trellis.modeldir import ModelSpec
 
 MODELS: dict[str, type[Family]] = {
     "bert": BertModel, "xlm-roberta": XLMRobertaModel, "roberta": RobertaModel, "camembert": CamembertModel,
-    "distilbert": DistilBertModel, "electra": ElectraModel, "mpnet": MPNetModel, "modernbert": ModernBertModel,
-    "nomic_bert": NomicBertModel, "qwen3": Qwen3Model, "bidirectional_pplx_qwen3": PPLXQwen3Model,
-    "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model, "gemma3_text": Gemma3TextModel,
-    "t5": T5EncoderModel}
+    "deberta-v2": DebertaV2Model, "distilbert": DistilBertModel, "electra": ElectraModel, "mpnet": MPNetModel,
+    "modernbert": ModernBertModel, "nomic_bert": NomicBertModel, "qwen3": Qwen3Model,
+    "bidirectional_pplx_qwen3": PPLXQwen3Model, "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model,
+    "gemma3_text": Gemma3TextModel, "t5": T5EncoderModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
 SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}

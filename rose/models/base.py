@@ -34,6 +34,9 @@ Class-level rules (read before the model is built, from config.json alone):
     score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
                      `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa, padded, triton) can
                      run it; "auto" picks one and any other backend is a ValueError.
+    sequence_bias    the family's score bias differs per sequence ([N, heads, L, L]: DeBERTa's disentangled
+                     attention, which depends on each sequence's content): only `sdpa` and `padded` take it;
+                     "auto" picks `padded` on CUDA (capturable), `sdpa` elsewhere.
     sliding_window(config)    the widest window of its sliding-window layers (a query sees keys at
                      distance < w, `AttentionMetadata.window`; 0: none): where sequences can exceed it,
                      backends without a window (`windowed`) hand those layers to one that has one.
@@ -86,6 +89,7 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
     classifier_architectures: ClassVar[frozenset[str]] = frozenset()
 
     score_bias: ClassVar[bool] = False
+    sequence_bias: ClassVar[bool] = False
 
     causal = False  # set from is_causal(config) by families that can be causal
     kernel_tokens = 0  # steps of up to this many tokens take the small path (set by use_kernels)
