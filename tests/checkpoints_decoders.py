@@ -160,7 +160,7 @@ def _reranker_tokenizer(max_length: int):
 
 def save_chat_reranker(path, kind: str = "logit", tied: bool = True, max_length: int = 160, seed: int = 0,
                        family: str = "qwen3"):
-    """A tiny random Qwen3 (or `family` "llama") reranker saved by sentence-transformers (6) as it
+    """A tiny random Qwen3 (or `family` "llama", "qwen2": mxbai-rerank-v2's base) reranker saved by sentence-transformers (6) as it
     publishes one: `kind` "logit" is Qwen3-Reranker's layout (*ForCausalLM, Transformer "text-generation"
     + LogitScore on the "yes" / "no" logits, `tied` or an own lm_head), "seq-cls" its conversion to
     *ForSequenceClassification (one label); both with the chat template that renders each pair.
@@ -174,7 +174,7 @@ def save_chat_reranker(path, kind: str = "logit", tied: bool = True, max_length:
     tok = _reranker_tokenizer(max_length)
     n = len(tok)
     torch.manual_seed(seed)
-    prefix = {"qwen3": "Qwen3", "llama": "Llama"}[family]
+    prefix = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[family]
     cfg = getattr(transformers, f"{prefix}Config")(
         vocab_size=n, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=tied, pad_token_id=0,

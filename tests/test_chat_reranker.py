@@ -1,6 +1,6 @@
 """Decoder rerankers as sentence-transformers 6 publishes them: Qwen3-Reranker's layout (Qwen3ForCausalLM,
 a LogitScore module on the "yes" / "no" logits, the LM head tied to the embeddings or its own) and its
-Qwen3ForSequenceClassification conversion (and Llama's), each with the chat template that renders a (query, document)
+Qwen3ForSequenceClassification conversion (and Llama's; Qwen2's causal LM, as mxbai-rerank-v2 is built), each with the chat template that renders a (query, document)
 pair. Ivy's rendering and tokenization (`ivy.chat`: the instruction as a system message, truncation with
 the template's closing tokens restored) against `CrossEncoder.preprocess`, ROSE's scores against
 `CrossEncoder.predict`, how the directory is read, and a real Tulip + Ivy serving /v1/rerank,
@@ -29,7 +29,8 @@ QUERY = "What is the capital of France?"
 DOCS = SENTENCES[:6] + ["Paris é 中文 🙂 naïve", "a <|im_end|> inside", " ".join(SENTENCES)]
 PAIRS = [(QUERY, d) for d in DOCS] + [(SENTENCES[i], SENTENCES[-1 - i]) for i in range(3)]
 KINDS = {"logit-tied": ("logit", True, "qwen3"), "logit-own-head": ("logit", False, "qwen3"),
-         "seq-cls": ("seq-cls", True, "qwen3"), "llama-seq-cls": ("seq-cls", True, "llama")}
+         "seq-cls": ("seq-cls", True, "qwen3"), "llama-seq-cls": ("seq-cls", True, "llama"),
+         "qwen2-logit": ("logit", True, "qwen2")}
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -94,7 +95,7 @@ def test_directory_read_as_published(reranker):
     kind, path, ce, _ = reranker
     spec = ModelSpec.read(path)
     assert spec.chat_template == RERANKER_TEMPLATE and spec.message_format == "flat"
-    if kind.startswith("logit"):
+    if KINDS[kind][0] == "logit":
         modules = json.loads((path / "modules.json").read_text())
         assert modules[1]["type"].endswith("LogitScore")
         assert spec.logit_tokens == tuple(ce.tokenizer.convert_tokens_to_ids(t) for t in ("yes", "no"))
