@@ -169,17 +169,23 @@ def save_nomic_bert(path, seed: int = 0):
     return _sentence_transformer(path, "mean", True, PROMPTS)
 
 
-def save_splade(path, seed: int = 0):
-    """naver/splade-cocondenser-ensembledistil's architecture (BertForMaskedLM) in sentence-transformers'
-    SparseEncoder layout (MLMTransformer + SpladePooling max / relu)."""
+def save_splade(path, seed: int = 0, distilbert: bool = False):
+    """naver/splade-cocondenser-ensembledistil's architecture (BertForMaskedLM), or with `distilbert`
+    naver/splade_v2_distil's (DistilBertForMaskedLM), in sentence-transformers' SparseEncoder layout
+    (MLMTransformer + SpladePooling max / relu)."""
     import transformers
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
 
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=256)
-    _save(transformers.BertForMaskedLM(cfg), path)
+    if distilbert:
+        model = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=256, pad_token_id=0))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=256))
+    _save(model, path)
     enc = SparseEncoder(modules=[MLMTransformer(str(path), max_seq_length=256), SpladePooling("max")], device="cpu")
     enc.save(str(path))
     return enc.eval()

@@ -15,7 +15,7 @@ from rose.models.pplx_qwen3 import PPLXQwen3Model
 from rose.models.qwen2 import Qwen2Model
 from rose.models.qwen3 import Qwen3Model
 from rose.models.roberta import CamembertModel, RobertaModel
-from rose.models.splade import SpladeModel
+from rose.models.splade import DistilBertSpladeModel, SpladeModel
 from rose.models.t5 import T5EncoderModel
 from rose.models.xlm_roberta import XLMRobertaModel
 from trellis.modeldir import ModelSpec
@@ -28,7 +28,7 @@ MODELS: dict[str, type[Family]] = {
     "gemma3_text": Gemma3TextModel, "t5": T5EncoderModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
-SPLADE: dict[str, type[Family]] = {"bert": SpladeModel}
+SPLADE: dict[str, type[Family]] = {"bert": SpladeModel, "distilbert": DistilBertSpladeModel}
 
 
 def model_class(spec: ModelSpec) -> type[Family]:
