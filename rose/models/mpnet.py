@@ -1,7 +1,7 @@
 """MPNet (MPNetModel, as in all-mpnet-base-v2) over a ragged batch: BERT's post-norm layers plus a
 relative position bias, shared by every layer, added to the attention scores.
 
-The bias is `encoder.relative_attention_bias` (buckets x heads) looked up by T5-style buckets of
+The bias is `encoder.relative_attention_bias` (buckets x heads) looked up by T5-style buckets (`rose.layers.relative`) of
 j - i (key minus query position within a sequence); Hugging Face computes the buckets with 32
 whatever `relative_attention_num_buckets` says, and so does this. FlashAttention's and FlashInfer's
 kernels take no bias: the family declares `score_bias`, so the engine runs it on a backend that adds
@@ -16,7 +16,6 @@ q/k/v are stacked into one `qkv` GEMM.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import torch
@@ -24,24 +23,10 @@ from torch import nn
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.pooling import keep_rows
+from rose.layers.relative import bucket_bias
 from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family, last_only
 from rose.models.bert import BertDenseLayerNorm, BertIntermediate
-
-NUM_BUCKETS, MAX_DISTANCE = 32, 128  # Hugging Face's compute_position_bias defaults
-
-
-def relative_position_bucket(rel: torch.Tensor, num_buckets: int = NUM_BUCKETS, max_distance: int = MAX_DISTANCE):
-    """T5's bidirectional buckets of relative positions (key - query), as MPNet uses them."""
-    n = -rel
-    half = num_buckets // 2
-    ret = (n < 0).long() * half
-    n = n.abs()
-    exact = half // 2
-    large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-                     * (half - exact)).long()
-    return ret + torch.where(n < exact, n, large.clamp(max=half - 1))
-
 
 class MPNetSelfAttention(nn.Module):
     def __init__(self, cfg: dict):
@@ -106,11 +91,8 @@ class MPNetEncoder(nn.Module):
                                                     cfg["num_attention_heads"])
 
     def position_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """[heads, length, length], contiguous (the attention kernels read it along keys): the bias
-        of key j for query i, by bucket of j - i. Once per step, shared by every layer."""
-        i = torch.arange(length, device=self.relative_attention_bias.weight.device)
-        bias = self.relative_attention_bias(relative_position_bucket(i[None, :] - i[:, None]))
-        return bias.permute(2, 0, 1).to(dtype).contiguous()
+        """Hugging Face's MPNet buckets with 32 and 128 whatever config.json says (`bucket_bias`)."""
+        return bucket_bias(self.relative_attention_bias, length, dtype)
 
 
 class MPNetModel(SmallStepKernels, Family):

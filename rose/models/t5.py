@@ -24,8 +24,8 @@ from rose.layers.activation import get_activation
 from rose.layers.attention import AttentionBackend, AttentionMetadata
 from rose.layers.norm import RMSNorm
 from rose.layers.pooling import keep_rows
+from rose.layers.relative import bucket_bias
 from rose.models.base import Family, last_only
-from rose.models.mpnet import relative_position_bucket
 
 
 def feed_forward_proj(config: dict) -> tuple[str, bool]:
@@ -112,10 +112,8 @@ class T5Stack(nn.Module):
     def position_bias(self, length: int, dtype: torch.dtype) -> torch.Tensor:
         """[heads, length, length], contiguous: the bias of key j for query i, by T5's bucket of j - i.
         Once per step, shared by every block."""
-        table = self.block[0].layer[0].SelfAttention.relative_attention_bias
-        i = torch.arange(length, device=table.weight.device)
-        bias = table(relative_position_bucket(i[None, :] - i[:, None], self.buckets, self.max_distance))
-        return bias.permute(2, 0, 1).to(dtype).contiguous()
+        return bucket_bias(self.block[0].layer[0].SelfAttention.relative_attention_bias, length, dtype, self.buckets,
+                           self.max_distance)
 
 
 class T5EncoderModel(Family):
