@@ -396,3 +396,31 @@ def test_tulip_info_scores_and_bad_segment_starts(served):
     for (_, details), fragment in zip(errors, ("1 entries for 3 sequences", "is not inside sequence 0",
                                               "OUTPUT_DENSE is not supported", "dimensions applies to embeddings")):
         assert fragment in details
+
+
+def test_deberta_reranker_preset(tmp_path, monkeypatch):
+    """mxbai-rerank-base-v1's preset: DeBERTa-v3-base with DebertaV2ForSequenceClassification's head
+    (pooler 768 x 768, classifier 1 x 768) and its 512 relative-position embeddings (256 buckets each way);
+    its random weights run (a copy at small widths: the full one is 184M parameters), the same scores
+    from two engines, apart across pairs."""
+    from rose.models import model_class
+    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.presets import PRESETS
+
+    monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
+    path = resolve_model_path("mxbai-rerank-base-v1")
+    spec = ModelSpec.read(path)
+    family = model_class(spec)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in family(spec.config).named_parameters()
+                  if k.startswith(("pooler.", "classifier.", "encoder.rel"))}
+    assert shapes == {"pooler.dense.weight": (768, 768), "pooler.dense.bias": (768,), "classifier.weight": (1, 768),
+                      "classifier.bias": (1,), "encoder.rel_embeddings.weight": (512, 768)}
+    seqs, starts = pair_ids(path, PAIRS[:6])
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    config = PRESETS["mxbai-rerank-base-v1"]["config"]
+    (small / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "intermediate_size": 128,
+                                                   "pooler_hidden_size": 64, "vocab_size": 300}))
+    assert_preset_scores_repeat(small, seqs, starts, max_seq_len=512)

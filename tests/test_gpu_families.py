@@ -38,11 +38,13 @@ def test_graph_replay_matches_eager(preset):
         assert e.runner.stats.replays >= 1
 
 
-@pytest.mark.parametrize("preset", ["bge-reranker-v2-m3", "gte-reranker-modernbert-base", "qwen3-reranker-0.6b"])
+@pytest.mark.parametrize("preset", ["bge-reranker-v2-m3", "gte-reranker-modernbert-base", "qwen3-reranker-0.6b",
+                                    "mxbai-rerank-base-v1"])
 def test_cross_encoder_graph_replay_matches_eager(preset):
     """Query-document pairs ([CLS] q [SEP] d [SEP]; ModernBERT's with segment starts, which it ignores):
     the logits of replayed graphs are the eager step's (ModernBERT's head on the mean of the states;
-    Qwen3-Reranker's LogitScore on the last token, and its one short pair on the small step's kernels)."""
+    Qwen3-Reranker's LogitScore on the last token, and its one short pair on the small step's kernels;
+    DeBERTa-v3's per-sequence bias on the padded backend)."""
     g = torch.Generator().manual_seed(0)
     seqs, starts = [], []
     for q, d in ((12, 300), (8, 17), (20, 120), (5, 40)):

@@ -212,6 +212,21 @@ PRESETS["gte-reranker-modernbert-base"] = {
                "classifier_dropout": 0.0, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}},
     "cross_encoder": True, "max_seq_length": 8192, **_BERT_SPECIALS}
 
+# mixedbread-ai/mxbai-rerank-base-v1: DeBERTa-v3-base as DebertaV2ForSequenceClassification, one label
+# (CrossEncoder's Sigmoid): relative attention with 256 log buckets, shared position keys, normalised
+# relative embeddings, no absolute positions or token types, the pooler's GELU; 512 tokens. The stand-in
+# pairs as BERT's template does.
+PRESETS["mxbai-rerank-base-v1"] = {
+    "config": {"model_type": "deberta-v2", "architectures": ["DebertaV2ForSequenceClassification"],
+               "vocab_size": 128100, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
+               "relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 256,
+               "max_relative_positions": -1, "norm_rel_ebd": "layer_norm", "share_att_key": True,
+               "position_biased_input": False, "type_vocab_size": 0, "layer_norm_eps": 1e-7,
+               "pooler_hidden_size": 768, "pooler_hidden_act": "gelu", "pooler_dropout": 0,
+               "pad_token_id": 0, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}},
+    "cross_encoder": True, "max_seq_length": 512, **_BERT_SPECIALS}
+
 
 def cache_dir() -> Path:
     return cache_root() / "presets"
