@@ -38,13 +38,20 @@ def pos_att_types(config: dict) -> frozenset[str]:
     return frozenset(x.strip().lower() for x in (t.split("|") if isinstance(t, str) else t) if x.strip())
 
 
-def log_buckets(rel: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
-    """DeBERTa's relative positions i - j: exact within buckets / 2 either way, logarithmic beyond (to
-    max_position), as transformers' make_log_bucket_position computes them."""
+def log_span(buckets: int, max_position: int) -> float:
+    """log((max_position - 1) / (buckets / 2)) in float32, as transformers takes it: computed once when the
+    model is built, so that no host tensor is made inside a step (a CPU tensor cannot be copied to the device
+    during CUDA graph capture)."""
+    return torch.log(torch.tensor((max_position - 1) / (buckets // 2), device="cpu")).item()
+
+
+def log_buckets(rel: torch.Tensor, buckets: int, span: float) -> torch.Tensor:
+    """DeBERTa's relative positions i - j: exact within buckets / 2 either way, logarithmic beyond (to the
+    max_position whose `log_span` is `span`), as transformers' make_log_bucket_position computes them."""
     sign = torch.sign(rel)
     mid = buckets // 2
-    abs_pos = torch.where((rel < mid) & (rel > -mid), torch.tensor(mid - 1).type_as(rel), rel.abs())
-    log_pos = torch.ceil(torch.log(abs_pos / mid) / torch.log(torch.tensor((max_position - 1) / mid)) * (mid - 1)) + mid
+    abs_pos = torch.where((rel < mid) & (rel > -mid), mid - 1, rel.abs())
+    log_pos = torch.ceil(torch.log(abs_pos / mid) / span * (mid - 1)) + mid
     return torch.where(abs_pos <= mid, rel.type_as(log_pos), log_pos * sign).long()
 
 
@@ -157,6 +164,7 @@ class DebertaV2Encoder(nn.Module):
             self.max_relative = int(cfg["max_position_embeddings"])
         self.buckets = int(cfg.get("position_buckets", -1))
         span = self.buckets if self.buckets > 0 else self.max_relative
+        self.log_span = log_span(self.buckets, self.max_relative) if self.buckets > 0 else 0.0
         self.layer = nn.ModuleList(DebertaV2Layer(cfg, types, span) for _ in range(cfg["num_hidden_layers"]))
         if self.relative_attention:
             self.rel_embeddings = nn.Embedding(2 * span, cfg["hidden_size"])
@@ -176,7 +184,7 @@ class DebertaV2Encoder(nn.Module):
         i = torch.arange(length, device=device)
         index = i[:, None] - i[None, :]
         if self.buckets > 0 and self.max_relative > 0:
-            index = log_buckets(index, self.buckets, self.max_relative)
+            index = log_buckets(index, self.buckets, self.log_span)
         return rel, index
 
 
