@@ -15,8 +15,13 @@ from trellis.tracing import require as require_tracing
 class TulipConfig:
     """Tulip: the gRPC inference server for one model on one device."""
 
-    model: str = field("default", "model directory (Hugging Face layout) or 'default' (all-MiniLM-L6-v2)")
-    served_model_name: str = field("", "name reported by Info; defaults to the directory name")
+    model: str = field("default", "a Hugging Face Hub id ORG/NAME[@REVISION] (downloaded once into the Hugging "
+                       "Face cache: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE), a model directory (Hugging Face layout), "
+                       "'default' (all-MiniLM-L6-v2) or preset:NAME (real shapes, RANDOM weights; trellis.presets)")
+    revision: str = field("", "with a Hub id: the branch, tag or commit to serve (as ORG/NAME@REVISION); empty: "
+                          "the default branch")
+    served_model_name: str = field("", "name reported by Info; defaults to the Hub id, the directory name, "
+                                   "preset:NAME or all-MiniLM-L6-v2")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(50051, "gRPC port (0 picks a free one)")
     uds: str = field("", "also listen on this Unix domain socket path (for a co-located Ivy: --tulip unix:PATH)")
@@ -47,6 +52,13 @@ class TulipConfig:
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
+    grpc_server: str = field("ours", "the gRPC server: ours (tulip.h2server: HTTP/2 framing on the event loop, "
+                             "~0.1-0.3 ms less a request; plaintext, identity encoding only) or grpcio (grpc.aio's "
+                             "server, tulip.aioserver: TLS with --tls-cert / --tls-key, compressed requests); the "
+                             "same services either way (docs/deploy.md)", choices=("ours", "grpcio"))
+    tls_cert: str = field("", "with --grpc-server grpcio: PEM certificate chain file; every port then takes TLS only "
+                          "(needs --tls-key); empty: plaintext")
+    tls_key: str = field("", "with --grpc-server grpcio: PEM private key file of --tls-cert")
     stage_samples: int = field(0, "record per-stage timestamps (receipt, decode, validate, schedule, batch, launch, "
                                "wait, copy, deliver, reply, encode, write) of the last N requests and log their p50 "
                                "at shutdown (tulip.stages); 0: off")
@@ -81,6 +93,13 @@ class TulipConfig:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0 (0: torch's path)")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
+        if self.grpc_server not in ("ours", "grpcio"):
+            raise ValueError(f"grpc_server {self.grpc_server!r} is not ours or grpcio")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError(f"tls_cert {self.tls_cert!r} and tls_key {self.tls_key!r}: TLS needs both files")
+        if self.tls_cert and self.grpc_server != "grpcio":
+            raise ValueError("TLS (tls_cert, tls_key) is served by grpc.aio's server: add --grpc-server grpcio "
+                             "(ours speaks plaintext HTTP/2 only)")
         check_format(self.log_format)
         if self.otlp_endpoint:
             require_tracing("--otlp-endpoint")

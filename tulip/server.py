@@ -1,11 +1,11 @@
 """Tulip's gRPC server: validate requests, queue them on the engine loop, reply.
 
-One asyncio event loop runs the gRPC server (tulip.h2server: unary `Embed`, streaming
-`EmbedStream`, `Info`, health) and the engine loop (`tulip.loop.EngineLoop`: FCFS
-batches, overlapped steps, results scattered to the waiting requests). Embed and EmbedStream
-are served by callbacks (`UnaryEmbed`, `EmbedStream`): a request is validated and queued as
-its message is decoded, and its reply written by the engine loop's completion callback, with
-no task, iterator or generator in between. A bad request is answered INVALID_ARGUMENT before
+One asyncio event loop runs the gRPC server (tulip.h2server, or grpc.aio's with `--grpc-server
+grpcio`, tulip.aioserver: unary `Embed`, streaming `EmbedStream`, `Info`, health) and the engine
+loop (`tulip.loop.EngineLoop`: FCFS batches, overlapped steps, results scattered to the waiting
+requests). Embed and EmbedStream are served by callbacks (`UnaryEmbed`, `EmbedStream`): a request
+is validated and queued as its message is decoded, and its reply written by the engine loop's
+completion callback, with no task, iterator or generator in between. A bad request is answered INVALID_ARGUMENT before
 it is queued; an engine failure fails only the requests in that batch.
 """
 
@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 from dataclasses import replace
+from pathlib import Path
 from time import perf_counter_ns
 
 import grpc
@@ -489,8 +490,25 @@ def log_stages(stages) -> None:
                  ", ".join(f"{k} {v['p50_ms']:.4f}" for k, v in stages.summary().items()))
 
 
+def make_server(cfg: TulipConfig):
+    """The gRPC server `--grpc-server` names: ours (`tulip.h2server.Server`) or grpc.aio's
+    (`tulip.aioserver.AioServer`, TLS where asked); the same registration calls serve either."""
+    if cfg.grpc_server == "ours":
+        return Server(max_message=cfg.max_message_mb << 20)
+    from tulip.aioserver import AioServer
+
+    tls = None
+    if cfg.tls_cert:
+        try:
+            tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes())
+        except OSError as e:
+            raise ValueError(f"cannot read a TLS file: {e}") from None
+    return AioServer(cfg.max_message_mb << 20, tls)
+
+
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
+    server = make_server(cfg)  # first: a bad server setting fails before the model loads
     engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table, kernel_tokens=cfg.kernel_tokens))
     if not cfg.max_batch_tokens:
@@ -522,7 +540,6 @@ async def serve(cfg: TulipConfig) -> int:
 
         loop.tracing = Tracing(cfg.otlp_endpoint, served_name, f"{cfg.host}:{cfg.port}")
     loop.start()
-    server = Server(max_message=cfg.max_message_mb << 20)
     servicer = TulipServicer(loop, served_name)
     add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
@@ -530,9 +547,12 @@ async def serve(cfg: TulipConfig) -> int:
     port = await server.listen(cfg.host, cfg.port)
     if cfg.uds:
         await server.listen_unix(cfg.uds)
+    if cfg.grpc_server == "grpcio":
+        await server.start()  # grpc.aio serves once every port is added
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("tulip serving %s on %s:%d", servicer.info.model, cfg.host, port)
+    log.info("tulip serving %s on %s:%d (%s gRPC server%s)", servicer.info.model, cfg.host, port, cfg.grpc_server,
+             ", TLS" if cfg.tls_cert else "")
     print(f"TULIP_READY {cfg.host}:{port}" + (f" unix:{cfg.uds}" if cfg.uds else ""), flush=True)
 
     stop = asyncio.Event()
