@@ -39,18 +39,21 @@ def check_targets(targets: tuple[str, ...], where: str = "") -> None:
 class ModelConfig:
     """One model Ivy serves: its directory (tokenizer, prompts, maximum length) and its own Tulips."""
 
-    model: str = field("default", "model directory, a preset name or 'default' (all-MiniLM-L6-v2)")
+    model: str = field("default", "a Hugging Face Hub id ORG/NAME[@REVISION], a model directory, 'default' "
+                       "(all-MiniLM-L6-v2) or preset:NAME (random weights); Ivy reads its tokenizer and configs")
     tulip: tuple[str, ...] = field((), "its Tulip replicas, as --tulip takes them (IP:PORT, unix:PATH, a DNS name "
                                    "NAME:PORT or dns:///NAME:PORT); at least one")
     name: str = field("", "the name clients send as `model` and /v1/models lists; defaults to the directory name")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
+    revision: str = field("", "with a Hub id: the branch, tag or commit (as ORG/NAME@REVISION); its Tulips must "
+                          "serve the same one")
 
     def __post_init__(self):
         what = f"model {self.name or self.model!r}"
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"{what}: 'model' must be a model directory, a preset or 'default'")
-        if not isinstance(self.name, str) or not isinstance(self.prompts_file, str):
-            raise ValueError(f"{what}: 'name' and 'prompts_file' must be strings")
+            raise ValueError(f"{what}: 'model' must be a Hub id, a model directory, 'default' or preset:NAME")
+        if not all(isinstance(v, str) for v in (self.name, self.prompts_file, self.revision)):
+            raise ValueError(f"{what}: 'name', 'prompts_file' and 'revision' must be strings")
         if not self.tulip or not all(isinstance(t, str) for t in self.tulip):
             raise ValueError(f"{what}: 'tulip' must list at least one HOST:PORT or unix:PATH")
         check_targets(self.tulip, what)
@@ -90,8 +93,13 @@ class IvyConfig:
     resolve_interval: float = field(5.0, "seconds between lookups of each --tulip DNS name (replicas that appear "
                                     "are added, ones that leave finish what they have and are dropped); a "
                                     "connection failure also looks it up again, at most every 0.5 s")
-    model: str = field("default", "model directory (for tokenizer.json and prompts) or 'default'")
-    served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the directory name")
+    model: str = field("default", "--tulip's model, for its tokenizer.json and prompts: a Hugging Face Hub id "
+                       "ORG/NAME[@REVISION] (its tokenizer and configs fetched into the Hugging Face cache: HF_HOME, "
+                       "HF_TOKEN, HF_HUB_OFFLINE), a model directory, 'default' or preset:NAME")
+    revision: str = field("", "with a Hub id: the branch, tag or commit (as ORG/NAME@REVISION); the Tulips must "
+                          "serve the same one")
+    served_model_name: str = field("", "model name clients send and /v1/models lists; defaults to the Hub id, the "
+                                   "directory name, preset:NAME or all-MiniLM-L6-v2")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
     model_config: str = field("", "a JSON file listing more models to serve, each with its own directory and "
                               "Tulips (ivy/config.py's docstring; README, Configuration); --model with --tulip, "
@@ -110,6 +118,16 @@ class IvyConfig:
     max_chunk_tokens: int = field(8192, "a request is cut into chunks of at most this many tokens, one per replica call")
     max_inputs: int = field(2048, "most inputs accepted in one request")
     max_request_mb: int = field(32, "largest request body accepted, in MiB (413 beyond)")
+    max_request_tokens: int = field(1 << 20, "most tokens one request may make, all its inputs together (special "
+                                    "tokens and truncate \"chunk\" windows included): tokenizing stops there "
+                                    "and the request is a 413 (2,048 inputs of 512 tokens fit; so does one Tulip's "
+                                    "default --max-queued-tokens)")
+    max_reply_mb: int = field(32, "largest reply /v1/tokenize and TEI's /tokenize build, in MiB (413 beyond): "
+                              "a token's JSON is many times its text")
+    max_connections: int = field(4096, "most HTTP connections one worker holds open; past it a new connection is "
+                                 "answered 503 and closed at once (uvicorn), so idle or slow peers cannot take "
+                                 "every file descriptor (the worker's soft RLIMIT_NOFILE is raised to its hard "
+                                 "limit at start)")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
     read_timeout_s: float = field(30.0, "a request's headers and body must arrive within this many seconds of its "
                                   "first byte (of a new connection's opening), else the connection is closed "
@@ -137,11 +155,13 @@ class IvyConfig:
             raise ValueError(f"resolve_interval {self.resolve_interval} must be > 0 (seconds)")
         models = read_model_config(self.model_config) if self.model_config else ()
         if self.tulip:
-            models = (ModelConfig(self.model, self.tulip, self.served_model_name, self.prompts_file), *models)
+            models = (ModelConfig(self.model, self.tulip, self.served_model_name, self.prompts_file, self.revision),
+                      *models)
         object.__setattr__(self, "_models", models)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
-        for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb"):
+        for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb", "max_request_tokens",
+                     "max_reply_mb", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.tulip_spin_ms < 0:
@@ -149,6 +169,10 @@ class IvyConfig:
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
+        for key in self.api_keys:  # `--api-keys "$UNSET"` must not turn into a key that an empty bearer matches
+            if not key or not key.isprintable() or key != key.strip() or " " in key:
+                raise ValueError(f"--api-keys: {key!r} is not a usable API key (empty, or with blanks or control "
+                                 "characters); give each key as printable text, or leave the flag out for none")
         check_format(self.log_format)
         if self.otlp_endpoint:
             require_tracing("--otlp-endpoint")

@@ -49,12 +49,21 @@ _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
 
 
 class Call:
-    """What the metrics say of the request being handled: the model it was routed to."""
+    """What the metrics say of the request being handled (the model it was routed to), and its
+    disconnect watch (`watch_disconnect`)."""
 
-    __slots__ = ("model",)
+    __slots__ = ("model", "receive", "watcher", "gone")
 
     def __init__(self):
         self.model = ""
+        self.receive = None  # the request's ASGI receive, while a watch may still be started
+        self.watcher: asyncio.Future | None = None
+        self.gone = False  # the client disconnected: the handler was cancelled
+
+    def stop_watch(self) -> None:
+        self.receive = None
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("call", default=None)
@@ -105,9 +114,31 @@ class Stages:
 
 # Bodies above this size are handled while watching for the client to disconnect: its handler is
 # then cancelled, which cancels its Tulip requests (Tulip drops their queued work). Smaller requests
-# finish in about a step and skip the watch (a task and a future per request).
+# usually finish in about a step and skip the watch (a task and a future per request), unless their
+# work is large whatever their bytes (16,000 commas are 16,000 tokens, chunked into 32 windows):
+# a handler that is about to send more than WATCH_TOKENS tokens to Tulip starts the watch itself
+# (`watch_disconnect`, called by ivy.routes.common.tulip_call).
 WATCH_BYTES = 16 << 10
+WATCH_TOKENS = 1024
 _GONE = object()
+
+
+def watch_disconnect() -> None:
+    """From inside a fast handler whose work is large: from now on, the client's disconnect cancels
+    the handler (Front answers nothing and counts a 499). Nothing where the request is already
+    watched (a large body) or is not served by Front."""
+    call = CALL.get()
+    if call is None or call.receive is None or call.watcher is not None:
+        return
+    task, receive = asyncio.current_task(), call.receive
+
+    async def watch():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        call.gone = True
+        task.cancel()
+
+    call.watcher = asyncio.ensure_future(watch())
 
 
 async def _unless_disconnected(work, receive):
@@ -216,7 +247,18 @@ class Front:
                     return
                 status, payload = 200, result
             else:
-                status, payload = 200, await handler(body, stamp)
+                call.receive = receive  # the handler may start a watch (watch_disconnect)
+                try:
+                    status, payload = 200, await handler(body, stamp)
+                except asyncio.CancelledError:
+                    if not call.gone:
+                        raise
+                    asyncio.current_task().uncancel()
+                    self.count(route, 499, call.model)
+                    log.info("request %s: the client disconnected; its work was dropped", rid)
+                    return
+                finally:
+                    call.stop_watch()
         except APIError as e:
             status, payload = e.status, e.body()
             if status >= 500:  # the server's side failed (no replica, a deadline): worth a line

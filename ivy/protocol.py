@@ -8,6 +8,14 @@ byte (a new connection: of its opening), else the connection is closed (a 408 fi
 the headers); headers over MAX_HEAD_BYTES are a 431. Once read, a request's handling is bounded by
 Ivy's own deadlines (`--request-timeout-s`), not by this.
 
+A worker holds at most `max_connections` connections (--max-connections): uvicorn takes every
+connection the kernel hands it (its `limit_concurrency` answers 503 only once a request's head is
+complete, so peers that send a byte and wait each keep a descriptor until the read timeout: 20,000
+of them filled the descriptor table). Past the cap, the connection that has waited longest for a
+request head (a silent or slow peer, or an idle keep-alive connection) is closed to make room; a
+connection whose request is being read or answered is never closed for it; when every one is
+busy, the new one is answered 503 and closed at once.
+
 The bytes a connection writes in one turn of the event loop go out in one write (`OneWrite`):
 uvicorn writes a response's head and its body apart, which cost two send calls and two TCP
 segments for the peer to read."""
@@ -64,13 +72,19 @@ class OneWrite:
         return getattr(self.transport, name)
 
 
-class ReadLimitedProtocol(HttpToolsProtocol):
-    """See the module docstring. uvicorn builds it with its own keywords; `read_timeout` comes in
-    through functools.partial (ivy.__main__), which survives the spawn of its worker processes."""
+# This worker's connections waiting for a request head, oldest first (a dict: ordered, O(1) removal).
+_WAITING: dict["ReadLimitedProtocol", None] = {}
 
-    def __init__(self, *args, read_timeout: float = 30.0, **kwargs):
+
+class ReadLimitedProtocol(HttpToolsProtocol):
+    """See the module docstring. uvicorn builds it with its own keywords; `read_timeout` and
+    `max_connections` come in through functools.partial (ivy.__main__), which survives the spawn of
+    its worker processes."""
+
+    def __init__(self, *args, read_timeout: float = 30.0, max_connections: int = 4096, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
+        self.max_connections = max_connections
         self._read_timer = None
         self._in_head = True  # the bytes arriving belong to a request's line and headers
         self._head_bytes = 0
@@ -80,10 +94,24 @@ class ReadLimitedProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(OneWrite(transport, self.loop))
         self._arm()
+        if len(self.connections) > self.max_connections:
+            oldest = next(iter(_WAITING), None)
+            if oldest is None:  # every connection has a request under way
+                self.transport.write(_reply(b"503 Service Unavailable"))
+                self.transport.close()
+                return
+            oldest._stalled()  # closes it (a 408 first); its descriptor is freed when the loop sees it closed
+        _WAITING[self] = None
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        _WAITING.pop(self, None)
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # kept alive: waiting for the next request's head
+            _WAITING[self] = None
 
     def _arm(self) -> None:
         if self._read_timer is None:
@@ -96,6 +124,7 @@ class ReadLimitedProtocol(HttpToolsProtocol):
 
     def _stalled(self) -> None:
         self._read_timer = None
+        _WAITING.pop(self, None)
         if not self.transport.is_closing():
             if self._in_head:
                 self.transport.write(_reply(b"408 Request Timeout"))
@@ -129,6 +158,7 @@ class ReadLimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        _WAITING.pop(self, None)  # a request under way: never closed to make room
         if self._head_size > MAX_HEAD_BYTES:  # headers that came whole in one read
             self._too_large()  # closing: uvicorn starts no request for them
         super().on_headers_complete()

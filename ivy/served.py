@@ -19,7 +19,8 @@ from ivy.front import CALL, Stamp, _no_stamp
 from ivy.schemas import EmbeddingRequest
 from ivy.templates import Templates
 from ivy.tokenizer import TextTokenizer
-from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
+from trellis.modeldir import ModelSpec
+from trellis.modelref import resolve
 from trellis.tulip.v1 import tulip_pb2
 
 log = logging.getLogger("ivy")
@@ -33,11 +34,15 @@ class ServedModel:
 
     def __init__(self, mc: ModelConfig, cfg: IvyConfig, created: int):
         self.config, self.cfg, self.created = mc, cfg, created
-        self.path = resolve_model_path(mc.model)
+        # its tokenizer and configs (a Hub id: the weights left out; the parent process fetched them once and
+        # pinned the commit, ivy.__main__); the same files its Tulips serve
+        self.ref = resolve(mc.model, mc.revision, weights=False)
+        self.path = self.ref.path
         self.spec = ModelSpec.read(self.path)
-        self.name = mc.name or default_served_name(mc.model, self.path)
+        self.name = mc.name or self.ref.name
         self.tokenizer = TextTokenizer(self.path, self.spec.max_seq_len, cfg.tokenize_offload_chars,
-                                       chat_template=self.spec.chat_template, message_format=self.spec.message_format)
+                                       chat_template=self.spec.chat_template, message_format=self.spec.message_format,
+                                       max_request_tokens=cfg.max_request_tokens)
         self.templates = Templates(self.spec.prompts, Path(mc.prompts_file) if mc.prompts_file else None,
                                    self.spec.default_prompt_name)
         # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)
@@ -61,7 +66,10 @@ class ServedModel:
             raise APIError(429, "every inference server's queue is full; retry shortly", None, "overloaded")
 
     def card(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trellis"}
+        """OpenAI's model object, with which files are served: a Hub id's commit (`revision`, else null) and
+        whether the weights are a preset's random ones (`random_weights`: its outputs mean nothing)."""
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "trellis",
+                "revision": self.ref.revision or None, "random_weights": self.ref.random_weights}
 
     async def info(self) -> tulip_pb2.InfoReply:
         """The model's Info from its Tulips, or a 503 when none has answered yet."""
@@ -76,6 +84,10 @@ class ServedModel:
                                   f"of {info.vocab_size} (Info: '{info.model}'), its directory {self.path} has "
                                   f"{self.spec.vocab_size}")
                 log.error("%s; its requests are refused", self._mismatch)
+            elif info.revision and self.ref.revision and info.revision != self.ref.revision:
+                log.warning("model '%s': this gateway reads revision %s's tokenizer and configs, its Tulips serve "
+                            "revision %s (Info); pin one revision (ORG/NAME@REVISION) for both", self.name,
+                            self.ref.revision, info.revision)
         if self._mismatch:
             raise APIError(503, self._mismatch, "model", "model_mismatch")
         return info

@@ -13,10 +13,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ivy.errors import APIError
+from ivy.tokenizer_long import SEGMENT_CHARS, scan, segments_agree
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 
 log = logging.getLogger("ivy.tokenizer")
 YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
+SLICE_CHARS = 65536  # `tokenizers` encodes a large batch this many characters at a time (its Encodings are ~100 B a token)
+MAX_REQUEST_TOKENS = 1 << 20  # the default of --max-request-tokens
 BACKENDS = ("auto", "native", "tokenizers")
 
 
@@ -136,7 +139,7 @@ class TextTokenizer:
     by it (`ivy.chat`) instead of going through the pair template."""
 
     def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto",
-                 chat_template: str = "", message_format: str = "flat"):
+                 chat_template: str = "", message_format: str = "flat", max_request_tokens: int = MAX_REQUEST_TOKENS):
         path = Path(model_path) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_path} has no tokenizer.json")
@@ -150,8 +153,13 @@ class TextTokenizer:
         self.truncating.enable_truncation(max_len)
         self.max_len = max_len
         self.offload_chars = offload_chars
+        self.max_request_tokens = max_request_tokens
         self.fast = fast_encoder(path, self.exact, backend)
         self.backend = "native" if self.fast else "tokenizers"
+        # long texts a segment at a time (ivy.tokenizer_long) where segments give the whole text's ids
+        self.segmentable = segments_agree(self.content, EDGE_CASES + SENTENCES)
+        if not self.segmentable:
+            log.warning("long texts are tokenized whole: segments of a text do not tokenize as the text does")
         # pairs natively too where the pair template is fixed and the native pairs match tokenizers'
         pair_wrap = fixed_pair_wrap(self.exact) if self.fast else None
         # the template's special tokens as arrays, and where type 1 starts in the middle (-1: none)
@@ -230,6 +238,8 @@ class TextTokenizer:
         `item.format(i)`. A model with a chat template (`chat`) renders each pair by it instead, with
         `instruction` as its system message, one segment each."""
         queries = [query] * len(documents) if isinstance(query, str) else query
+        if self.chat is None and self.segmentable and max(map(len, [*queries, *documents])) > SEGMENT_CHARS:
+            queries, documents = await asyncio.to_thread(self._long_pairs, queries, documents, truncate, param, item)
         pairs = list(zip(queries, documents))
         chars = sum(map(len, queries)) + sum(map(len, documents))
         if self.chat is not None:
@@ -252,6 +262,26 @@ class TextTokenizer:
                                    f"maximum of {self.max_len}; shorten it or send \"truncate\": true",
                                    param, "context_length_exceeded")
         return seqs, starts
+
+    def _long_pairs(self, queries: list[str], documents: list[str], truncate: bool, param: str, item: str
+                    ) -> tuple[list[str], list[str]]:
+        """Pairs holding a text over SEGMENT_CHARS, that text tokenized only as far as needed
+        (ivy.tokenizer_long): truncating, cut to a prefix holding more tokens than a pair keeps of
+        it (a side is cut to at most the pair's room); not truncating, a 400 for the first pair with
+        a text that alone is over the maximum. Known limit: when both texts of a pair are cut and
+        the room is odd, `tokenizers` gives the extra token to the longer text, here to the one with
+        the longer prefix."""
+        room = self.max_len
+        cut: dict[str, str] = {}
+        for i, pair in enumerate(zip(queries, documents)):
+            for t in pair:
+                if len(t) > SEGMENT_CHARS and t not in cut:
+                    p = scan(t, self.content, room + 1)
+                    if not truncate and not p.whole:
+                        raise APIError(400, f"{item.format(i)} has more than this model's maximum of {self.max_len} "
+                                       "tokens; shorten it or send \"truncate\": true", param, "context_length_exceeded")
+                    cut[t] = t if p.whole else t[:p.end]
+        return [cut.get(q, q) for q in queries], [cut.get(d, d) for d in documents]
 
     async def _chat_pairs(self, pairs: list[tuple[str, str]], truncate: bool, instruction: str | None,
                           chars: int) -> list[np.ndarray]:
@@ -308,29 +338,83 @@ class TextTokenizer:
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""
 
+    def content(self, text: str) -> np.ndarray:
+        """`text`'s ids without the special tokens (one segment of a long text)."""
+        if self.fast is not None:
+            a = self.fast.ids(text)
+            return a[len(self.fast.prefix): len(a) - len(self.fast.suffix)]
+        return np.asarray(self.exact.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def _wrapped(self, content: np.ndarray) -> np.ndarray:
+        prefix, suffix = self.wrap
+        return np.concatenate([np.asarray(prefix, np.int32), content, np.asarray(suffix, np.int32)])
+
+    def _long(self, text: str, truncate: bool, check_length: bool, room: int, which: str, param: str
+              ) -> np.ndarray | str:
+        """A text over SEGMENT_CHARS tokenized only as far as the request needs (ivy.tokenizer_long):
+        its ids, or the text (a prefix of it where truncating) for the usual path where the
+        tokenizer's special tokens are not a fixed prefix and suffix. `room`: the tokens the request
+        may still take (--max-request-tokens)."""
+        wrap = self.wrap
+        n_special = len(wrap[0]) + len(wrap[1]) if wrap is not None else 0
+        if truncate:
+            budget = max(self.max_len - n_special, 0)
+            p = scan(text, self.content, budget)
+            return self._wrapped(p.ids[:budget]) if wrap is not None else text[:p.end]
+        if check_length:  # over the maximum as soon as a prefix is: no need to tokenize the rest
+            p = scan(text, self.content, self.max_len - n_special + 1)
+            if not p.whole or len(p.ids) + n_special > self.max_len:
+                raise APIError(400, f"{which} has more than this model's maximum of {self.max_len} tokens; "
+                               "shorten it or send \"truncate\": true", param, "context_length_exceeded")
+        else:
+            p = scan(text, self.content, room - n_special + 1)
+            if not p.whole or len(p.ids) + n_special > room:
+                raise self.too_many_tokens()
+        return self._wrapped(p.ids) if wrap is not None else text
+
+    def too_many_tokens(self) -> APIError:
+        return APIError(413, f"the request makes more than {self.max_request_tokens} tokens (this server's "
+                        "--max-request-tokens); send fewer or shorter inputs", None, "request_too_large")
+
     def _encode(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
         if self.fast is not None:
             budget = max(self.max_len - self.fast.n_special, 0) if truncate else None
             return self.fast.ids_many(texts, budget)
         return self._encode_exact(texts, truncate)  # encode_batch_fast: no character offsets (15-25 % faster)
 
-    def _encode_exact(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
-        """`tokenizers` whatever the fast encoder: it releases the GIL, so it can run in a thread."""
+    def _encode_exact(self, texts: list[str], truncate: bool, room: int | None = None) -> list[np.ndarray]:
+        """`tokenizers` whatever the fast encoder: it releases the GIL, so it can run in a thread. In
+        slices of ~SLICE_CHARS characters (its Encodings cost ~100 bytes a token, held until they
+        are turned into arrays); more than `room` tokens in all is a 413 at the slice that makes them."""
         tok = self.truncating if truncate else self.exact
-        return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts)]
-
-    async def _encode_yielding(self, texts: list[str], truncate: bool) -> list[np.ndarray]:
-        """The fast encoder on a large batch: in slices of ~YIELD_CHARS characters, letting the event
-        loop run between them (a worker thread would not help: ivy.native holds the GIL while it encodes)."""
         out: list[np.ndarray] = []
-        start, chars = 0, 0
+        start, chars, total = 0, 0, 0
         for i, t in enumerate(texts):
             chars += len(t)
-            if chars >= YIELD_CHARS:
+            if chars >= SLICE_CHARS or i == len(texts) - 1:
+                out += [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts[start:i + 1])]
+                total += sum(map(len, out[start:]))
+                if room is not None and total > room:
+                    raise self.too_many_tokens()
+                start, chars = i + 1, 0
+        return out
+
+    async def _encode_yielding(self, texts: list[str], truncate: bool, room: int) -> list[np.ndarray]:
+        """The fast encoder on a large batch: in slices of ~YIELD_CHARS characters, letting the event
+        loop run between them (a worker thread would not help: ivy.native holds the GIL while it
+        encodes); more than `room` tokens in all is a 413 at the slice that makes them."""
+        out: list[np.ndarray] = []
+        start, chars, total = 0, 0, 0
+        for i, t in enumerate(texts):
+            chars += len(t)
+            if chars >= YIELD_CHARS or i == len(texts) - 1:
                 out += self._encode(texts[start:i + 1], truncate)
+                total += sum(map(len, out[start:]))
+                if total > room:
+                    raise self.too_many_tokens()
                 start, chars = i + 1, 0
                 await asyncio.sleep(0)
-        return out + self._encode(texts[start:], truncate)
+        return out
 
     async def encode(self, texts: list[str], truncate: bool, check_length: bool = True,
                      param: str = "input", item: str | None = "input") -> list[np.ndarray]:
@@ -338,13 +422,38 @@ class TextTokenizer:
         `tokenizers` (its Rust encoder releases the GIL) or yield to the event loop between slices
         with the fast encoder. Without `truncate`, a text over the maximum is a 400 for `param` (the
         request field the texts came from) naming text i as "{item} {i}", or as `param` when item is
-        None (a field of one text), unless `check_length` is off (counting only)."""
-        if sum(map(len, texts)) <= self.offload_chars:
-            seqs = self._encode(texts, truncate)
-        elif self.fast is not None and max(map(len, texts)) <= YIELD_CHARS:
-            seqs = await self._encode_yielding(texts, truncate)
+        None (a field of one text), unless `check_length` is off (counting only). A text over
+        SEGMENT_CHARS characters is tokenized (in a thread) only as far as that needs
+        (`_long`). More than `max_request_tokens` tokens in all is a 413, found as they are made."""
+        room = self.max_request_tokens
+        done: dict[int, np.ndarray] = {}
+        if self.segmentable and texts and max(map(len, texts)) > SEGMENT_CHARS:
+            texts = list(texts)
+            for i, t in enumerate(texts):
+                if len(t) > SEGMENT_CHARS:
+                    which = param if item is None else f"{item} {i}"
+                    got = await asyncio.to_thread(self._long, t, truncate, check_length, room, which, param)
+                    if isinstance(got, str):
+                        texts[i] = got
+                    else:
+                        done[i] = got
+                        room -= len(got)
+            rest = [t for i, t in enumerate(texts) if i not in done] if done else texts
+        else:
+            rest = texts
+        if not rest:
+            seqs = []
+        elif sum(map(len, rest)) <= self.offload_chars:
+            seqs = self._encode(rest, truncate)
+        elif self.fast is not None and max(map(len, rest)) <= YIELD_CHARS:
+            seqs = await self._encode_yielding(rest, truncate, room)
         else:  # the fast encoder cannot yield inside one long text: `tokenizers` (same tokens) in a thread
-            seqs = await asyncio.to_thread(self._encode_exact, texts, truncate)
+            seqs = await asyncio.to_thread(self._encode_exact, rest, truncate, room)
+        if sum(map(len, seqs)) > room:
+            raise self.too_many_tokens()
+        if done:
+            it = iter(seqs)
+            seqs = [done[i] if i in done else next(it) for i in range(len(texts))]
         if not truncate and check_length:
             for i, s in enumerate(seqs):
                 if len(s) > self.max_len:

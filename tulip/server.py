@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rose.engine import Engine, EngineConfig
 from rose.layers.heads import Extra
-from trellis.modeldir import default_served_name
+from trellis.modelref import ModelRef, resolve
 from trellis.tulip.v1 import tulip_pb2
 from tulip.config import TulipConfig
 from tulip.h2server import Direct, Server
@@ -180,7 +180,7 @@ class RpcFailure(Exception):
 
 
 class TulipServicer:
-    def __init__(self, loop: EngineLoop, served_name: str):
+    def __init__(self, loop: EngineLoop, served_name: str, ref: ModelRef | None = None):
         self.loop = loop
         self.tracing = loop.tracing  # tulip.tracing.Tracing with --otlp-endpoint, else None
         e = loop.engine
@@ -190,6 +190,8 @@ class TulipServicer:
             embedding_dim=e.embedding_dim,
             num_labels=e.num_labels,
             activation=e.activation,
+            revision=ref.revision if ref is not None else "",  # which files: Ivy and `trellis serve` show it
+            random_weights=ref is not None and ref.random_weights,
             max_seq_len=e.spec.max_seq_len,
             vocab_size=e.spec.vocab_size,
             pooling=e.spec.pooling,
@@ -509,7 +511,9 @@ def make_server(cfg: TulipConfig):
 async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     server = make_server(cfg)  # first: a bad server setting fails before the model loads
-    engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
+    ref = resolve(cfg.model, cfg.revision)  # a Hub id: downloaded here if the cache lacks it (trellis.modelref)
+    log.info("tulip: model %s", ref.describe())
+    engine = Engine(EngineConfig(str(ref.path), cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table, kernel_tokens=cfg.kernel_tokens))
     if not cfg.max_batch_tokens:
         budget = max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len)
@@ -534,13 +538,13 @@ async def serve(cfg: TulipConfig) -> int:
     if cfg.metrics_port:
         metrics.serve(cfg.metrics_port, cfg.host)
     loop = EngineLoop(engine, cfg, metrics)
-    served_name = cfg.served_model_name or default_served_name(cfg.model, engine.spec.path)
+    served_name = cfg.served_model_name or ref.name
     if cfg.otlp_endpoint:  # imported only then: without it no OpenTelemetry SDK module is loaded
         from tulip.tracing import Tracing
 
         loop.tracing = Tracing(cfg.otlp_endpoint, served_name, f"{cfg.host}:{cfg.port}")
     loop.start()
-    servicer = TulipServicer(loop, served_name)
+    servicer = TulipServicer(loop, served_name, ref)
     add_tulip(server, servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

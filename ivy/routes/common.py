@@ -14,7 +14,7 @@ from starlette.responses import Response
 from ivy import errors
 from ivy.config import IvyConfig
 from ivy.errors import APIError
-from ivy.front import REQUEST_ID, Handler, _no_stamp
+from ivy.front import REQUEST_ID, WATCH_TOKENS, Handler, Stamp, _no_stamp, watch_disconnect
 from ivy.metrics import Metrics
 from ivy.schemas import schema
 from ivy.served import Models
@@ -68,9 +68,12 @@ class Routes:
         self.fast[path] = handler
 
 
-async def tulip_call(awaitable):
-    """A balancer call's result, a Tulip's gRPC error as the caller's APIError."""
+async def tulip_call(balancer, seqs: list, opts: EmbedOptions, stamp: Stamp | None = None):
+    """`balancer.embed`'s result for `seqs`, a Tulip's gRPC error as the caller's APIError. Work of
+    more than WATCH_TOKENS tokens is cancelled if its client disconnects, whatever its body's size."""
+    if sum(map(len, seqs)) > WATCH_TOKENS:
+        watch_disconnect()
     try:
-        return await awaitable
+        return await balancer.embed(seqs, opts, stamp)
     except grpc.aio.AioRpcError as e:
         raise errors.from_grpc(e) from None

@@ -74,7 +74,7 @@ async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
     seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
     # chunked windows come back whole: pooled, then Matryoshka-cut here
     opts = ctx.options(dimensions=0 if chunked else dims, encoding=encoding, outputs=outputs, pool_from=pool_from)
-    result = await tulip_call(model.balancer.embed(seqs, opts, stamp))
+    result = await tulip_call(model.balancer, seqs, opts, stamp)
     stamp("grpc")
     if chunked:
         result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)

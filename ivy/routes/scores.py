@@ -143,7 +143,7 @@ async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str]
     d, d_pool = await model.text_sequences(documents, prompt("document", None), truncate, *document_names)
     pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
     seqs = q + d
-    result = await tulip_call(model.balancer.embed(seqs, ctx.options(pool_from=pool_from, outputs=outputs)))
+    result = await tulip_call(model.balancer, seqs, ctx.options(pool_from=pool_from, outputs=outputs))
     v = unit(result.vectors)
     dense = (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
     if weights is None:
@@ -176,7 +176,7 @@ async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str
                        "without one", "instruction")
     seqs, starts = await model.pair_sequences(queries, documents, truncate, param, pair_item, instruction)
     opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
-    result = await tulip_call(model.balancer.embed(seqs, opts))
+    result = await tulip_call(model.balancer, seqs, opts)
     return seqs, result.scores[:, 0].astype(np.float64)
 
 

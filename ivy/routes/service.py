@@ -24,8 +24,9 @@ def routes(ctx: Context) -> Routes:
     async def ready():
         checks = await asyncio.gather(*(m.balancer.ready() for m in models.all))
         waiting = [m.name for m, ok in zip(models.all, checks) if not ok]
-        if not waiting:
-            return {"status": "ready"}
+        if not waiting:  # a preset's random weights said here too: a deploy check reads this body
+            random = [m.name for m in models.all if m.ref.random_weights]
+            return {"status": "ready", **({"random_weights": random} if random else {})}
         return errors.error_response(503, "no inference server answers its health check for "
                                      + ", ".join(f"'{n}'" for n in waiting), None, "not_ready")
 

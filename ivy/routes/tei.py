@@ -20,6 +20,7 @@ import json
 import msgspec
 import numpy as np
 import orjson
+from tokenizers import Tokenizer
 
 from ivy import errors
 from ivy.errors import APIError, TEIError
@@ -30,6 +31,8 @@ from ivy.routes.scores import ranked, unit
 from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIDecodeRequest, TEIEmbedRequest,
                          TEIPredictRequest, TEIRerankRequest, TEISimilarityRequest, TEITokenizeRequest, lax_bool)
 from ivy.served import ServedModel
+from ivy.tokenizer import TextTokenizer
+from ivy.tokenizer_long import SEGMENT_CHARS, segments
 from trellis.tulip.v1 import tulip_pb2
 
 
@@ -79,16 +82,50 @@ def _labels(config_path: str, num_labels: int) -> dict[str, str]:
     return {str(i): str(given.get(str(i), f"LABEL_{i}")) for i in range(num_labels)}
 
 
-def _tokens(tokenizer, add_special_tokens: bool, texts: list[str]) -> bytes:
-    """/tokenize's reply for `texts` (with their prompts): TEI's tokens, offsets in bytes."""
-    out = []
-    for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)):
-        at = None if text.isascii() else np.cumsum([0, *(len(c.encode()) for c in text)]).tolist()
-        out.append([{"id": i, "text": tok, "special": True, "start": None, "stop": None} if special else
-                    {"id": i, "text": text[a:b], "special": False, "start": a if at is None else at[a],
-                     "stop": b if at is None else at[b]}
-                    for i, (a, b), special, tok in zip(enc.ids, enc.offsets, enc.special_tokens_mask, enc.tokens)])
-    return orjson.dumps(out)
+def _token_rows(tokenizer: Tokenizer, text: str, base: int, add_special_tokens: bool) -> list[dict]:
+    """TEI's token rows of `text`, its byte offsets shifted by `base`."""
+    enc = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    at = None if text.isascii() else np.cumsum([0, *(len(c.encode()) for c in text)]).tolist()
+    return [{"id": i, "text": tok, "special": True, "start": None, "stop": None} if special else
+            {"id": i, "text": text[a:b], "special": False, "start": base + (a if at is None else at[a]),
+             "stop": base + (b if at is None else at[b])}
+            for i, (a, b), special, tok in zip(enc.ids, enc.offsets, enc.special_tokens_mask, enc.tokens)]
+
+
+def _tokens(tok: TextTokenizer, add_special_tokens: bool, max_bytes: int, texts: list[str]) -> bytes:
+    """/tokenize's reply for `texts` (with their prompts): TEI's tokens, offsets in bytes. A long text
+    a segment at a time (ivy.tokenizer_long; a `tokenizers` Encoding and a dict per token cost
+    hundreds of bytes a token), its rows serialized as they come; more tokens than
+    --max-request-tokens, or a reply over `max_bytes` (--max-reply-mb), is a 413 as soon as it is."""
+    out, size, tokens = [b"["], 1, 0
+    wrap = tok.wrap if add_special_tokens else ([], [])
+    for n, text in enumerate(texts):
+        if tok.segmentable and wrap is not None and len(text) > SEGMENT_CHARS:
+            pieces, base = [], 0
+            for start, end in segments(text):
+                pieces.append((text[start:end], base))
+                base += len(text[start:end].encode("utf-8", "surrogatepass"))
+            groups = [[{"id": i, "text": tok.token(i), "special": True, "start": None, "stop": None}
+                       for i in wrap[0]], *((seg, b, False) for seg, b in pieces),
+                      [{"id": i, "text": tok.token(i), "special": True, "start": None, "stop": None} for i in wrap[1]]]
+        else:
+            groups = [(text, 0, add_special_tokens)]
+        parts = []
+        for g in groups:
+            rows = _token_rows(tok.exact, *g) if isinstance(g, tuple) else g
+            tokens += len(rows)
+            if tokens > tok.max_request_tokens:
+                raise tok.too_many_tokens()
+            if rows:
+                parts.append(orjson.dumps(rows)[1:-1])
+                size += len(parts[-1]) + 1
+            if size > max_bytes:
+                raise APIError(413, f"the reply would be larger than {max_bytes >> 20} MiB (this server's "
+                               "--max-reply-mb); send fewer or shorter texts", None, "reply_too_large")
+        out += [b"," if n else b"", b"[", b",".join(parts), b"]"]
+        size += 3
+    out.append(b"]")
+    return b"".join(out)
 
 
 TEI_POOLING = {"last": "last_token"}  # Ivy's pooling names where TEI's differ
@@ -201,7 +238,7 @@ def routes(ctx: Context) -> Routes:
             for i, s_ in zip(singles, await tok.encode([items[i][0] for i in singles], truncate, param="inputs")):
                 seqs[i] = s_
         opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=True)
-        result = await tulip_call(model.balancer.embed(seqs, opts))
+        result = await tulip_call(model.balancer, seqs, opts)
         ctx.metrics.tokens.labels(model.name).inc(int(sum(map(len, seqs))))
         z = result.scores.astype(np.float64)
         if not req.raw_scores:
@@ -233,7 +270,7 @@ def routes(ctx: Context) -> Routes:
         ctx.check_count(len(texts), "inputs")
         model = models.get(req.model)
         texts = model.templates.apply(texts, None, None, req.prompt_name)
-        tokens = functools.partial(_tokens, model.tokenizer.exact, req.add_special_tokens)
+        tokens = functools.partial(_tokens, model.tokenizer, req.add_special_tokens, ctx.cfg.max_reply_mb << 20)
         return await model.offload(sum(map(len, texts)), tokens, texts)
 
     async def tei_decode(body: bytes, stamp: Stamp) -> bytes:
