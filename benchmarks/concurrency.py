@@ -210,10 +210,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bulk-requests", type=int, default=10, help="bulk requests (of 100 inputs) per client; 0: none")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from trellis.modeldir import default_served_name, resolve_model_path
+    from trellis.modelref import resolve
 
-    path = resolve_model_path(args.model)
-    served_name = default_served_name(args.model, path)
+    ref = resolve(args.model)
+    path, served_name = ref.path, ref.name
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out or Path("/tmp")) / "stack.log"

@@ -338,10 +338,11 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.common import Recorder
     from benchmarks.concurrency import text_of
-    from trellis.modeldir import ModelSpec, default_served_name, resolve_model_path
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve
 
-    path = resolve_model_path(args.model)
-    served = default_served_name(args.model, path)
+    ref = resolve(args.model)
+    path, served = ref.path, ref.name
     text = text_of(path / "tokenizer.json", args.length)
     work = args.out or Path("/tmp") / f"gateway-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)

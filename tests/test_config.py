@@ -133,7 +133,7 @@ def test_model_config_file(tmp_path, monkeypatch):
     ('[{"name": "rr", "model": "/m", "tulip": []}]', "model 'rr': 'tulip' must list"),
     ('[{"model": "/m", "tulip": ["nohost"]}]', "model '/m': --tulip 'nohost' is not HOST:PORT"),
     ('[{"model": "/m", "tulip": [1]}]', "'tulip' must list"),
-    ('[{"model": 7, "tulip": ["a:1"]}]', "'model' must be a model directory"),
+    ('[{"model": 7, "tulip": ["a:1"]}]', "'model' must be a Hub id, a model directory"),
 ])
 def test_bad_model_config_quotes_the_value(tmp_path, capsys, content, fragment):
     f = tmp_path / "models.json"

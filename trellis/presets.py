@@ -1,6 +1,7 @@
 """Real-shape presets with random weights, for benchmarking where weights cannot be downloaded.
 
-`--model bge-m3` (for example) materialises a model directory under the
+`--model preset:bge-m3` (for example; only with the `preset:` prefix, trellis.modelref: the bare name is an
+error naming the real model's Hub id, `HUB_IDS`) materialises a model directory under the
 cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
 RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
@@ -230,6 +231,26 @@ PRESETS["mxbai-rerank-base-v1"] = {
 
 def cache_dir() -> Path:
     return cache_root() / "presets"
+
+
+# The real model each preset has the shapes of, by its Hugging Face Hub id (the bare preset name's error
+# offers it beside `preset:NAME`; from the comments above).
+HUB_IDS = {
+    "bge-m3": "BAAI/bge-m3", "bge-reranker-v2-m3": "BAAI/bge-reranker-v2-m3",
+    "pplx-embed-1-0.6b": "perplexity-ai/pplx-embed-v1-0.6b", "pplx-embed-1-4b": "perplexity-ai/pplx-embed-v1-4b",
+    "qwen3-embedding-0.6b": "Qwen/Qwen3-Embedding-0.6B", "qwen3-reranker-0.6b": "Qwen/Qwen3-Reranker-0.6B",
+    "e5-mistral-7b-instruct": "intfloat/e5-mistral-7b-instruct",
+    "gte-qwen2-1.5b-instruct": "Alibaba-NLP/gte-Qwen2-1.5B-instruct",
+    "embeddinggemma-300m": "google/embeddinggemma-300m",
+    "msmarco-distilbert": "sentence-transformers/msmarco-distilbert-base-v4",
+    "all-mpnet-base-v2": "sentence-transformers/all-mpnet-base-v2",
+    "gte-modernbert-base": "Alibaba-NLP/gte-modernbert-base",
+    "sentence-t5-base": "sentence-transformers/sentence-t5-base",
+    "nomic-embed-text-v1.5": "nomic-ai/nomic-embed-text-v1.5",
+    "splade-cocondenser": "naver/splade-cocondenser-ensembledistil",
+    "gte-reranker-modernbert-base": "Alibaba-NLP/gte-reranker-modernbert-base",
+    "mxbai-rerank-base-v1": "mixedbread-ai/mxbai-rerank-base-v1",
+}
 
 
 def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:

@@ -512,7 +512,7 @@ async def serve(cfg: TulipConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     server = make_server(cfg)  # first: a bad server setting fails before the model loads
     ref = resolve(cfg.model, cfg.revision)  # a Hub id: downloaded here if the cache lacks it (trellis.modelref)
-    log.info("tulip: model %s", ref.describe())
+    log.log(logging.WARNING if ref.random_weights else logging.INFO, "model %s", ref.describe())
     engine = Engine(EngineConfig(str(ref.path), cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table, kernel_tokens=cfg.kernel_tokens))
     if not cfg.max_batch_tokens:

@@ -98,7 +98,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention", "num_labels", "activation")
+    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention", "num_labels", "activation", "revision", "random_weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class InfoReply(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     embedding_dim: int
     max_seq_len: int
@@ -127,4 +129,6 @@ class InfoReply(_message.Message):
     attention: str
     num_labels: int
     activation: str
-    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ..., num_labels: _Optional[int] = ..., activation: _Optional[str] = ...) -> None: ...
+    revision: str
+    random_weights: bool
+    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ..., num_labels: _Optional[int] = ..., activation: _Optional[str] = ..., revision: _Optional[str] = ..., random_weights: _Optional[bool] = ...) -> None: ...
