@@ -5,7 +5,8 @@ ids only, exactly as `tokenizers` computes them, each distinct short word's ids 
 - **Unigram**, XLM-RoBERTa's converted tokenizer.json (BGE-M3, its rerankers, most multilingual
   SentencePiece models): normalizer Precompiled then `Replace(" {2,}", " ")`, pre-tokenizer Metaspace
   ("▁", prepended always, split), model Unigram without byte fallback: the charsmap, Metaspace and
-  Viterbi of `tokenizers`.
+  Viterbi of `tokenizers` (ties to the first candidate met), over the piece scores as `tokenizers`
+  reads them from the file (its JSON parser's own rounding, `serde_number`, not Python's).
 - **WordPiece**, BERT's (all-MiniLM-L6-v2, the default model): BertNormalizer (cleaning text, CJK
   spacing, accents, lower-casing), BertPreTokenizer, WordPiece; ASCII in the C, the BMP's other
   characters through a table derived here (`wordpiece_table`) where that can be done exactly.
@@ -72,9 +73,9 @@ def built_name() -> str:
     return f"native-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
 
 
-def build(path: Path) -> Path:
-    """Compile ivy/native.c into `path` (atomically: processes building at once each get a whole
-    file). ImportError without a C compiler or when the build fails."""
+def build(path: Path, flags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compile ivy/native.c into `path` with `flags` (atomically: processes building at once each get
+    a whole file). ImportError without a C compiler or when the build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise ImportError("no C compiler (cc / gcc, or $CC) to build ivy/native.c")
@@ -83,7 +84,7 @@ def build(path: Path) -> Path:
     os.close(fd)
     try:
         try:
-            run = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+            run = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
                                  capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ImportError(f"building ivy/native.c with {cc} failed: {e}") from e
@@ -110,6 +111,12 @@ def library() -> ctypes.PyDLL:
         path = cache_dir() / name
         if not path.is_file():
             build(path)
+    return load(path)
+
+
+def load(path: Path) -> ctypes.PyDLL:
+    """A build of ivy/native.c at `path` with its functions' signatures (`library`; the sanitizer
+    fuzz, benchmarks/fuzz_native.py, loads its own build)."""
     lib = ctypes.PyDLL(str(path))
     lib.ut_new.restype = ctypes.c_void_p
     lib.ut_new.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
@@ -235,6 +242,148 @@ def unsupported(config: dict) -> str | None:
     return None
 
 
+# tokenizer.json's numbers as `tokenizers` reads them. Its JSON parser, serde_json 1.x built without
+# the `float_roundtrip` feature (tokenizers enables none), does not round decimals correctly: it
+# accumulates the digits into a u64 (digits past its range dropped), converts that to f64 and
+# multiplies or divides once by a power of ten (src/de.rs: parse_integer, parse_decimal,
+# parse_exponent, f64_from_parts, POW10). Two roundings: ~26 % of XLM-R-style scores land 1 ulp
+# away from the correctly rounded value Python's `json` gives, and Viterbi's exact ties then break
+# the other way. Hand-written because no Python library parses JSON as serde_json does; IEEE double
+# arithmetic in Python and in Rust is the same, so these are its values bit for bit (proved against
+# `tokenizers` in tests/test_tokenizer_fuzz.py).
+_POW10 = [float(f"1e{k}") for k in range(309)]  # Rust's literals 1e0 .. 1e308: correctly rounded, as here
+_U64_MAX, _I32_MAX = (1 << 64) - 1, (1 << 31) - 1
+
+
+def _f64_from_parts(positive: bool, significand: int, exponent: int) -> float:
+    f = float(significand)  # u64 as f64: round to nearest, ties to even, as float(int)
+    while True:
+        if -_I32_MAX <= exponent and abs(exponent) <= 308:  # POW10.get(exponent.wrapping_abs())
+            if exponent >= 0:
+                f *= _POW10[exponent]
+                if f == float("inf"):
+                    raise ValueError("number out of range")
+            else:
+                f /= _POW10[-exponent]
+            break
+        if f == 0.0:
+            break
+        if exponent >= 0:
+            raise ValueError("number out of range")
+        f /= 1e308
+        exponent += 308
+    return f if positive else -f
+
+
+def serde_number(s: str) -> int | float:
+    """The number serde_json (without `float_roundtrip`) reads from the JSON number literal `s`: an int
+    where it keeps an integer (u64 or i64), else its f64. ValueError where it refuses the number."""
+    n, i, positive = len(s), 0, True
+    if s[0] == "-":
+        positive, i = False, 1
+    sig = exp = 0
+    long = False
+    if s[i] == "0":
+        i += 1
+    else:
+        while i < n and "0" <= s[i] <= "9":
+            d = ord(s[i]) - 48
+            if sig * 10 + d > _U64_MAX:  # parse_long_integer: the remaining digits only scale
+                long = True
+                while i < n and "0" <= s[i] <= "9":
+                    i += 1
+                    exp += 1
+                break
+            sig = sig * 10 + d
+            i += 1
+    if i == n and not long:  # parse_number: an integer
+        if positive:
+            return sig
+        if sig == 0 or sig > 1 << 63:  # -0 and what i64 cannot hold: F64
+            return -float(sig)
+        return -sig
+    if i < n and s[i] == ".":  # parse_decimal (also after a long integer: its digits go on accumulating)
+        i += 1
+        while i < n and "0" <= s[i] <= "9":
+            d = ord(s[i]) - 48
+            if sig * 10 + d > _U64_MAX:  # parse_decimal_overflow: further digits ignored
+                while i < n and "0" <= s[i] <= "9":
+                    i += 1
+                break
+            sig = sig * 10 + d
+            exp -= 1
+            i += 1
+    if i < n and s[i] in "eE":  # parse_exponent
+        i += 1
+        positive_exp = True
+        if s[i] in "+-":
+            positive_exp = s[i] == "+"
+            i += 1
+        e = 0
+        while i < n and "0" <= s[i] <= "9":
+            d = ord(s[i]) - 48
+            if e * 10 + d > _I32_MAX:  # parse_exponent_overflow
+                if sig and positive_exp:
+                    raise ValueError("number out of range")
+                return 0.0 if positive else -0.0
+            e = e * 10 + d
+            i += 1
+        exp = max(-_I32_MAX - 1, min(_I32_MAX, exp + e if positive_exp else exp - e))  # saturating
+    return _f64_from_parts(positive, sig, exp)
+
+
+def serde_float(s: str) -> float:
+    """`serde_number` of a literal with a fraction or an exponent (json's parse_float hook): a plain
+    decimal of at most 19 digits (every score XLM-R's files hold) straight, as its u64 cannot overflow."""
+    if len(s) <= 20 and "e" not in s and "E" not in s:
+        neg = s[0] == "-"
+        dot = s.index(".")
+        f = float(int(s[neg:dot] + s[dot + 1:])) / _POW10[len(s) - dot - 1]
+        return -f if neg else f
+    return float(serde_number(s))
+
+
+def serde_int(s: str) -> int | float:
+    """`serde_number` of an integer literal (json's parse_int hook): an int unless serde_json reads an f64."""
+    return int(s) if len(s) < 19 and s != "-0" else serde_number(s)
+
+
+# scores of the bge-m3 stand-in that the fast parse and a correctly rounded one read 1 ulp apart
+PROBES = ("-9.010720252990723", "-9.362776756286621", "-9.363053321838379", "-9.356038093566895", "-9.457879066467285",
+          "-9.469776153564453", "-10.047332763671875", "-10.082094192504883", "-10.125388145446777")
+
+
+def unigram_json(scores: list[str]) -> str:
+    """A bare tokenizer.json: a Unigram model of <unk> and one piece per score literal."""
+    vocab = "".join(f', ["p{i}", {x}]' for i, x in enumerate(scores))
+    return ('{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,'
+            '"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"Unigram","unk_id":0,'
+            f'"vocab":[["<unk>", 0.0]{vocab}],"byte_fallback":false}}}}')
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizers_rounds_correctly() -> bool:
+    """How the installed `tokenizers` reads decimals, asked of it on PROBES (a few milliseconds): False
+    for serde_json's fast parse (`serde_number`; every release so far), True where a build enables
+    `float_roundtrip` (correctly rounded, as Python's `json`). ValueError for neither."""
+    from tokenizers import Tokenizer
+
+    got = [s for _, s in json.loads(Tokenizer.from_str(unigram_json(list(PROBES))).to_str())["model"]["vocab"][1:]]
+    if got == [serde_float(x) for x in PROBES]:
+        return False
+    if got == [float(x) for x in PROBES]:
+        return True
+    raise ValueError(f"tokenizers reads {PROBES[0]} as {got[0]!r}: neither serde_json's fast parse nor correctly rounded")
+
+
+def read_json(path: Path) -> dict:
+    """tokenizer.json with its numbers as `tokenizers` reads them."""
+    text = Path(path).read_text(encoding="utf-8")
+    if tokenizers_rounds_correctly():
+        return json.loads(text)
+    return json.loads(text, parse_float=serde_float, parse_int=serde_int)
+
+
 def _pieces(pieces: list[str]) -> tuple[bytes, np.ndarray]:
     """The pieces as UTF-8 back to back, and their offsets (n + 1)."""
     raw = [p.encode("utf-8") for p in pieces]
@@ -246,14 +395,16 @@ def _pieces(pieces: list[str]) -> tuple[bytes, np.ndarray]:
 class NativeEncoder:
     """`tokenizer.json` encoded by ivy/native.c (Unigram or WordPiece, as the file says), the content
     wrapped in `wrap` (the post-processor's fixed prefix and suffix); the texts it hands back are the
-    caller's to encode exactly. ValueError: a tokenizer it does not cover; ImportError: no build."""
+    caller's to encode exactly; `lib`: a build of its own (`load`), else `library()`. ValueError: a tokenizer
+    it does not cover; ImportError: no build."""
 
-    def __init__(self, path: Path, wrap: tuple[list[int], list[int]] = ([], []), cache_bits: int = CACHE_BITS):
-        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    def __init__(self, path: Path, wrap: tuple[list[int], list[int]] = ([], []), cache_bits: int = CACHE_BITS,
+                 lib: ctypes.PyDLL | None = None):
+        config = read_json(path)  # the scores as tokenizers has them, to the bit (see serde_number)
         why = unsupported(config)
         if why:
             raise ValueError(why)
-        lib = library()
+        lib = lib or library()
         model = config["model"]
         self.kind = model["type"]
         if self.kind == "Unigram":
