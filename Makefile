@@ -26,7 +26,14 @@ install: $(BIN)/.installed
 serve: install
 	$(BIN)/python -m deploy.local --model $(MODEL) --replicas $(REPLICAS) --port $(PORT)
 
-test: install
+# tests/test_interop.py's Node client (@grpc/grpc-js, @grpc/proto-loader at tests/node's lock), where npm is
+# installed (the test skips without node / npm). Its h2load case needs `apt-get install nghttp2-client`.
+NPM := $(shell command -v npm 2>/dev/null)
+tests/node/node_modules/.installed: tests/node/package.json tests/node/package-lock.json
+	npm ci --no-audit --no-fund --prefix tests/node
+	touch $@
+
+test: install $(if $(NPM),tests/node/node_modules/.installed)
 	$(BIN)/python -m pytest -q
 
 # Regenerate the gRPC stubs from proto/ (grpcio-tools pinned in pyproject.toml).

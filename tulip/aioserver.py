@@ -13,7 +13,9 @@ served through a thin adapter: a coroutine per call that opens the same session 
 `EmbedStream`), hands it each request as grpc.aio delivers it, and writes the replies the session
 gives its call (`_Call`: `reply` / `finish`, what a session uses of `tulip.h2server.Call`). grpc.aio
 cancels the coroutine when the client cancels or the deadline passes: the session is told `gone()`,
-as ours tells it.
+as ours tells it. One difference: a streaming client's cancel ends grpc.aio's request iterator just
+before it cancels the call, so the session may hear `end()` first, then `gone()` (EmbedStream ends
+its call only once every request is answered, so it still drops the work it holds).
 """
 
 from __future__ import annotations
