@@ -1,4 +1,4 @@
-# Trellis: `make serve` runs the local stack, `make test` runs every test.
+# Trellis: `make serve` runs the local stack (`trellis serve`), `make test` runs every test.
 # Both create .venv and install what they need. Without a GPU (no nvidia-smi)
 # the CPU build of torch is pinned; with one, the GPU extra is added.
 PY ?= python3
@@ -23,8 +23,10 @@ $(BIN)/.installed: pyproject.toml deploy/constraints.txt
 
 install: $(BIN)/.installed
 
+# MODEL: a Hugging Face Hub id (ORG/NAME[@REVISION], downloaded once into the Hugging Face cache), a model
+# directory, default (all-MiniLM-L6-v2) or preset:NAME (random weights); trellis serve --help
 serve: install
-	$(BIN)/python -m deploy.local --model $(MODEL) --replicas $(REPLICAS) --port $(PORT)
+	$(BIN)/trellis serve --model $(MODEL) --replicas $(REPLICAS) --port $(PORT)
 
 # tests/test_interop.py's Node client (@grpc/grpc-js, @grpc/proto-loader at tests/node's lock), where npm is
 # installed (the test skips without node / npm). Its h2load case needs `apt-get install nghttp2-client`.

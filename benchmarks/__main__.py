@@ -1,10 +1,10 @@
 """One command for the benchmark suites, then the summary.
 
-    python -m benchmarks run [--suite kernels|gemm|engine|hop|online|scoring|bulk|concurrency|all] [--model bge-m3] [--out DIR]
+    python -m benchmarks run [--suite kernels|gemm|engine|hop|online|scoring|bulk|concurrency|all] [--model preset:bge-m3] [--out DIR]
                              [--tulip-args "..."] [--quick]
 
 `--model` takes several models, comma-separated, each optionally with its own suites after `=`
-(joined by `+`): `--model bge-m3,pplx-embed-1-0.6b=engine+online+bulk` runs `--suite` for bge-m3 and
+(joined by `+`): `--model preset:bge-m3,preset:pplx-embed-1-0.6b=engine+online+bulk` runs `--suite` for bge-m3 and
 those three for pplx. The kernel sweep runs once (it covers both head shapes), and so does the hop,
 each with the first model that lists it. Give the Tulip and the engine `--attention-table benchmarks/results` (the directory) so each
 model takes the table of its own head shape.
@@ -37,18 +37,20 @@ from pathlib import Path
 
 from benchmarks import concurrency, engine, gemm, hop, kernels, online, summary
 from benchmarks.common import git_rev
+from trellis.cli import prog
 
 SUITES = ("kernels", "gemm", "engine", "hop", "online", "scoring", "bulk", "concurrency")
 INCOMPLETE = 3  # exit status of a run that stopped at --max-minutes with parts left (re-issue it with --resume)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("python -m benchmarks"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run suites and write the summary")
     run.add_argument("--suite", default="all", help=f"comma-separated: {', '.join(SUITES)}, or all")
-    run.add_argument("--model", default="bge-m3")
+    run.add_argument("--model", default="preset:bge-m3", help="comma-separated model references (a Hub id, a "
+                     "directory, preset:NAME), each optionally =SUITE+SUITE (default: preset:bge-m3, random weights)")
     run.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     run.add_argument("--tulip-args", default="", help="extra flags for the Tulip the gRPC suites start")
     run.add_argument("--transport", default="stream", choices=("stream", "unary"),

@@ -31,6 +31,20 @@ ENGINE_TARGETS = {"bge-m3": {"step_p50_ms": {128: 0.55, 512: 0.9, 4096: 8.0}, "e
                              "emb_per_s_mixed": 3000}}
 
 
+def model_tag(model: str) -> str:
+    """A model reference as a part of a results file's name: a preset's name (the names its results had before
+    the `preset:` prefix), a Hub id's ORG--NAME[@REVISION] (as the Hugging Face cache names it), a directory's
+    name."""
+    from trellis.modelref import PRESET, parse_hub_id
+
+    if model.startswith(PRESET):
+        return model[len(PRESET):]
+    hub = None if Path(model).expanduser().is_dir() else parse_hub_id(model)
+    if hub is not None:
+        return hub[0].replace("/", "--") + (f"@{hub[1]}" if hub[1] else "")
+    return Path(model).name
+
+
 def environment() -> dict:
     import torch
 

@@ -4,7 +4,7 @@ through Ivy: 4 client processes, each sending batches of 100 pre-tokenized 512-t
 (base64 replies), in embeddings/s: with `--replicas 2` on a two-GPU host this is the scale-out
 check (>= 1.9x one replica).
 
-    python -m benchmarks.concurrency --model bge-m3 --out benchmarks/results [--replicas 1] [--n 2000]
+    python -m benchmarks.concurrency --model preset:bge-m3 --out benchmarks/results [--replicas 1] [--n 2000]
 
 Starts `deploy.local` (one GPU per replica; Tulip settings through TULIP_* variables, e.g.
 TULIP_COMPILE=true TULIP_WARMUP=1-16x512,32x512: every batch 1..16 clients form), checks correctness first (the served vector of the
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, bulk_clients, free_port, percentiles, progress, spawn_until_ready
+from benchmarks.common import (Recorder, bulk_clients, free_port, model_tag, percentiles, progress,
+                               spawn_until_ready)
 
 # ../shared/DESIGN.md, workload 4 (approximate, read off the published chart): p50 ms.
 PUBLISHED_APPROX = {1: {"vllm-0.22": 12.5, "tulip-rust": 3.0}, 16: {"vllm-0.22": 23.0, "tulip-rust": 16.5}}
@@ -201,7 +202,7 @@ def _bulk_client(url, model_name, L, n_req, seed, barrier, q):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--ivy-workers", type=int, default=1, help="Ivy worker processes")
     ap.add_argument("--length", type=int, default=512)
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     port = free_port()
     proc = start_stack(args.model, args.replicas, port, log, args.ivy_workers)
     url = f"http://127.0.0.1:{port}"
-    rec = Recorder(args.out, f"concurrency_{Path(args.model).name}_replicas-{args.replicas}"
+    rec = Recorder(args.out, f"concurrency_{model_tag(args.model)}_replicas-{args.replicas}"
                              + (f"_workers-{args.ivy_workers}" if args.ivy_workers > 1 else ""))
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=10):

@@ -1,6 +1,6 @@
 """Engine benchmark: `Engine.step()` in-process (no gRPC), the issue's table as JSON lines + a PNG.
 
-    python -m benchmarks.engine --model bge-m3 --out benchmarks/results [--iters 200] [--hf-baseline]
+    python -m benchmarks.engine --model preset:bge-m3 --out benchmarks/results [--iters 200] [--hf-baseline]
 
 Cells: step p50/p99 at 1 x 128 / 512 / 4096 tokens (step + copy + sync, wall clock) with the device
 time of the same step (CUDA events) and the host share, the host time until `step()` returns and of the bare graph replay call; throughput for 100 x 512 and for 100 mixed
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ENGINE_TARGETS, PUBLISHED, GpuSampler, Recorder, percentiles, pyplot
+from benchmarks.common import ENGINE_TARGETS, PUBLISHED, GpuSampler, Recorder, model_tag, percentiles, pyplot
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 
@@ -197,7 +197,7 @@ def chart(rows, model: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--graphs", default="lazy", choices=("lazy", "eager-all", "off"))
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--attention-table", default="", help="with --attention auto: the kernel sweep's table")
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
-    name = Path(args.model).name
+    name = model_tag(args.model)
     attention = "table" if args.attention_table and args.attention == "auto" else args.attention
     tag = f"{name}_{attention}_{args.graphs}" + ("_compiled" if args.compile else "") + \
         ("_torch-small" if not args.kernel_tokens else "")

@@ -1,6 +1,6 @@
 """Ivy alone: `/v1/embeddings` per worker against a Tulip stand-in that answers at once.
 
-    python -m benchmarks.gateway --model bge-m3 --out benchmarks/results/gateway [--server uvicorn]
+    python -m benchmarks.gateway --model preset:bge-m3 --out benchmarks/results/gateway [--server uvicorn]
 
 Starts a stand-in Tulip (a grpc.aio server written from the trellis.tulip.v1 stubs: Info, Embed,
 EmbedStream and the health service, replying with fixed 1024-value vectors and no engine), then
@@ -310,7 +310,8 @@ def stage_chart(files: list[Path], out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3", help="model directory or preset: Ivy reads its tokenizer and prompts")
+    ap.add_argument("--model", default="preset:bge-m3", help="a Hub id, a model directory or preset:NAME: Ivy reads its "
+                    "tokenizer and prompts")
     ap.add_argument("--length", type=int, default=512, help="tokens per text, special tokens included")
     ap.add_argument("--encodings", default="float,base64", help="encoding_format values to run")
     ap.add_argument("--n", type=int, default=2000, help="sequential requests of the 1-client latency cell")

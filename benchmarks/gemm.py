@@ -1,6 +1,6 @@
 """GEMM probe: the model's linear layers at the token counts a step sees, per GEMM strategy.
 
-    python -m benchmarks.gemm --model bge-m3 --out benchmarks/results [--tokens 128,512,4096,16384]
+    python -m benchmarks.gemm --model preset:bge-m3 --out benchmarks/results [--tokens 128,512,4096,16384]
 
 At 1 x 128 most of a step's device time is its GEMMs, far below the memory bandwidth a
 weight-streaming GEMM should reach. This times every linear shape of the model (bias included)
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Recorder, graph_replay_ms, progress
+from benchmarks.common import Recorder, graph_replay_ms, model_tag, progress
 from trellis.modeldir import ModelSpec, resolve_model_path
 
 
@@ -77,7 +77,7 @@ def strategy_fn(strategy: str, layer: str, w: torch.Tensor, bias: torch.Tensor):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--tokens", default="128,512,4096,16384")
     ap.add_argument("--strategies", default="cublas,cublaslt,linear+gelu,gelu-epilogue",
                     help="also: inductor-autotune (minutes to tune); any of them with @compile")
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     spec = ModelSpec.read(resolve_model_path(args.model))
-    rec = Recorder(args.out, f"gemm_{Path(args.model).name}")
+    rec = Recorder(args.out, f"gemm_{model_tag(args.model)}")
     strategies = args.strategies.split(",") if cuda else ["cublas"]
     cells = [(name, k, n, m) for name, (k, n) in linear_shapes(spec.config).items()
              for m in map(int, args.tokens.split(","))]

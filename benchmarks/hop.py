@@ -1,7 +1,7 @@
 """What a request costs besides the GPU: the gRPC hop and Tulip's Python around the engine.
 
     python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
-    python -m benchmarks.hop --model bge-m3 --compile      # the real engine instead of the null one
+    python -m benchmarks.hop --model preset:bge-m3 --compile      # the real engine instead of the null one
     python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
     python -m benchmarks.hop --device-ms 1 --tail-only     # only the stamping Tulip: where the slow requests went
 
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles, pyplot, run_client
+from benchmarks.common import Recorder, free_port, model_tag, percentiles, pyplot, run_client
 from tulip.stages import POINTS
 
 
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
                          "no sync floors): the shortest run that says where the slow requests' time goes")
     args = ap.parse_args(argv)
 
-    rec = Recorder(args.out, f"hop_{Path(args.model).name if args.model else f'null-{args.device_ms:g}ms'}")
+    rec = Recorder(args.out, f"hop_{model_tag(args.model) if args.model else f'null-{args.device_ms:g}ms'}")
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp())
     what = (f"tulip + {args.model} ({args.attention}{', compile' if args.compile else ''})" if args.model

@@ -60,7 +60,7 @@ case "${1:-}" in
     gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
     export TULIP_COMPILE=true TULIP_WARMUP=1-16x512,32x512 TULIP_ATTENTION_TABLE="$RES"
     rc=0
-    python3 -m benchmarks run --suite all --model bge-m3,pplx-embed-1-0.6b=engine+online+bulk --out "$RES" \
+    python3 -m benchmarks run --suite all --model preset:bge-m3,preset:pplx-embed-1-0.6b=engine+online+bulk --out "$RES" \
       --replicas "$([ "$gpus" -ge 2 ] && echo 1,2 || echo 1)" --ivy-workers 4 --resume --max-minutes "${MAX_MINUTES:-2.5}" \
       --tulip-args "--compile --attention-table $RES --warmup 1x128 --warmup 1x512 --warmup 1x4096 --warmup 32x512 --max-queued-tokens 4000000" \
       --engine-args "--compile --attention-table $RES --hf-baseline --hf-compile" "${@:3}" || rc=$?

@@ -1,6 +1,6 @@
 """Tulip over gRPC, client in another process: the published online, scoring and bulk workloads.
 
-    python -m benchmarks.online --model bge-m3 --out benchmarks/results \\
+    python -m benchmarks.online --model preset:bge-m3 --out benchmarks/results \\
         --tulip-args "--compile --warmup 1x128" [--n 2000] [--target HOST:PORT]
 
 Starts a Tulip (unless --target names a running one), checks correctness first (the served
@@ -26,6 +26,7 @@ from benchmarks.common import (
     Recorder,
     bulk_clients,
     free_port,
+    model_tag,
     percentiles,
     progress,
     pyplot,
@@ -171,7 +172,8 @@ def chart(rows, model: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3", help="preset or model directory (also the correctness reference)")
+    ap.add_argument("--model", default="preset:bge-m3", help="a Hub id, a model directory or preset:NAME (also "
+                    "the correctness reference)")
     ap.add_argument("--target", default="", help="a running Tulip HOST:PORT (default: start one)")
     ap.add_argument("--tulip-args", default="", help="extra flags for the Tulip this starts")
     ap.add_argument("--n", type=int, default=10000, help="requests per online cell (published: 10,000)")
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
         port = free_port()
         proc = spawn_tulip(args.model, args.tulip_args, port, log)
         target = f"127.0.0.1:{port}"
-    name = Path(args.model).name
+    name = model_tag(args.model)
     rec = Recorder(args.out, f"online_{name}")
     try:
         ch, stub = _stub(target)

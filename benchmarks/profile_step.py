@@ -1,6 +1,6 @@
 """Where a step's device time goes: the kernels of one eager step under torch.profiler.
 
-    python -m benchmarks.profile_step --model bge-m3 --tokens 128 [--attention varlen] [--order]
+    python -m benchmarks.profile_step --model preset:bge-m3 --tokens 128 [--attention varlen] [--order]
 
 Prints the top kernels by total CUDA time and the kernel count; `--order` also lists every kernel
 in launch order with its time (where the step's kernels outside the layers are). Eager, not graph replay,
@@ -21,7 +21,7 @@ from rose.engine import Engine, EngineConfig
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seqs", type=int, default=1)

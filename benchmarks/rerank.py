@@ -2,7 +2,7 @@
 request, a cross-encoder (each (query, document) pair scored together) beside a bi-encoder (the
 documents' cosine to the query), text in, tokenization included.
 
-    python -m benchmarks.rerank --model bge-reranker-v2-m3 --model bge-m3 --documents 50 --doc-tokens 256 \\
+    python -m benchmarks.rerank --model preset:bge-reranker-v2-m3 --model preset:bge-m3 --documents 50 --doc-tokens 256 \\
         --n 200 --out benchmarks/results [--quick] [--target URL]
 
 For each model: starts `deploy.local` (one Tulip, one Ivy; Tulip settings through TULIP_* variables as
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, pyplot, spawn_until_ready
+from benchmarks.common import Recorder, free_port, model_tag, pyplot, spawn_until_ready
 from benchmarks.concurrency import http_level, text_of
 
 # Largest |served - reference| a score may differ by: raw logits and activated scores of a
@@ -183,8 +183,8 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", help="a model directory or preset (repeat: each in turn; default "
-                    "bge-reranker-v2-m3 then bge-m3)")
+    ap.add_argument("--model", action="append", help="a Hub id, a model directory or preset:NAME (repeat: each in "
+                    "turn; default preset:bge-reranker-v2-m3 then preset:bge-m3)")
     ap.add_argument("--documents", type=int, help=f"documents per request (default {FULL['documents']})")
     ap.add_argument("--doc-tokens", type=int, help=f"tokens per document (default {FULL['doc_tokens']})")
     ap.add_argument("--query-tokens", type=int, help=f"tokens of the query (default {FULL['query_tokens']})")
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    models = args.model or ["bge-reranker-v2-m3", "bge-m3"]
+    models = args.model or ["preset:bge-reranker-v2-m3", "preset:bge-m3"]
     if args.target and len(models) != 1:
         ap.error("--target serves one model: give one --model (the gate's reference)")
     from trellis.modeldir import resolve_model_path
@@ -215,16 +215,16 @@ def main(argv=None) -> int:
                 url = args.target.rstrip("/")
             else:
                 port = free_port()
-                log = (args.out or Path("/tmp")) / f"stack_rerank_{Path(model).name}.log"
+                log = (args.out or Path("/tmp")) / f"stack_rerank_{model_tag(model)}.log"
                 proc = spawn_until_ready(["deploy.local", "--model", model, "--port", str(port)], "Trellis is ready",
                                          log)
                 url = f"http://127.0.0.1:{port}"
         try:
             ref = ref.result()
-            rec = Recorder(args.out, f"rerank_{Path(model).name}")
+            rec = Recorder(args.out, f"rerank_{model_tag(model)}")
             with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
                 served_name = json.load(r)["data"][0]["id"]
-            common = dict(model=Path(model).name, backend="trellis-ivy", transport="http", documents=args.documents,
+            common = dict(model=model_tag(model), backend="trellis-ivy", transport="http", documents=args.documents,
                           doc_tokens=args.doc_tokens, query_tokens=args.query_tokens)
             g = gate(url, served_name, ref, query, docs)
             rows.append(rec.emit(bench="gate", **g, **common))

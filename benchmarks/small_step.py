@@ -3,7 +3,7 @@ counts, cuBLAS (and torch's add + LayerNorm, compiled into one kernel as `--comp
 ROSE's Triton kernels (`rose.kernels`) over tile configs and K splits, with and without PDL; and the
 attention backends on short sequences.
 
-    python -m benchmarks.small_step --model bge-m3 --tokens 128,512,2560 --out benchmarks/results
+    python -m benchmarks.small_step --model preset:bge-m3 --tokens 128,512,2560 --out benchmarks/results
 
 Every cell is timed the way a step runs it: a CUDA graph of `--layers` calls, each over its own
 weights (a step reads every layer's weights once, so the L2 cache holds none of them), replayed
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Recorder, graph_replay_ms, progress
+from benchmarks.common import Recorder, graph_replay_ms, model_tag, progress
 from rose.graphs import GraphKey
 from rose.layers.activation import linear_gelu
 from rose.layers.attention import AttentionMetadata, select_backend
@@ -184,7 +184,7 @@ def sweep_tiles(args, cfg, heads, causal, rms, eps, emit) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--tokens", default="128,512,2560")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--iters", type=int, default=30)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     dev, dt = torch.device("cuda"), torch.bfloat16
     spec = ModelSpec.read(resolve_model_path(args.model))
     cfg = spec.config
-    rec = Recorder(args.out, f"small_step_{Path(args.model).name}")
+    rec = Recorder(args.out, f"small_step_{model_tag(args.model)}")
     L = args.layers
     eps = cfg.get("layer_norm_eps", cfg.get("rms_norm_eps", 1e-6))
     rms = "qwen3" in cfg["model_type"]

@@ -1,6 +1,6 @@
 """Where Engine.step's host time goes: back to back, after idle gaps, in Tulip's loop, and served over gRPC.
 
-    python -m benchmarks.step_host OUTDIR [--model bge-m3] [--n 1500]       # OUTDIR/step_host.jsonl
+    python -m benchmarks.step_host OUTDIR [--model preset:bge-m3] [--n 1500]       # OUTDIR/step_host.jsonl
 
 Wraps GraphRunner / CudaOps methods (class level) with wall and thread-CPU timers, then runs:
   b2b     engine.step + synchronize back to back (as benchmarks.engine)
@@ -102,7 +102,7 @@ def summary(rec: Recorder, scenario: str, skip: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--model", default="bge-m3")
+    ap.add_argument("--model", default="preset:bge-m3")
     ap.add_argument("--n", type=int, default=1500, help="steps (requests) per scenario")
     args = ap.parse_args(argv)
     n = args.n

@@ -2,7 +2,7 @@
 then one compact table (p50, p99, p99 - p50 per transport, and where the slow requests' time went).
 
     python -m benchmarks.tailab --before .ab/before [--n 2000] [--out DIR]               # null engine, 1 ms step
-    python -m benchmarks.tailab --before .ab/before --model bge-m3 --compile [--n 2000]  # the real engine
+    python -m benchmarks.tailab --before .ab/before --model preset:bge-m3 --compile [--n 2000]  # the real engine
     python -m benchmarks.tailab --table DIR                                               # the table of an earlier run
 
 Variants, in this order: `before` (with `--before DIR`: a source tree, e.g. `git archive main | tar -x -C

@@ -1,6 +1,6 @@
 """Tokenizers on one core: 514-token texts and a mix of lengths, with the model's 250k Unigram vocabulary.
 
-    python -m benchmarks.tokenize --out benchmarks/results [--model bge-m3] [--n 2000] [--cpu 0]
+    python -m benchmarks.tokenize --out benchmarks/results [--model preset:bge-m3] [--n 2000] [--cpu 0]
 
 Candidates, where installed: Hugging Face `tokenizers` (`encode`, `encode_batch_fast` of one
 text), `sentencepiece` (`encode` on the model's `sentencepiece.bpe.model`: its own ids, and mapped
@@ -168,7 +168,8 @@ def offload_cost(fn, text: str, n: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bge-m3", help="a preset name or a model directory with tokenizer.json")
+    ap.add_argument("--model", default="preset:bge-m3", help="a Hub id, preset:NAME or a model directory with "
+                    "tokenizer.json")
     ap.add_argument("--n", type=int, default=2000, help="timed calls per candidate and text")
     ap.add_argument("--cpu", type=int, default=0, help="the core to pin to (-1: no pinning)")
     ap.add_argument("--texts", default=",".join(TEXTS), help=f"comma-separated, of {', '.join(TEXTS)}")
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from benchmarks.common import Recorder
+    from benchmarks.common import Recorder, model_tag
     from trellis.modeldir import ModelSpec, resolve_model_path
 
     model = resolve_model_path(args.model)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     reference = Tokenizer.from_file(str(model / "tokenizer.json"))
     reference.no_truncation()
     reference.no_padding()
-    rec = Recorder(args.out, f"tokenize_{Path(args.model).name}")
+    rec = Recorder(args.out, f"tokenize_{model_tag(args.model)}")
     try:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):

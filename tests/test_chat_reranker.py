@@ -229,7 +229,7 @@ def test_reranker_preset(tmp_path, monkeypatch):
     from trellis.presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
-    path = resolve_model_path("qwen3-reranker-0.6b")
+    path = resolve_model_path("preset:qwen3-reranker-0.6b")
     spec = ModelSpec.read(path)
     assert spec.config["architectures"] == ["Qwen3ForCausalLM"] and spec.message_format == "flat"
     assert len(spec.logit_tokens) == 2 and spec.chat_template and spec.max_seq_len == 32768

@@ -274,7 +274,7 @@ def test_modernbert_reranker_preset(tmp_path, monkeypatch):
     from trellis.presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
-    path = resolve_model_path("gte-reranker-modernbert-base")
+    path = resolve_model_path("preset:gte-reranker-modernbert-base")
     spec = ModelSpec.read(path)
     family = model_class(spec)
     assert (family.num_labels(spec.config), family.classifier_pooling(spec.config)) == (1, "mean")
@@ -408,7 +408,7 @@ def test_deberta_reranker_preset(tmp_path, monkeypatch):
     from trellis.presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
-    path = resolve_model_path("mxbai-rerank-base-v1")
+    path = resolve_model_path("preset:mxbai-rerank-base-v1")
     spec = ModelSpec.read(path)
     family = model_class(spec)
     with torch.device("meta"):

@@ -270,8 +270,8 @@ def test_small_step_path_on_real_shapes_equals_torch_eager(preset, attention):
     Qwen3's q/k norm + rotary, NomicBERT's rotary and SwiGLU, ModernBERT's pre-norm LayerNorm, GeGLU
     and windowed local layers; MPNet's position bias in the Triton kernel, or padded) through graphs
     against torch's eager bf16 path (SDPA per sequence for MPNet's bias)."""
-    fast = Engine(EngineConfig(model=preset, device="cuda", attention=attention))
-    ref = Engine(EngineConfig(model=preset, device="cuda", graphs="off", kernel_tokens=0,
+    fast = Engine(EngineConfig(model=f"preset:{preset}", device="cuda", attention=attention))
+    ref = Engine(EngineConfig(model=f"preset:{preset}", device="cuda", graphs="off", kernel_tokens=0,
                               attention="varlen" if attention == "triton" and "mpnet" not in preset else "sdpa"))
     assert fast.kernels
     for lens in [(128,), (512,), (100, 37, 5), (64,) * 8]:
@@ -291,11 +291,11 @@ def test_last_block_on_the_pooled_rows_equals_the_whole_block(preset, monkeypatc
     import rose.engine
 
     batches = [Batch.from_sequences(seqs_of(lens, vocab=1000)) for lens in [(128,), (200,), (100, 37, 5), (512,) * 32]]
-    kept = Engine(EngineConfig(model=preset, device="cuda", compile=True))
+    kept = Engine(EngineConfig(model=f"preset:{preset}", device="cuda", compile=True))
     assert kept.kernels
     outs = [[kept.step(b).synchronize().clone() for _ in range(3)] for b in batches]  # eager, capture, replay
     monkeypatch.setattr(rose.engine, "kept_rows", lambda *a: None)
-    full = Engine(EngineConfig(model=preset, device="cuda", compile=True))
+    full = Engine(EngineConfig(model=f"preset:{preset}", device="cuda", compile=True))
     for b, got in zip(batches, outs):
         for g in got:
             want = full.step(b).synchronize()

@@ -26,7 +26,7 @@ def seqs_of(lens, seed=0, vocab=250):
 
 
 def engine(name, **kw):
-    return Engine(EngineConfig(model=name, device="cuda", dtype="bfloat16", **kw))
+    return Engine(EngineConfig(model=f"preset:{name}", device="cuda", dtype="bfloat16", **kw))
 
 
 @pytest.fixture(scope="module", params=list(PRESETS))
@@ -92,7 +92,7 @@ def test_windowed_layers_match_sdpa_band_mask(preset):
     batches = [Batch.from_sequences(seqs_of((long, 37), seed)) for seed in range(4)]
     runs = {}
     for label, kw in (("truth", {"attention": "sdpa", "dtype": "float32"}), ("sdpa", {"attention": "sdpa"})):
-        ref = Engine(EngineConfig(model=name, device="cuda", graphs="off", **{"dtype": "bfloat16", **kw}))
+        ref = Engine(EngineConfig(model=f"preset:{name}", device="cuda", graphs="off", **{"dtype": "bfloat16", **kw}))
         runs[label] = [ref.step(b).synchronize().clone() for b in batches]
         del ref
         torch.cuda.empty_cache()
@@ -112,7 +112,7 @@ def test_gemma3_small_step_tracks_float32_as_torch_path():
     runs = {}
     for label, kw in (("truth", {"attention": "sdpa", "dtype": "float32", "graphs": "off"}),
                       ("torch", {"kernel_tokens": 0, "graphs": "off"}), ("ours", {})):
-        e = Engine(EngineConfig(model=name, device="cuda", **{"dtype": "bfloat16", **kw}))
+        e = Engine(EngineConfig(model=f"preset:{name}", device="cuda", **{"dtype": "bfloat16", **kw}))
         if label == "ours":
             assert e.kernels == 512
             [e.step(b).synchronize() for b in batches]  # eager hits, then captures

@@ -21,12 +21,12 @@ def test_graph_replay_matches_eager(preset):
     g = torch.Generator().manual_seed(0)
     seqs = [[2] + torch.randint(10, 250, (n,), generator=g).tolist() + [3] for n in (300, 17, 120, 5)]
     batch = Batch.from_sequences(seqs)
-    eager = Engine(EngineConfig(model=preset, graphs="off")).step(batch).synchronize()
-    e = Engine(EngineConfig(model=preset, graphs="eager-all"))
+    eager = Engine(EngineConfig(model=f"preset:{preset}", graphs="off")).step(batch).synchronize()
+    e = Engine(EngineConfig(model=f"preset:{preset}", graphs="eager-all"))
     if preset in ("all-mpnet-base-v2", "sentence-t5-base"):  # the position bias: the Triton kernel, captured; SDPA
         assert e.attention.name == "triton" and e.runner is not None  # and the padded batch agree
         for name in ("sdpa", "padded"):
-            other = Engine(EngineConfig(model=preset, graphs="off", attention=name)).step(batch).synchronize()
+            other = Engine(EngineConfig(model=f"preset:{preset}", graphs="off", attention=name)).step(batch).synchronize()
             assert F.cosine_similarity(other, eager).min().item() >= 0.999, name
     assert (e.runner is not None) == e.attention.capturable  # else graphs are off, with a log line
     if preset == "gte-modernbert-base":
@@ -54,8 +54,8 @@ def test_cross_encoder_graph_replay_matches_eager(preset):
     batches = [Batch.from_sequences(seqs, None, starts if preset == "gte-reranker-modernbert-base" else None)]
     if preset == "qwen3-reranker-0.6b":
         batches.append(Batch.from_sequences(seqs[-1:]))  # 47 tokens: under Qwen3's kernel cap
-    eager_engine = Engine(EngineConfig(model=preset, graphs="off"))
-    e = Engine(EngineConfig(model=preset, graphs="eager-all"))
+    eager_engine = Engine(EngineConfig(model=f"preset:{preset}", graphs="off"))
+    e = Engine(EngineConfig(model=f"preset:{preset}", graphs="eager-all"))
     assert (e.runner is not None) == e.attention.capturable
     for batch in batches:
         eager = eager_engine.step(batch).synchronize()

@@ -175,7 +175,7 @@ def test_decoder_presets(tmp_path, monkeypatch, name, model_type, pooling, windo
     from trellis.modeldir import ModelSpec, resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
-    path = resolve_model_path(name)
+    path = resolve_model_path(f"preset:{name}")
     read = ModelSpec.read(path)
     family = model_class(read)
     spec = family.serving(read)
@@ -201,7 +201,7 @@ def test_embeddinggemma_preset_runs_its_dense_modules(tmp_path, monkeypatch):
     from trellis.presets import PRESETS, RANDOM_WEIGHTS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
-    path = resolve_model_path("embeddinggemma-300m")
+    path = resolve_model_path("preset:embeddinggemma-300m")
     modules = json.loads((path / "modules.json").read_text())
     assert [(m["idx"], m["path"], m["type"].rsplit(".", 1)[-1]) for m in modules] == [
         (0, "", "Transformer"), (1, "1_Pooling", "Pooling"), (2, "2_Dense", "Dense"), (3, "3_Dense", "Dense"),

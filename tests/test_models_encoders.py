@@ -318,7 +318,7 @@ def test_sentence_t5_preset(tmp_path, monkeypatch):
     from trellis.modeldir import ModelSpec, resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
-    path = resolve_model_path("sentence-t5-base")
+    path = resolve_model_path("preset:sentence-t5-base")
     spec = ModelSpec.read(path)
     assert (spec.model_type, spec.pooling, spec.normalize, spec.max_seq_len) == ("t5", "mean", True, 256)
     assert [(d.in_features, d.out_features, d.bias) for d in spec.dense] == [(768, 768, False)]

@@ -166,7 +166,7 @@ def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
     from trellis.modeldir import ModelSpec, resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
-    path = resolve_model_path(name)
+    path = resolve_model_path(f"preset:{name}")
     spec = ModelSpec.read(path)
     pplx = name.startswith("pplx")  # the published layout: its own model_type, the quantizer module
     assert (spec.model_type, spec.pooling, spec.normalize, spec.hidden_size, spec.quantized_outputs) == (
@@ -184,7 +184,7 @@ def test_preset_directory(tmp_path, monkeypatch):
     from trellis.presets import RANDOM_WEIGHTS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
-    path = resolve_model_path("bge-m3")
+    path = resolve_model_path("preset:bge-m3")
     spec = ModelSpec.read(path)
     assert (spec.model_type, spec.pooling, spec.normalize, spec.max_seq_len, spec.hidden_size) == (
         "xlm-roberta", "cls", True, 8192, 1024)

@@ -335,15 +335,14 @@ def test_native_is_built_on_first_use_and_missed_without_a_compiler(standin_dir,
         native.library.cache_clear()
 
 
-@pytest.mark.parametrize("model", ["bge-reranker-v2-m3", "default"])
+@pytest.mark.parametrize("model", ["preset:bge-reranker-v2-m3", "default"])
 def test_native_pairs_are_the_pair_template_and_longest_first_truncation(model):
     """A cross-encoder's (query, document) pairs from the native encoder: each text alone, cut as
     tokenizers' LongestFirst cuts a pair, put in the pair template (XLM-R's all-0 types; BERT's type 1
     from B on), equal to tokenizers' own pair encoding at several maximum lengths."""
     from trellis.modeldir import resolve_model_path
-    from trellis.presets import materialize
 
-    path = resolve_model_path("default") if model == "default" else materialize(model)
+    path = resolve_model_path(model)
     rng = random.Random(11)
     texts = varied_texts() + tricky_texts(100, 2) + [standin.sample_text(rng.randint(1, 20), s, ("en",)) for s in range(60)]
     pairs = [(rng.choice(texts), rng.choice(texts)) for _ in range(400)]

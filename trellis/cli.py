@@ -17,6 +17,18 @@ import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_PROG: str | None = None  # "trellis SUB" while the `trellis` command runs a subcommand (trellis.command)
+
+
+def set_prog(name: str | None) -> None:
+    """Name the running program in usage lines and errors (the `trellis` command: "trellis serve")."""
+    global _PROG
+    _PROG = name
+
+
+def prog(default: str | None = None) -> str | None:
+    """The program name for an ArgumentParser: set_prog's, else `default` (None: argparse's, from sys.argv[0])."""
+    return _PROG or default
 
 
 def field(default: Any, help: str, **kw: Any) -> Any:
@@ -44,7 +56,7 @@ def _scalar(tp: Any) -> Any:
 def parse(cls: type[T], argv: list[str] | None, env_prefix: str, description: str = "") -> T:
     """Build `cls` from argv and the environment; exit with a usage error on a bad value."""
     hints = typing.get_type_hints(cls)
-    ap = argparse.ArgumentParser(description=description or cls.__doc__)
+    ap = argparse.ArgumentParser(prog=prog(), description=description or cls.__doc__)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         is_tuple = typing.get_origin(tp) is tuple
