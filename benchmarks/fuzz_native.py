@@ -1,6 +1,6 @@
 """Fuzzed texts for Ivy's native encoders (ivy/native.c), and the sanitizer run over them.
 
-    python -m benchmarks.fuzz_native [--texts 20000] [--seed 0] [--models bge-m3,default] [--exact]
+    python -m benchmarks.fuzz_native [--texts 20000] [--seed 0] [--models preset:bge-m3,default] [--exact]
 
 Builds ivy/native.c with `-fsanitize=address,undefined -fno-sanitize-recover=all` (the first report
 aborts the run), then runs itself again with the compiler's libasan preloaded (Python is not built
@@ -168,7 +168,8 @@ def _child(args: argparse.Namespace, so: Path) -> int:
     lib = load(so)
     rng = random.Random(args.seed)
     failed = 0
-    for path in _models(args.models.split(",")):
+    names = args.models.split(",")
+    for name, path in zip(names, _models(names)):
         tj = path / "tokenizer.json"
         ref = Tokenizer.from_file(str(tj))
         ref.no_padding()
@@ -195,7 +196,7 @@ def _child(args: argparse.Namespace, so: Path) -> int:
                             print(f"  differs: {text[:60]!r}", flush=True)
                     assert ids is None or ids.dtype == np.int32
         stats = encoders[1].stats()
-        print(f"{path.name} ({model['type']}): {len(texts)} texts, {calls} encodes under ASan + UBSan in "
+        print(f"{name} ({model['type']}): {len(texts)} texts, {calls} encodes under ASan + UBSan in "
               f"{time.monotonic() - t0:.1f} s, {back} handed back to tokenizers, small cache resets "
               f"{stats['resets']}" + (f", {differ} differ from tokenizers" if args.exact else ""), flush=True)
         failed += differ
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=20000, help="fuzzed texts per model")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--models", default="bge-m3,default", help="comma-separated model references")
+    ap.add_argument("--models", default="preset:bge-m3,default", help="comma-separated model references")
     ap.add_argument("--exact", action="store_true", help="also compare the ids with tokenizers'")
     ap.add_argument("--so", help=argparse.SUPPRESS)  # the sanitized build, in the re-run
     args = ap.parse_args(argv)

@@ -51,6 +51,13 @@ def standin_dir(tmp_path_factory):
             os.environ["TRELLIS_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def standin_ref(standin_dir):
+    """tokenizers on the stand-in, and its vocabulary as it holds it ((piece, score) pairs)."""
+    tok = reference(standin_dir)
+    return tok, json.loads(tok.to_str())["model"]["vocab"]
+
+
 def reference(path) -> Tokenizer:
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.no_padding()
@@ -64,9 +71,9 @@ def parsed_by_tokenizers(tok: Tokenizer) -> list[float]:
     return [s for _, s in json.loads(tok.to_str())["model"]["vocab"]]
 
 
-def test_every_standin_score_is_read_as_tokenizers_reads_it(standin_dir):
+def test_every_standin_score_is_read_as_tokenizers_reads_it(standin_dir, standin_ref):
     """All 250,002 scores bit for bit (Python's json: ~26 % of them 1 ulp away)."""
-    theirs = parsed_by_tokenizers(reference(standin_dir))
+    theirs = [s for _, s in standin_ref[1]]
     ours = [s for _, s in read_json(standin_dir / "tokenizer.json")["model"]["vocab"]]
     assert len(ours) == len(theirs) == 250002
     assert [i for i, (a, b) in enumerate(zip(ours, theirs)) if bits(a) != bits(b)] == []
@@ -145,9 +152,6 @@ def test_ties_break_as_tokenizers_breaks_them(tmp_path):
     assert ref.encode("aaaa").tokens[1:-1] == [wb + "a", "aaa"]  # all ties: the earliest start's shortest piece
 
 
-def repeated_class(tok: Tokenizer) -> list[str]:
-    chars = [p for p, _ in json.loads(tok.to_str())["model"]["vocab"] if len(p) == 1]
-    return [c * n for c in chars for n in range(1, 29)]
 
 
 def differ(tt: TextTokenizer, ref: Tokenizer, texts: list[str]) -> list[str]:
@@ -155,20 +159,19 @@ def differ(tt: TextTokenizer, ref: Tokenizer, texts: list[str]) -> list[str]:
     return [t for t, ids, e in zip(texts, got, ref.encode_batch(texts)) if ids.tolist() != e.ids]
 
 
-def test_unigram_ids_equal_tokenizers_on_fuzzed_text(standin_dir):
+def test_unigram_ids_equal_tokenizers_on_fuzzed_text(standin_dir, standin_ref):
     """Repeated characters (every digit 1..28 times, where 1 ulp broke ties: "77777"; and a sample of
     the class), then fuzzed unicode; most texts decided by the C itself, not handed back."""
-    ref = reference(standin_dir)
+    ref, vocab = standin_ref
     tt = TextTokenizer(standin_dir, 1 << 20, 1 << 30)
     assert tt.backend == "native"
     assert tt._encode(["77777"], False)[0].tolist() == ref.encode("77777").ids == [0, 11543, 11542, 108, 2]
-    everything = repeated_class(ref)
+    alphabet = [p for p, _ in vocab if len(p) == 1]
+    everything = [c * n for c in alphabet for n in range(1, 29)]
     rng = random.Random(7)
     rep = everything if FUZZ else [d * n for d in "0123456789" for n in range(1, 29)] + rng.sample(everything, 8000)
     assert differ(tt, ref, rep) == []
-    cfg = json.loads(ref.to_str())["model"]["vocab"]
-    alphabet = [p for p, _ in cfg if len(p) == 1]
-    words = [p.lstrip("\u2581") for p, _ in cfg[1000:3000]]
+    words = [p.lstrip("\u2581") for p, _ in vocab[1000:3000]]
     texts = fuzz_texts(FUZZ or 3000, 11, alphabet, words)
     tt.fast.native.fallbacks = 0
     assert differ(tt, ref, texts) == []
