@@ -20,6 +20,7 @@ log = logging.getLogger("ivy.tokenizer")
 YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
 SLICE_CHARS = 65536  # `tokenizers` encodes a large batch this many characters at a time (its Encodings are ~100 B a token)
 MAX_REQUEST_TOKENS = 1 << 20  # the default of --max-request-tokens
+COUNT_CHARS = 65536  # a text over the maximum up to this long is counted whole (the 400 says how many tokens)
 BACKENDS = ("auto", "native", "tokenizers")
 
 
@@ -361,9 +362,9 @@ class TextTokenizer:
             budget = max(self.max_len - n_special, 0)
             p = scan(text, self.content, budget)
             return self._wrapped(p.ids[:budget]) if wrap is not None else text[:p.end]
-        if check_length:  # over the maximum as soon as a prefix is: no need to tokenize the rest
-            p = scan(text, self.content, self.max_len - n_special + 1)
-            if not p.whole or len(p.ids) + n_special > self.max_len:
+        if check_length:  # over the maximum as soon as a prefix is: the rest is counted only while cheap
+            p = scan(text, self.content, self.max_len - n_special + 1 if len(text) > COUNT_CHARS else room + 1)
+            if not p.whole:
                 raise APIError(400, f"{which} has more than this model's maximum of {self.max_len} tokens; "
                                "shorten it or send \"truncate\": true", param, "context_length_exceeded")
         else:

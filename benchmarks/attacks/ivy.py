@@ -180,13 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=[])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--ivy-args", default="")
+    ap.add_argument("--tulip-args", default="", help="e.g. '--max-batch-tokens 2048' (a CPU step of the default "
+                    "16,384 tokens takes seconds, and a running step is never cut short)")
     args = ap.parse_args(argv)
     root, logs = args.root.resolve(), Path("/tmp") / f"attacks-ivy-{os.getpid()}"
     logs.mkdir(exist_ok=True)
     names = args.only or [*ATTACKS, "chunk_disconnect", "one_byte_connections"]
     tport, mport = free_port(), free_port()
     tulip = spawn(root, ["-m", "tulip", "--model", "default", "--port", str(tport), "--device", "cpu",
-                         "--metrics-port", str(mport)], logs / "tulip.log",
+                         "--metrics-port", str(mport), *args.tulip_args.split()], logs / "tulip.log",
                   lambda: "TULIP_READY" in (logs / "tulip.log").read_text())
     rows = []
     try:
