@@ -3,7 +3,7 @@
 
     python -m benchmarks.servers                                   # both, null engine: the transport alone
     python -m benchmarks.servers --grpc-server grpcio              # one of them
-    python -m benchmarks.servers --model bge-m3 --out benchmarks/results/request_path/servers_REV   # a GPU
+    python -m benchmarks.servers --model preset:bge-m3 --out benchmarks/results/request_path/servers_REV   # a GPU
 
 Each server runs in a process of its own, built as `python -m tulip` builds it (`tulip.server.make_server`
 from a TulipConfig with that `grpc_server`, `add_tulip`, grpc_health), over `benchmarks.hop`'s null engine
@@ -28,10 +28,11 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, percentiles, run_client
+from benchmarks.common import Recorder, free_port, model_tag, percentiles, run_client
 from benchmarks.hop import INLINE_IO, _environ, _proto_client, _wait_ready
 
 SERVERS = ("ours", "grpcio")
@@ -124,20 +125,21 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=128, help="tokens of the one sequence per request")
     ap.add_argument("--device-ms", type=float, default=0.0, help="the null engine's step time")
     ap.add_argument("--spin-ms", type=float, default=10.0, help="Tulip's --spin-ms")
-    ap.add_argument("--model", default="", help="serve this model with the real engine instead of the null one")
+    ap.add_argument("--model", default="", help="serve this model (e.g. preset:bge-m3) with the real engine instead "
+                    "of the null one")
     ap.add_argument("--attention", default="auto", help="with --model")
     ap.add_argument("--compile", action="store_true", help="with --model")
     ap.add_argument("--proto", action=argparse.BooleanOptionalAction, default=True,
                     help="also time benchmarks.protoclient's grpcio sync / aio clients")
     ap.add_argument("--server-io", choices=("default", "inline"), default="default",
                     help="grpc.aio's server on grpc's default I/O or on gRPC's iomgr (INLINE_IO)")
-    ap.add_argument("--out", type=__import__("pathlib").Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.grpc_server.split(",") if k)
     if not kinds or set(kinds) - set(SERVERS):
         ap.error(f"--grpc-server {args.grpc_server!r}: a comma-separated list of {', '.join(SERVERS)}")
 
-    rec = Recorder(args.out, f"servers_{os.path.basename(args.model) if args.model else f'null-{args.device_ms:g}ms'}")
+    rec = Recorder(args.out, f"servers_{model_tag(args.model) if args.model else f'null-{args.device_ms:g}ms'}")
     ctx = mp.get_context("spawn")
     procs, targets = [], {}
     try:
