@@ -4,7 +4,7 @@
 # done (SERVING), stop it (SIGTERM: it drains and exits). Inductor, Triton and FlashInfer keep what
 # they compiled under /cache (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE),
 # so replicas started on that volume later load kernels instead of compiling them.
-#   deploy/prebuild.sh --model /models/bge-m3 --compile --warmup 1x128 --warmup 1-16x512
+#   deploy/prebuild.sh --model BAAI/bge-m3 --compile --warmup 1x128 --warmup 1-16x512
 set -euo pipefail
 port=${PREBUILD_PORT:-50099}
 timeout_s=${PREBUILD_TIMEOUT_S:-1800}

@@ -162,7 +162,8 @@ def test_compose_validates_against_the_compose_spec(env_file):
 
 
 def test_env_example_names_every_variable():
-    used, example = variables(COMPOSE.read_text()), dotenv(DEPLOY / ".env.example")
+    secrets = {s["environment"] for s in yaml.safe_load(COMPOSE.read_text())["secrets"].values() if "environment" in s}
+    used, example = variables(COMPOSE.read_text()) | secrets, dotenv(DEPLOY / ".env.example")
     assert used <= set(example) | {"TULIP_IMAGE", "GATEWAY_IMAGE", "TULIP_CPU_IMAGE", "GATEWAY_CPU_IMAGE"}
     assert set(example) - {"COMPOSE_PROFILES"} <= used  # nothing in the example is dead
     assert set(example["COMPOSE_PROFILES"].split(",")) <= {"gpu", "cpu"}
@@ -186,7 +187,8 @@ def test_compose_gpu_node_eight_tulips_behind_one_ivy():
     devices = []
     for name, svc in tulips.items():
         _, cfg = service_config(svc)
-        assert cfg.host == "0.0.0.0" and cfg.model.startswith("/models/") and cfg.compile and cfg.warmup
+        assert cfg.host == "0.0.0.0" and cfg.compile and cfg.warmup
+        hf_cache(svc, cfg)
         assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "tulip.probe", f"127.0.0.1:{cfg.port}"]
         (gpu,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
@@ -207,6 +209,37 @@ def test_compose_gpu_node_eight_tulips_behind_one_ivy():
     assert ivy["restart"] == "unless-stopped" and ivy["logging"]["options"]["max-file"]
     assert not icfg.api_keys  # the example leaves them empty; the variable reaches Ivy
     assert ivy["environment"]["IVY_API_KEYS"] == ""
+    hf_cache(ivy, icfg)
+    assert (icfg.model, icfg.revision) == (cfg.model, cfg.revision)  # the Tulips' files, the same revision
+
+
+def hf_cache(svc: dict, cfg) -> None:
+    """A compose service of a Hub model: the example's Hub id, the Hugging Face cache on the shared hf-cache
+    volume (HF_HOME), the token as the secret hf_token (a file: HF_TOKEN_PATH), not as a variable."""
+    from trellis.modelref import parse_hub_id
+
+    example = dotenv(DEPLOY / ".env.example")
+    assert cfg.model == example["MODEL"] and parse_hub_id(cfg.model) == (example["MODEL"], "")
+    home = svc["environment"]["HF_HOME"]
+    assert f"hf-cache:{home}" in svc["volumes"] and "hf-cache" in compose(env_file=True)["volumes"]
+    assert svc["secrets"] == ["hf_token"] and svc["environment"]["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+    assert compose(env_file=True)["secrets"]["hf_token"] == {"environment": "HF_TOKEN"}
+    assert "HF_TOKEN" not in svc["environment"]
+
+
+def k8s_hf_cache(doc: dict, c: dict, cfg) -> None:
+    """A Kubernetes pod of a Hub model: HF_HOME on the shared ReadWriteMany claim, HF_TOKEN from the
+    optional Secret (public models need none)."""
+    from trellis.modelref import parse_hub_id
+
+    env = {e["name"]: e for e in c["env"]}
+    assert parse_hub_id(cfg.model) is not None
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["hf-cache"] == env["HF_HOME"]["value"]
+    assert vols["hf-cache"]["persistentVolumeClaim"] == {"claimName": "trellis-hf-cache"}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "trellis-hf-token", "key": "token",
+                                                            "optional": True}
 
 
 def test_compose_cpu_profile_serves_the_default_model():
@@ -307,6 +340,7 @@ def test_tulip_statefulset_headless_service_probes_and_drain():
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["kernel-cache"] == json.loads(values(DOCKERFILES["tulip"], "VOLUME")[0])[0]
     assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["kernel-cache"]
+    k8s_hf_cache(sts, c, cfg)
     assert docs[("PodDisruptionBudget", "tulip")]["spec"]["selector"]["matchLabels"] == labels
 
 
@@ -318,6 +352,8 @@ def test_ivy_deployment_resolves_the_tulips_by_name():
     _, cfg = k8s_config(c)
     _, tcfg = k8s_config(container(sts))
     assert cfg.tulip == (f"{sts['spec']['serviceName']}.{ns}.svc.cluster.local:{tcfg.port}",)
+    k8s_hf_cache(dep, c, cfg)
+    assert (cfg.model, cfg.revision) == (tcfg.model, tcfg.revision)  # the Tulips' files, the same revision
     if "resolve_interval" in pending_ivy_fields():
         pytest.skip("IvyConfig has no resolve_interval yet (DNS discovery, branch m-disc): the rest is checked")
     assert cfg.resolve_interval > 0
