@@ -124,6 +124,7 @@ def test_revision_and_random_weights_wherever_the_model_is_named(hub_stack):
     models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     assert {m["id"]: (m["revision"], m["random_weights"]) for m in models} == {
         MINILM: (REV1, False), "v2": (REV2, False), "rr": (REV_CE, False), "p": (None, True)}
+    assert httpx.get(url + "/info", timeout=10).json()["model_sha"] == REV1  # TEI's route, the default model
     ready = httpx.get(url + "/ready", timeout=10)
     assert ready.status_code == 200 and ready.json() == {"status": "ready", "random_weights": ["p"]}
     # the banner: one line per model, its revision or the preset's warning, its Tulips; their Info agrees

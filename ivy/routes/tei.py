@@ -344,7 +344,8 @@ async def _info(model: ServedModel, ctx: Context) -> dict:
         kind = {"reranker" if info.num_labels == 1 else "classifier": labels}
     else:
         kind = {"embedding": {"pooling": TEI_POOLING.get(info.pooling, info.pooling)}}
-    return {"model_id": model.name, "model_sha": None, "model_dtype": info.dtype, "served_model_name": model.name,
+    return {"model_id": model.name, "model_sha": model.ref.revision or None,  # a Hub id's commit
+            "model_dtype": info.dtype, "served_model_name": model.name,
             "model_type": kind, "max_concurrent_requests": None, "max_input_length": info.max_seq_len,
             "max_batch_tokens": info.max_batch_tokens, "max_batch_requests": None,
             "max_client_batch_size": ctx.cfg.max_inputs, "auto_truncate": True, "tokenization_workers": None,
