@@ -197,6 +197,15 @@ def test_bad_references_exit_2_with_one_line(tmp_path):
         assert not any(kind == "resolve" and method == "GET" for method, kind, _, _ in h.requests)  # nothing fetched
 
 
+def test_the_trellis_command_lists_its_subcommands():
+    r = subprocess.run([str(TRELLIS), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(f"\n  {c} " in r.stdout for c in ("serve", "ivy", "tulip", "bench")), r.stdout
+    r = subprocess.run([str(TRELLIS), "serv"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown command 'serv' (did you mean 'serve'?)" in r.stderr, r.stderr
+    r = subprocess.run([str(TRELLIS), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: trellis serve ") and "--revision" in r.stdout
+
+
 RESOLVE = ("import json, sys; from trellis.modelref import resolve; r = resolve(sys.argv[1], weights=sys.argv[2] == '1');"
            " print(json.dumps([str(r.path), r.revision, r.name]))")
 
