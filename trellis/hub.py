@@ -167,7 +167,7 @@ def fetch(model: str, repo_id: str, revision: str = "", weights: bool = True) ->
     lock = contextlib.nullcontext() if offline else _lock(cache, folder)
     with lock:
         try:
-            rev = api.resolve_revision(repo_id, revision=revision or None)
+            rev = api.resolve_revision(repo_id, revision=revision or None, local_files_only=offline)
         except RevisionResolutionError as e:  # not reachable (or offline), and no refs/ entry for it
             raise _not_cached(model, revision, cache, offline, e.__cause__) from None
         except HFValidationError as e:
