@@ -31,7 +31,6 @@ PRESET = "preset:"
 PINS_ENV = "TRELLIS_MODEL_PINS"  # JSON {"ORG/NAME@REVISION": commit}: set by a launcher for its children
 # A Hub repository id as huggingface_hub validates one (ORG/NAME: letters, digits, '-', '_', '.'), then "@REVISION".
 _HUB_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>.+))?")
-KINDS = ("default", "preset", "directory", "hub")
 
 __all__ = ["ModelRef", "ModelRefError", "resolve", "pin", "DEFAULT_MODEL", "PRESET"]
 
