@@ -68,7 +68,7 @@ class RawH2:
         self.sock.settimeout(timeout)
         try:
             chunk = self.sock.recv(1 << 20)
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):
             return True
         except OSError:
             chunk = b""

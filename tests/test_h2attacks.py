@@ -23,7 +23,7 @@ from tests.conftest import Proc, free_port
 from tests.test_h2server import SERVICE, Handlers, add
 from trellis.tulip.v1 import tulip_pb2
 from tulip.h2limits import (COMPRESSION_ERROR, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, NO_ERROR,
-                            PROTOCOL_ERROR, STREAM_CLOSED, Limits)
+                            PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Limits)
 from tulip.h2server import Server
 from tulip.h2stream import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PADDED, PING, PRIORITY,
                             PUSH_PROMISE, RST_STREAM, SETTINGS, WINDOW_UPDATE, _literal)
@@ -171,15 +171,15 @@ def test_a_message_larger_than_every_window_still_arrives():
 
 def test_replies_to_a_peer_that_gives_no_window_are_bounded(served):
     c = served.raw(settings=settings((0x4, 0)))  # initial stream window 0: no reply can go out
-    for i in range(8):
-        c.send(c.headers(2 * i + 1, DIRECT_BIDI) + frame(DATA, 0, 2 * i + 1, grpc_message(b"r" * 500_000)))
-    time.sleep(0.3)
-    c.frames_until(lambda fs: sum(f[0] == RST_STREAM for f in fs) >= 4, 3)
-    resets = [struct.unpack(">L", p)[0] for t, _, _, p in c.got if t == RST_STREAM]
-    assert resets and set(resets) == {ENHANCE_YOUR_CALM}  # grpc clients see RESOURCE_EXHAUSTED
-    queued = served.on_loop(lambda: max(conn.queued_out for conn in served.server.connections))
-    assert queued <= 2 << 20
-    assert "gone" in served.h.sessions  # the Direct sessions heard it
+    served.h.sessions.clear()
+    c.send(c.headers(1, DIRECT_BIDI) + frame(DATA, 0, 1, grpc_message(b"r" * 500_000)) * 2)
+    time.sleep(0.2)  # 1 MB of replies wait: over a quarter of the connection's bound, new calls are refused
+    c.send(c.headers(3, DIRECT_BIDI))
+    assert c.rst(3) == REFUSED_STREAM
+    c.send(frame(DATA, 0, 1, grpc_message(b"r" * 500_000)))  # past the call's bound: reset, the session told
+    assert c.rst(1) == ENHANCE_YOUR_CALM  # (grpc clients see RESOURCE_EXHAUSTED)
+    assert served.on_loop(lambda: max(conn.queued_out for conn in served.server.connections)) == 0
+    assert served.h.sessions[-1] == "gone"
     c.close()
 
 

@@ -46,7 +46,9 @@ class Limits:
     draining), at least one message of the limit; over it the call is reset ENHANCE_YOUR_CALM
     (grpc clients: RESOURCE_EXHAUSTED)."""
     conn_output: int = 64 << 20
-    """The same summed over one connection's calls (at least one message of the limit)."""
+    """The same summed over one connection's calls (at least one message of the limit); past a quarter
+    of it the peer's new calls are refused (REFUSED_STREAM: no new work for a client that does not
+    take its answers)."""
     write_high: int = 1 << 20
     """The transport's write high-water mark: above it writes pause (no more DATA is written, and no
     more is read from the peer) until it drains under a quarter of it."""

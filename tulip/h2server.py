@@ -103,6 +103,7 @@ class Connection(asyncio.Protocol):
         self.starved: dict[int, Call] = {}  # calls with output waiting for their own stream's window
         self.queued_out = 0  # reply bytes queued in calls
         self.paused = False  # the transport is above its write high-water mark
+        self._reading = True
         self.progress_at = 0.0  # when output last moved (or began to wait), while some waits
         self.call_output = max(limits.call_output, server.max_message + _PREFIX)
         self.conn_output = max(limits.conn_output, server.max_message + _PREFIX)
@@ -148,16 +149,24 @@ class Connection(asyncio.Protocol):
         if not self.blocked and not self.starved:
             self.progress_at = time.monotonic()
         self.paused = True
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.reading()
 
     def resume_writing(self) -> None:
         self.paused = False
         self.progress_at = time.monotonic()
         if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
+            self.reading()
             self._unblock()
             self._write()
+
+    def reading(self) -> None:
+        """Read from the peer unless writes are paused (it does not read what we write: it gets to ask
+        for nothing more) or what it sent waits for the next turn. (Not while replies wait for its
+        flow-control windows: its WINDOW_UPDATEs must still be read.)"""
+        want = not (self.paused or self._later)
+        if want != self._reading and self.transport is not None and not self.closed:
+            self._reading = want
+            self.transport.resume_reading() if want else self.transport.pause_reading()
 
     def _close(self) -> None:
         if self.closed:
@@ -251,7 +260,7 @@ class Connection(asyncio.Protocol):
             if self.closed:
                 return
             if self._later:
-                self.transport.pause_reading()
+                self.reading()
                 self.loop.call_soon(self._next_turn)
                 break
         if pos < n:
@@ -262,8 +271,7 @@ class Connection(asyncio.Protocol):
         self._later, self._opened = False, 0
         if self.closed:
             return
-        if not self.paused:
-            self.transport.resume_reading()
+        self.reading()
         self.data_received(b"")
 
     def _not_http2(self, data: bytes) -> None:
@@ -533,7 +541,9 @@ class Connection(asyncio.Protocol):
             self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, _literal(b":status", status)
                                   + _literal(b"content-type", b"text/plain")))
             return
-        if len(self.calls) >= self.limits.max_streams:
+        if len(self.calls) >= self.limits.max_streams or self.queued_out > self.conn_output // 4:
+            # (past a quarter of conn_output waiting for this peer: a client that does not take its
+            # answers gets no new work done; REFUSED_STREAM is safe to retry)
             if not self.control.take():
                 return self._calm("streams over SETTINGS_MAX_CONCURRENT_STREAMS")
             self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
