@@ -162,8 +162,8 @@ def test_prompts(built, family, tmp_path):
 
 
 def test_nomic_matryoshka_dimensions(built):
-    """`dimensions` (Tulip's truncate_dims: first d, re-normalised) against truncate_dim."""
-    from tulip.server import truncate_dims
+    """`dimensions` (trellis.postprocess.matryoshka, as Tulip applies it: first d, re-normalised) against truncate_dim."""
+    from trellis.postprocess import matryoshka as truncate_dims
 
     path, ref = built("nomic_bert")
     ours = truncate_dims(run(engine(path), ids(ref, TEXTS)).numpy(), 16)

@@ -26,7 +26,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rose.engine import Engine, EngineConfig
 from rose.layers.heads import Extra
+from trellis import postprocess
 from trellis.modelref import ModelRef, resolve
+from trellis.options import Options, no_options, no_reply_options, verify
 from trellis.tulip.v1 import tulip_pb2
 from tulip.config import TulipConfig
 from tulip.h2server import Direct, Server
@@ -40,12 +42,13 @@ DEFAULT_BATCH_TOKENS = 16384  # --max-batch-tokens 0: this, or the model's max s
 
 def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
                   ) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]:
-    """Check an EmbedRequest against the served model and unpack it into (int32 ids, lengths,
-    pool_from or None, segment_starts or None; plain ints); raise ValueError with a caller-facing message."""
+    """Check an EmbedRequest against the served model (its options: `trellis.options.verify`) and unpack it
+    into (int32 ids, lengths, pool_from or None, segment_starts or None; plain ints); raise ValueError (an
+    option's: trellis.options.OptionError) with a caller-facing message."""
     lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
     raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
     ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
-    vocab_size, max_seq_len, dim = info.vocab_size, info.max_seq_len, info.embedding_dim
+    vocab_size, max_seq_len = info.vocab_size, info.max_seq_len
     if not lens:
         raise ValueError("request has no sequences (lengths is empty)")
     if ids is None:
@@ -62,41 +65,9 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
         lo, hi = int(ids.min()), int(ids.max())
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if info.num_labels and req.dimensions:
-        raise ValueError("dimensions applies to embeddings; this model is a cross-encoder (it returns scores)")
-    if req.dimensions > dim:
-        raise ValueError(f"dimensions {req.dimensions} exceeds the model's embedding size {dim}")
-    if req.encoding not in info.encodings:
-        name = tulip_pb2.Encoding.Name(req.encoding) if req.encoding in tulip_pb2.Encoding.values() else req.encoding
-        raise ValueError(f"encoding {name} is not supported by this model "
-                         f"(supported: {', '.join(tulip_pb2.Encoding.Name(e) for e in info.encodings)})")
-    for o in req.outputs:
-        if o != tulip_pb2.OUTPUT_UNSPECIFIED and o not in info.outputs:
-            name = tulip_pb2.Output.Name(o) if o in tulip_pb2.Output.values() else o
-            raise ValueError(f"output {name} is not supported by this model "
-                             f"(supported: {', '.join(tulip_pb2.Output.Name(x) for x in info.outputs)})")
-    pool_from = None
-    if req.pool_from:
-        if len(req.pool_from) != len(lens):
-            raise ValueError(f"pool_from has {len(req.pool_from)} entries for {len(lens)} sequences")
-        pool_from = tuple(req.pool_from)
-        for i, (p, n) in enumerate(zip(pool_from, lens)):
-            if p >= n:
-                raise ValueError(f"pool_from {p} leaves no token of sequence {i} ({n} tokens) to pool")
-    segments = None
-    if req.segment_starts:
-        if not info.num_labels:
-            raise ValueError("segment_starts: this model is an embedding model; only a cross-encoder "
-                             "(Info num_labels > 0) scores two-segment sequences")
-        if len(req.segment_starts) != len(lens):
-            raise ValueError(f"segment_starts has {len(req.segment_starts)} entries for {len(lens)} sequences")
-        segments = tuple(req.segment_starts)
-        for i, (s, n) in enumerate(zip(segments, lens)):
-            if s >= n:
-                raise ValueError(f"segment_starts {s} is not inside sequence {i} ({n} tokens): the second "
-                                 f"segment starts at 1..{n - 1}, or 0 for none")
-    if req.raw_scores and not info.num_labels:
-        raise ValueError("raw_scores: this model is an embedding model (it returns no scores)")
+    verify(Options.from_proto(req), info, lens)
+    pool_from = tuple(req.pool_from) if req.pool_from else None
+    segments = tuple(req.segment_starts) if req.segment_starts else None
     return ids, lens, pool_from, segments
 
 
@@ -140,27 +111,6 @@ def plain_reply(vectors: np.ndarray, tokens: int, request_id: str = "") -> bytes
 def serialize_reply(reply: tulip_pb2.EmbedReply | bytes) -> bytes:
     """The servicer's replies on the wire: an EmbedReply, or one already serialized (`plain_reply`)."""
     return reply if type(reply) is bytes else reply.SerializeToString()
-
-
-def truncate_dims(vectors: np.ndarray, dims: int) -> np.ndarray:
-    """Matryoshka truncation to `dims` (0 = keep all), then L2 re-normalisation."""
-    if dims == 0 or dims == vectors.shape[1]:
-        return vectors
-    v = vectors[:, :dims]
-    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-
-
-def encode(vectors: np.ndarray, encoding: int) -> bytes:
-    """float32 [n, dim] -> the reply's bytes in `encoding` (see tulip.proto). The quantised ones are
-    pplx-embed-v1's quantizer module (st_quantize.FlexibleQuantizer): int8 = round(tanh(x) * 127)
-    (half to even, as torch.round; tanh keeps it within [-127, 127]); binary = the bits x >= 0, packed."""
-    if encoding == tulip_pb2.ENCODING_INT8:
-        return np.rint(np.tanh(vectors) * 127).astype(np.int8).tobytes()
-    if encoding == tulip_pb2.ENCODING_BINARY:
-        return np.packbits(vectors >= 0, axis=1).tobytes()
-    return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
-
-
 
 
 class RpcFailure(Exception):
@@ -274,11 +224,9 @@ class TulipServicer:
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
         lens = request.lengths
-        if len(lens) == 1:  # the online case: one plain sequence passes every check below in one test
+        if len(lens) == 1:  # the online case: one plain sequence (no option set) passes every check below in one test
             n, raw = lens[0], request.token_ids
-            if (0 < n <= self._plain_max and len(raw) == n << 2 and not (
-                    request.dimensions or request.encoding or request.outputs or request.pool_from
-                    or request.segment_starts or request.raw_scores)):
+            if 0 < n <= self._plain_max and len(raw) == n << 2 and no_options(request):
                 ids = np.frombuffer(raw, dtype="<u4")  # unsigned: a negative id is huge
                 if _MAX(ids) < self._vocab:
                     return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done)
@@ -322,28 +270,15 @@ class TulipServicer:
         """The reply for a completed request (the usual one already serialized, see `serialize_reply`)."""
         if self.scores:  # a cross-encoder's rows are its logits
             scores = vectors if request.raw_scores else self.loop.engine.activate(vectors)
-            return tulip_pb2.EmbedReply(scores=np.ascontiguousarray(scores, dtype="<f4").tobytes(), shape=scores.shape,
-                                        prompt_tokens=req.num_tokens, request_id=request_id)
-        if not (request.dimensions or request.encoding or req.extras) and vectors.dtype == F32:  # the usual case
+            return postprocess.scores_reply(scores, req.num_tokens, request_id)
+        if no_reply_options(request) and vectors.dtype == F32:  # the usual case
             return plain_reply(np.ascontiguousarray(vectors), req.num_tokens, request_id)
-        if request.encoding:  # the first `dimensions` codes of the quantizer's (sentence-transformers' truncate_dim)
-            vectors = vectors[:, :request.dimensions or None]
-        else:
-            vectors = truncate_dims(vectors, request.dimensions)
-        reply = tulip_pb2.EmbedReply(
-            embeddings=encode(vectors, request.encoding),
-            shape=vectors.shape,
-            prompt_tokens=req.num_tokens,
-            encoding=request.encoding,
-            request_id=request_id,
-        )
-        if Extra.SPARSE in req.extras:
-            reply.sparse.extend(tulip_pb2.SparseVector(token_ids=t, weights=w) for t, w in req.sparse)
-        if Extra.COLBERT in req.extras:
-            reply.colbert = np.concatenate(req.colbert).astype("<f4").tobytes()
-            reply.colbert_lengths.extend(len(c) for c in req.colbert)
-            reply.colbert_dim = self.loop.engine.heads.colbert_dim
-        return reply
+        extras = req.extras
+        return postprocess.embed_reply(
+            vectors, Options.from_proto(request), req.num_tokens, request_id,
+            sparse=req.sparse if Extra.SPARSE in extras else None,
+            colbert=req.colbert if Extra.COLBERT in extras else None,
+            colbert_dim=self.loop.engine.heads.colbert_dim if Extra.COLBERT in extras else 0)
 
 
 class UnaryEmbed:
