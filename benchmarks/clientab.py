@@ -1,13 +1,13 @@
 """A/B of clients against one Tulip, paired request by request: which client (or which revision
-of `tulip.client`) is faster, on a machine too noisy for separate runs to tell.
+of `trellis.client`) is faster, on a machine too noisy for separate runs to tell.
 
     python -m benchmarks.clientab [--trees NAME=PATH,...] [--proto] [--loops uvloop,asyncio]
         [--transports stream,unary] [--rounds 5] [--n 2000] [--device-ms 1] [--timeout S] [--out FILE.jsonl]
 
 One Tulip over `benchmarks.hop`'s null engine (a step of `--device-ms`), served once for the whole
 run. Each round, for each (loop, transport), one client process opens every client under test
-(one `tulip.client.TulipClient` per tree in `--trees`, each imported from that tree's
-`tulip/client.py`, e.g. an old revision unpacked with `git archive`; and with `--proto`,
+(one `trellis.client.TulipClient` per tree in `--trees`, each imported from that tree's
+`trellis/client.py`, e.g. an old revision unpacked with `git archive`; and with `--proto`,
 `benchmarks.protoclient`'s grpc.aio client) and sends the same 1 x 128 request one at a time,
 the clients taking turns in a fresh random order for every request, so drift on the machine
 falls on all of them alike. `TulipClient.embed` is called as `benchmarks.hop` calls it (with
@@ -42,6 +42,13 @@ def _load(name: str, path: str):
     sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
+
+
+def _client_file(tree: Path) -> Path:
+    """A tree's client: trellis/client.py, or tulip/client.py in a tree from before it moved (whose imports,
+    tulip.h2stream and tulip.spin, are then looked up in this tree and are not found: time it from its own tree)."""
+    new = tree / "trellis" / "client.py"
+    return new if new.is_file() else tree / "tulip" / "client.py"
 
 
 async def _open(name: str, path: str | None, target: str, transport: str, timeout: float | None):
@@ -114,7 +121,7 @@ def client_main(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trees", default=f"this={ROOT}", help="NAME=PATH,... source trees whose tulip/client.py to time")
+    ap.add_argument("--trees", default=f"this={ROOT}", help="NAME=PATH,... source trees whose trellis/client.py to time")
     ap.add_argument("--proto", action=argparse.BooleanOptionalAction, default=True, help="also the proto-only client")
     ap.add_argument("--loops", default="uvloop")
     ap.add_argument("--transports", default="stream,unary")
@@ -138,8 +145,7 @@ def main(argv=None) -> int:
     from benchmarks.common import environment, free_port
     from benchmarks.hop import _serve, _wait_ready
 
-    clients = {name: str(Path(path) / "tulip" / "client.py")
-               for name, path in (t.split("=", 1) for t in args.trees.split(","))}
+    clients = {name: str(_client_file(Path(path))) for name, path in (t.split("=", 1) for t in args.trees.split(","))}
     if args.proto:
         clients["proto"] = None
     cells = [(lp, tr) for lp in args.loops.split(",") for tr in args.transports.split(",")]

@@ -13,8 +13,8 @@ import urllib.parse
 
 import hpack
 
-from tulip.h2stream import (_PREFACE, ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PING,
-                            RST_STREAM, SETTINGS, WINDOW_UPDATE, _literal, frame, frames)
+from trellis.h2frames import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PING, PREFACE,
+                              RST_STREAM, SETTINGS, WINDOW_UPDATE, frame, frames, literal)
 
 __all__ = ["RawH2", "frame", "request_block", "grpc_message"]
 
@@ -30,7 +30,7 @@ def request_block(path: str, extra: tuple = (), pseudo: tuple | None = None) -> 
     fields = pseudo if pseudo is not None else (
         (b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", b"localhost"))
     fields = (*fields, (b"content-type", b"application/grpc"), (b"te", b"trailers"), *extra)
-    return b"".join(_literal(k, v) for k, v in fields)
+    return b"".join(literal(k, v) for k, v in fields)
 
 
 class RawH2:
@@ -44,7 +44,7 @@ class RawH2:
         self.closed = False
         self.decoder = hpack.Decoder()
         if preface:
-            self.send(_PREFACE + frame(SETTINGS, 0, 0, settings))
+            self.send(PREFACE + frame(SETTINGS, 0, 0, settings))
 
     def send(self, data: bytes) -> bool:
         try:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.hop --out benchmarks/results [--n 3000] [--device-ms 0] [--spin-ms 10]
     python -m benchmarks.hop --model preset:bge-m3 --compile      # the real engine instead of the null one
-    python -m benchmarks.hop --no-stages --no-proto        # only the tulip.client rows
+    python -m benchmarks.hop --no-stages --no-proto        # only the trellis.client rows
     python -m benchmarks.hop --device-ms 1 --tail-only     # only the stamping Tulip: where the slow requests went
 
 grpc.aio's echo server polls its sockets on gRPC's completion-queue thread (`INLINE_IO`; `--server-io
@@ -333,7 +333,7 @@ def _proto_client(target: str, n: int) -> list[dict]:
 async def _measure(target: str, transport: str, n: int, spin_ms: float = 0.0, spans: list | None = None) -> dict:
     """p50 / p99 of `n` sequential 1 x 128 requests (after 200 of warm-up); `spans` (a list) also gets
     each timed request's (start, end) in `perf_counter_ns` for `tail_rows`."""
-    from tulip.client import TulipClient
+    from trellis.client import TulipClient
 
     seq = [np.arange(5, 133, dtype=np.int32)]
     clock = time.perf_counter_ns
@@ -499,11 +499,11 @@ def main(argv=None) -> int:
                     summary, stamps, server_gcs = ready.get(timeout=60)
                     for stage, r in summary.items():
                         rec.emit(**{**common, "bench": "hop-stages"}, transport=transport, socket="tcp",
-                                 client="tulip.client", stage=stage, **r)
+                                 client="trellis.client", stage=stage, **r)
                     tail = tail_rows(spans, stamps, list(client_gc.events), server_gcs)
                     for r in tail:
                         rec.emit(**{**common, "bench": "hop-tail"}, transport=transport, socket="tcp",
-                                 client="tulip.client", **r)
+                                 client="trellis.client", **r)
                     print_tail(transport, tail)
                 continue
             if tulip:

@@ -47,7 +47,7 @@ def _stub(target):
 
 def _request(seqs):
     from trellis.tulip.v1 import tulip_pb2
-    from tulip.client import pack
+    from trellis.client import pack
 
     ids, lengths = pack(seqs)
     return tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
@@ -68,7 +68,7 @@ def correctness_gate(stub, model: str, vocab: int) -> float:
 
     from rose.batch import Batch
     from rose.engine import Engine, EngineConfig
-    from tulip.client import unpack
+    from trellis.client import unpack
 
     seqs = [s for L in (1, 7, 128, 512, 3000) for s in rand_seqs(2, L, vocab, seed=L)]
     ref_engine = Engine(EngineConfig(model=model, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -102,7 +102,7 @@ def time_sequential(stub, n_seqs: int, L: int, n: int, vocab: int, target: str =
 
 
 async def _sequential_stream(target: str, seqs: list, n: int, desc: str, spin_ms: float) -> dict:
-    from tulip.client import TulipClient
+    from trellis.client import TulipClient
 
     async with TulipClient(target, transport="stream", spin_ms=spin_ms) as c:
         for s in seqs:

@@ -3,7 +3,7 @@
     python -m benchmarks.protoclient 127.0.0.1:50051 [--n 3000] [--warmup 200] [--length 128]
         [--clients sync,aio] [--transports unary,stream]
 
-An independent check on `benchmarks.hop` (whose client is `tulip.client`): one pre-tokenized
+An independent check on `benchmarks.hop` (whose client is `trellis.client`): one pre-tokenized
 1 x `--length` request at a time, p50 / p99 of the round trip, one JSON object per (client,
 transport) on stdout: `bench: "hop-proto"`, `client` (`sync`: grpc's blocking stubs, what an
 internal scorer would write; `aio`: grpc.aio on the default asyncio loop), `transport`, `n`,

@@ -9,7 +9,7 @@ Each server runs in a process of its own, built as `python -m tulip` builds it (
 from a TulipConfig with that `grpc_server`, `add_tulip`, grpc_health), over `benchmarks.hop`'s null engine
 (`--device-ms`: a step that completes that much later; 0: at once) or, with `--model`, the real engine.
 Both are up at once and measured in alternating rounds (`--rounds`), so a noisy host's drift falls on
-both alike. Clients, one pre-tokenized 1 x `--length` request at a time: `tulip.client` (Ivy's: the
+both alike. Clients, one pre-tokenized 1 x `--length` request at a time: `trellis.client` (Ivy's: the
 EmbedStream on our own framing, unary on grpc.aio) in this process, and `benchmarks.protoclient` (grpcio's
 sync and asyncio stubs, from the proto alone) in a process of its own. One JSON object per (server,
 client, transport) on stdout (`bench: "servers"`; protoclient's rows: the median over rounds of each
@@ -76,9 +76,9 @@ def _serve(kind: str, port: int, args: dict, ready) -> None:
 
 
 async def _client_rounds(targets: dict, transport: str, n: int, rounds: int, length: int) -> dict:
-    """tulip.client: 200 warm-up requests per server, then `rounds` alternating rounds of n / rounds each;
+    """trellis.client: 200 warm-up requests per server, then `rounds` alternating rounds of n / rounds each;
     every request's round trip in ms, by server."""
-    from tulip.client import TulipClient
+    from trellis.client import TulipClient
 
     seq = [np.arange(5, 5 + length, dtype=np.int32)]
     clients = {k: TulipClient(t, transport=transport) for k, t in targets.items()}
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         for transport in ("stream", "unary"):
             times = run_client(_client_rounds(targets, transport, args.n, args.rounds, args.length))
             for kind in kinds:
-                rec.emit(**common, grpc_server=kind, client="tulip.client", transport=transport, **percentiles(times[kind]))
+                rec.emit(**common, grpc_server=kind, client="trellis.client", transport=transport, **percentiles(times[kind]))
         if args.proto:
             runs: dict = {}
             for _ in range(args.rounds):

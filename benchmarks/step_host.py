@@ -7,7 +7,7 @@ Wraps GraphRunner / CudaOps methods (class level) with wall and thread-CPU timer
   sleep   the same with a 0.5 ms time.sleep between steps
   spin    the same with a 0.5 ms busy wait between steps
   loop    Tulip's EngineLoop in-process (submit -> result, benchmarks.hop's in-process row)
-  stream  Tulip's servicer over gRPC, benchmarks.hop's tulip.client in another process
+  stream  Tulip's servicer over gRPC, benchmarks.hop's trellis.client in another process
   unary   the same, unary
 Prints and writes one JSON line per (scenario, part): p50 / p90 wall us and p50 CPU us; per served
 scenario also each busy thread's share of a core (`part: "thread"`) and the client's p50 / p99. The

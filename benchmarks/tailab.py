@@ -19,7 +19,7 @@ the variant's gRPC I/O: `--server-io default`, so only `after+io` turns grpc's E
 stage-recording server is served (`--tail-only`: one model load and compile per variant, not two).
 JSON lines per variant go to `--out` (default: a temporary directory), the table to stdout.
 
-The table's `tulip.client` rows come from the server without stamps where it ran (`hop` rows), else
+The table's `trellis.client` rows come from the server without stamps where it ran (`hop` rows), else
 from the stamping one (`hop-tail`'s client-side times); the stamping Tulip's column has the client's
 times against it and its own receipt-to-write total (which for the stream ends when gRPC reports the
 send done, so it can exceed what the client saw); `slow` is the requests over the client's p99,
@@ -80,7 +80,7 @@ def _rows(path: Path) -> list[dict]:
 
 def table(paths: list[Path]) -> str:
     """The before / after table of hop runs (one JSON-lines file per variant, named by the variant)."""
-    head = ("| variant | transport | tulip.client p50 / p99 | p99 - p50 | proto aio p50 / p99 | in-process p50 "
+    head = ("| variant | transport | trellis.client p50 / p99 | p99 - p50 | proto aio p50 / p99 | in-process p50 "
             "| stamping Tulip: client p50 / p99, inside p50 / p99 | slow: worst segments (of n) | slow: mean excess of the top 3 (ms) | gc in slow (srv / cli) "
             "| server collections gen0/1/2 |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]

@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 
 from ivy.discovery import SERVING, Replica, ReplicaSet
+from trellis.client import EmbedOptions, EmbedResult, rpc_error
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedOptions, EmbedResult, rpc_error
 
 log = logging.getLogger("ivy.balancer")
 

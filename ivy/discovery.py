@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from tulip.client import TulipClient
+from trellis.client import TulipClient
 
 log = logging.getLogger("ivy.discovery")
 

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.client import pack
+from trellis.client import pack
 
 pytestmark = pytest.mark.timeout(60)
 

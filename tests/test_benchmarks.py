@@ -285,7 +285,7 @@ def test_hop_fails_fast_when_its_server_dies():
 
 
 def test_clientab_pairs_two_trees_and_the_proto_client(tmp_path):
-    """benchmarks.clientab: one Tulip over the null engine, two trees' tulip.client and the proto-only
+    """benchmarks.clientab: one Tulip over the null engine, two trees' trellis.client and the proto-only
     client taking turns in one process; a row per client and round, then the medians."""
     out = tmp_path / "ab.jsonl"
     subprocess.run([sys.executable, "-m", "benchmarks.clientab", "--trees", f"a={ROOT},b={ROOT}", "--n", "30",

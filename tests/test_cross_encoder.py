@@ -23,7 +23,7 @@ from tests.checkpoints import save_cross_encoder
 from tests.conftest import Proc, free_port, http_status
 from tests.sentences import SENTENCES
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import TulipClient, pack
+from trellis.client import TulipClient, pack
 from tulip.server import parse_request
 
 MAX_LEN = 64

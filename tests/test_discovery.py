@@ -31,7 +31,7 @@ from ivy.balancer import Balancer
 from ivy.config import IvyConfig
 from ivy.discovery import NOT_SERVING, SERVING, ReplicaSet, parse_target
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.client import EmbedOptions
+from trellis.client import EmbedOptions
 
 # --- targets and settings -------------------------------------------------------------------------
 

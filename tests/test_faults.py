@@ -14,7 +14,7 @@ from ivy.balancer import Balancer
 from ivy.front import Front
 from tests.conftest import Proc, free_port
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import EmbedOptions, TulipClient, pack
+from trellis.client import EmbedOptions, TulipClient, pack
 
 rng = np.random.default_rng(7)
 EMBED = "/trellis.tulip.v1.Tulip/Embed"

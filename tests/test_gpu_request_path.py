@@ -38,7 +38,7 @@ def cuda_engine(tmp_path_factory):
 
 
 def requests():
-    from tulip.client import pack
+    from trellis.client import pack
     from trellis.tulip.v1 import tulip_pb2
 
     g = np.random.default_rng(0)
@@ -131,7 +131,7 @@ def test_a_served_request_makes_no_sync_but_the_lazy_tensors(cuda_engine, stages
 def check_replies(engine, unary, streamed):
     """Each reply (unary and streamed) against the engine's own step on the same sequences."""
     from rose.batch import Batch
-    from tulip.client import unpack
+    from trellis.client import unpack
 
     assert [r.error_code for r in streamed] == [0] * 4, [r.error_message for r in streamed]
     assert sorted(r.request_id for r in streamed) == ["0", "1", "2", "3"]

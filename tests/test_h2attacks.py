@@ -25,8 +25,9 @@ from trellis.tulip.v1 import tulip_pb2
 from tulip.h2limits import (COMPRESSION_ERROR, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, NO_ERROR,
                             PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Limits)
 from tulip.h2server import Server
-from tulip.h2stream import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PADDED, PING, PRIORITY,
-                            PUSH_PROMISE, RST_STREAM, SETTINGS, WINDOW_UPDATE, _literal)
+from trellis.h2frames import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PADDED, PING,
+                              PRIORITY, PUSH_PROMISE, RST_STREAM, SETTINGS, WINDOW_UPDATE)
+from trellis.h2frames import literal as _literal
 
 UNARY, BIDI, DIRECT_BIDI = f"/{SERVICE}/Unary", f"/{SERVICE}/Bidi", f"/{SERVICE}/DirectBidi"
 CHECK = "/grpc.health.v1.Health/Check"

@@ -1,5 +1,5 @@
 """Interop: Tulip served by either gRPC server (`--grpc-server ours|grpcio`) and called by clients that
-are not ours, and our client (Ivy's, tulip.client) against a server that is not ours.
+are not ours, and our client (Ivy's, trellis.client) against a server that is not ours.
 
 One module: two real Tulips (the default model), one per server, started at once and shared by every
 test; each test runs once per server (`tulip`: ours, then grpcio) with the same assertions, and the
@@ -13,7 +13,7 @@ replies each client got are recorded by case (`agree`): the second server's must
   missing; skipped only where node / npm are absent): the same cases.
 - h2load (Debian's nghttp2-client; skipped where absent): 2,000 unary Embed calls on 4 connections, every
   one answered OK (Tulip's own count).
-- tulip.client (the EmbedStream over tulip.h2stream, unary over grpc.aio): streaming and unary, cancel,
+- trellis.client (the EmbedStream over trellis.h2stream, unary over grpc.aio): streaming and unary, cancel,
   deadline, errors, the large reply.
 (tests/test_aioserver.py: grpcio's server with TLS, and the adapters on their own.)
 """
@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import ROOT, Proc, free_port, metric
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.client import TulipClient, pack
+from trellis.client import TulipClient, pack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -365,11 +365,11 @@ def test_h2load_thousands_of_unary_calls(tulip, tmp_path):
     assert tulip.wait_ok(ok + n) == ok + n
 
 
-# --- Ivy's client (tulip.client) --------------------------------------------------------------------
+# --- Ivy's client (trellis.client) --------------------------------------------------------------------
 
 
 def test_ivy_client_stream_and_unary(tulip):
-    """tulip.client as Ivy uses it: the EmbedStream on our own HTTP/2 framing (tulip.h2stream) and unary on
+    """trellis.client as Ivy uses it: the EmbedStream on our own HTTP/2 framing (trellis.h2stream) and unary on
     grpc.aio; with `--grpc-server grpcio` the server end is not ours."""
     small = [np.frombuffer(SMALL.token_ids, "<i4")[a:b] for a, b in ((0, 4), (4, 10), (10, 12))]
     many = [[101 + i % 5000, 102] for i in range(LARGE)]

@@ -234,7 +234,7 @@ def test_embed_options_split_per_chunk_and_build_the_request():
     import numpy as np
 
     from trellis.tulip.v1 import tulip_pb2
-    from tulip.client import EmbedOptions
+    from trellis.client import EmbedOptions
 
     o = EmbedOptions(32, tulip_pb2.ENCODING_INT8, (tulip_pb2.OUTPUT_SPARSE,), [1, 2, 3], [0, 4, 5], True, "r")
     p = o.part(1, 3, 2)

@@ -170,7 +170,7 @@ def test_tulip_gets_the_request_id_on_the_stream(stack):
     """TulipStream tags each message with the caller's id plus "#n" (Tulip matches replies and
     cancels by it, so two requests with one caller id stay apart); Tulip's replies carry it back."""
     from trellis.tulip.v1 import tulip_pb2
-    from tulip.client import TulipClient, pack
+    from trellis.client import TulipClient, pack
 
     async def main():
         async with TulipClient(stack[1]) as c:

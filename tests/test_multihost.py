@@ -45,7 +45,7 @@ import pytest
 from conftest import ROOT, Child, HostsFile, free_port, http_status, tulip_requests
 
 from tests.sentences import SENTENCES
-from tulip.client import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
+from trellis.client import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 
 NAME = "tulips.multihost.test"
 PORT, METRICS_PORT = 50051, 9464  # every host's Tulip listens on its own address with the same ports

@@ -179,7 +179,7 @@ def test_errors_and_fastapi_routes_are_spans_too(stack, collector):
 
 def test_unary_calls_carry_the_context_in_metadata(stack, collector):
     """TulipClient's unary transport sends EmbedOptions.traceparent as the `traceparent` metadata key."""
-    from tulip.client import EmbedOptions, TulipClient
+    from trellis.client import EmbedOptions, TulipClient
 
     trace_id, span_id = "5" * 32, "6" * 16
 

@@ -27,7 +27,7 @@ import pytest
 from tests.conftest import Proc, free_port
 from tests.sentences import SENTENCES
 from trellis.tulip.v1 import tulip_pb2
-from tulip.client import pack
+from trellis.client import pack
 
 EMBED = "/trellis.tulip.v1.Tulip/Embed"
 STREAM = "/trellis.tulip.v1.Tulip/EmbedStream"

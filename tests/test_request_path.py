@@ -90,7 +90,7 @@ def test_plain_reply_is_the_messages_bytes(rows, dim, tokens, request_id):
 
 def test_served_replies_are_the_general_paths(servicer):
     """The usual reply (bytes) and one built as a message (dimensions) carry the same rows."""
-    from tulip.client import unpack
+    from trellis.client import unpack
 
     rows = np.random.default_rng(0).standard_normal((1, 1024), dtype=np.float32)
     req = servicer._request(one(range(5, 69)))
@@ -106,7 +106,7 @@ def test_served_replies_are_the_general_paths(servicer):
 def test_a_served_request_leaves_no_cyclic_garbage(transport):
     """Requests through Tulip's server on loopback (its own client), good and refused ones: after
     they are answered, a collection finds nothing that only a cycle kept alive."""
-    from tulip.client import TulipClient
+    from trellis.client import TulipClient
     from tulip.h2server import Server
     from tulip.server import add_tulip
 

@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from tulip.spin import Spinner
+from trellis.spin import Spinner
 
 
 def test_spinner_keeps_the_loop_polling_then_stops():

@@ -223,7 +223,7 @@ def pplx_tulip(tmp_path_factory):
 
 
 def test_pplx_layout_float_int8_and_binary(pplx_tulip):
-    from tulip.client import TulipClient
+    from trellis.client import TulipClient
     from trellis.tulip.v1 import tulip_pb2
 
     target, hf = pplx_tulip

@@ -13,7 +13,7 @@ from ivy.balancer import Balancer, chunk
 from rose.batch import Batch
 from tests.conftest import Proc, free_port
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.client import EmbedOptions, TulipClient, pack
+from trellis.client import EmbedOptions, TulipClient, pack
 
 rng = np.random.default_rng(0)
 

@@ -6,10 +6,10 @@
 
 Sequences are pre-tokenized (token ids); the client packs them as int32 bytes. With
 transport="stream" (the default) every call of one client shares one open EmbedStream, on an
-HTTP/2 connection of its own (`tulip.h2stream`), which costs less per request than a unary call;
+HTTP/2 connection of its own (`trellis.h2stream`), which costs less per request than a unary call;
 "unary" uses Embed on the client's grpc.aio channel (as Info and health always do). With `spin_ms` > 0 the
 client keeps its event loop polling while a reply is due (for up to that long per request,
-`tulip.spin.Spinner`): lower latency for one busy core; for callers on hosts with cores to spare.
+`trellis.spin.Spinner`): lower latency for one busy core; for callers on hosts with cores to spare.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip import h2stream
-from tulip.spin import Spinner
+from trellis import h2stream
+from trellis.spin import Spinner
 
 KEEPALIVE_S = 4.0  # a ping after this long without hearing from the peer
 KEEPALIVE_TIMEOUT_S = 4.0  # unanswered this long: the connection is closed

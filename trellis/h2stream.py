@@ -1,12 +1,12 @@
 """The client side of one EmbedStream call on an HTTP/2 connection of its own, in place of
-grpc.aio for this one call: HTTP/2's framing written here on an asyncio Protocol, header blocks
+grpc.aio for this one call: HTTP/2's framing (`trellis.h2frames`) written here on an asyncio Protocol, header blocks
 through `hpack` (the header compression of the Python HTTP/2 stack).
 
 Why: a streamed request's round trip through grpc.aio's client costs ~0.1 ms more than through
 this (a 512-token request against a Tulip stand-in that answers at once, 2-core CPU: ~0.20 ms
 against ~0.32), and Ivy pays it on every request. The `h2` state machine was tried first: its
 per-frame Python (~85 us per request here) took most of the gain back. Unary Embed, Info and
-health stay on grpc.aio (tulip.client.TulipClient keeps its channel for them).
+health stay on grpc.aio (trellis.client.TulipClient keeps its channel for them).
 
 What goes over the wire is gRPC over HTTP/2 (RFC 9113) as the gRPC protocol says it for one
 bidirectional-streaming call: prior knowledge (no TLS), one stream (id 1), messages each with
@@ -32,65 +32,16 @@ from typing import Callable
 
 import hpack
 
+from trellis.h2frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY,
+                              HEAD, HEADERS, MAX_FRAME, PADDED, PING, PREFACE, PREFIX, PRIORITY_FLAG, PUSH_PROMISE,
+                              RST_STREAM, SETTINGS, SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE,
+                              SETTINGS_MAX_FRAME_SIZE, U32, WINDOW, WINDOW_UPDATE, error_name, frame, frames, literal)
+
 PATH = b"/trellis.tulip.v1.Tulip/EmbedStream"
 SID = 1  # the call's stream: the connection's first and only one
-WINDOW = 1 << 24  # our receive window, per stream and for the connection
-MAX_FRAME = 1 << 20  # the largest frame we take (fewer frames per big reply)
-DEFAULT_WINDOW, DEFAULT_FRAME = 65535, 16384  # HTTP/2's initial values until the peer's SETTINGS say otherwise
-_PREFIX = 5  # gRPC's message prefix: compressed flag, big-endian length
 _PING = b"tulipka\x00"
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x2, 0x4, 0x5
-ERRORS = ("NO_ERROR", "PROTOCOL_ERROR", "INTERNAL_ERROR", "FLOW_CONTROL_ERROR", "SETTINGS_TIMEOUT", "STREAM_CLOSED",
-          "FRAME_SIZE_ERROR", "REFUSED_STREAM", "CANCEL", "COMPRESSION_ERROR", "CONNECT_ERROR", "ENHANCE_YOUR_CALM",
-          "INADEQUATE_SECURITY", "HTTP_1_1_REQUIRED")
-_HEAD = struct.Struct(">BHBBL")  # a frame header: length (24 bits as 8 + 16), type, flags, stream id
-_U32 = struct.Struct(">L")
 
-__all__ = ["StreamConnection", "address", "frames"]
-
-
-def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _HEAD.pack(n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
-
-
-def frames(data: bytes, pos: int = 0):
-    """The whole frames of `data` from `pos`: (type, flags, stream id, payload, where it ends); a
-    frame over MAX_FRAME comes as type -1 with its length in place of the flags, and ends it."""
-    n = len(data)
-    while n - pos >= 9:
-        hi, lo, ftype, flags, sid = _HEAD.unpack_from(data, pos)
-        length = hi << 16 | lo
-        end = pos + 9 + length
-        if length > MAX_FRAME:
-            yield -1, length, 0, b"", end
-            return
-        if end > n:
-            return
-        yield ftype, flags, sid & 0x7FFFFFFF, data[pos + 9:end], end
-        pos = end
-
-
-def _error(code: int) -> str:
-    return ERRORS[code] if 0 <= code < len(ERRORS) else f"error {code}"
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """An HPACK literal header field, never indexed, no Huffman coding (RFC 7541, 6.2.2)."""
-    return b"\x00" + _int7(len(name)) + name + _int7(len(value)) + value
-
-
-def _int7(n: int) -> bytes:
-    if n < 127:
-        return bytes([n])
-    out, n = [127], n - 127
-    while n >= 128:
-        out.append((n & 127) | 128)
-        n >>= 7
-    return bytes([*out, n])
+__all__ = ["StreamConnection", "address"]
 
 
 def address(target: str) -> tuple[str, str | int, str]:
@@ -165,11 +116,11 @@ class StreamConnection(asyncio.Protocol):
         self.heard = time.monotonic()
         settings = b"".join(struct.pack(">HL", k, v) for k, v in (
             (SETTINGS_ENABLE_PUSH, 0), (SETTINGS_INITIAL_WINDOW_SIZE, WINDOW), (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))
-        block = b"".join(_literal(k, v) for k, v in (
+        block = b"".join(literal(k, v) for k, v in (
             (b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH), (b":authority", self.authority),
             (b"te", b"trailers"), (b"content-type", b"application/grpc"), (b"user-agent", b"trellis-tulip-client")))
-        transport.write(_PREFACE + frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, _U32.pack(WINDOW - DEFAULT_WINDOW))
+        transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)
+                        + frame(WINDOW_UPDATE, 0, 0, U32.pack(WINDOW - DEFAULT_WINDOW))
                         + frame(HEADERS, END_HEADERS, SID, block))
         self.usable = True
 
@@ -205,15 +156,15 @@ class StreamConnection(asyncio.Protocol):
                 if flags & END_STREAM and not self.closed:
                     return self._end("Tulip ended the stream without a status")
             if self._recv_conn >= WINDOW // 2:
-                self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_conn)))
+                self._out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(self._recv_conn)))
                 self._recv_conn = 0
             if self._recv_stream >= WINDOW // 2 and not self.closed:
-                self._out.append(frame(WINDOW_UPDATE, 0, SID, _U32.pack(self._recv_stream)))
+                self._out.append(frame(WINDOW_UPDATE, 0, SID, U32.pack(self._recv_stream)))
                 self._recv_stream = 0
         elif ftype == WINDOW_UPDATE:
             if len(payload) != 4:
                 return self._end("HTTP/2 protocol error from Tulip: a WINDOW_UPDATE that is not 4 bytes")
-            inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
+            inc = U32.unpack(payload)[0] & 0x7FFFFFFF
             if sid == 0:
                 self._send_conn += inc
             elif sid == SID:
@@ -251,13 +202,13 @@ class StreamConnection(asyncio.Protocol):
                 self._out.append(frame(PING, ACK, 0, payload))
         elif ftype == RST_STREAM:
             if sid == SID:
-                code = _U32.unpack(payload)[0] if len(payload) == 4 else -1
-                return self._end(f"Tulip reset the stream ({_error(code)})")
+                code = U32.unpack(payload)[0] if len(payload) == 4 else -1
+                return self._end(f"Tulip reset the stream ({error_name(code)})")
         elif ftype == GOAWAY:
             last, code = struct.unpack_from(">LL", payload) if len(payload) >= 8 else (0, 1)
             if code != 0 or (last & 0x7FFFFFFF) < SID:
                 detail = payload[8:].decode("utf-8", "replace")
-                return self._end(f"Tulip closed the connection (GOAWAY {_error(code)}{f': {detail}' if detail else ''})")
+                return self._end(f"Tulip closed the connection (GOAWAY {error_name(code)}{f': {detail}' if detail else ''})")
             # a graceful one (a server stopping): the open stream goes on; the server says when it ends
         elif ftype == PUSH_PROMISE:
             return self._end("HTTP/2 protocol error from Tulip: a PUSH_PROMISE (this client disabled push)")
@@ -280,20 +231,20 @@ class StreamConnection(asyncio.Protocol):
 
     def _messages(self, data: bytes) -> None:
         buf = self._in
-        if not buf and len(data) > _PREFIX and data[0] == 0 and len(data) == _PREFIX + int.from_bytes(data[1:5], "big"):
-            self.on_message(data[_PREFIX:])  # one whole message in one frame: the usual reply
+        if not buf and len(data) > PREFIX and data[0] == 0 and len(data) == PREFIX + int.from_bytes(data[1:5], "big"):
+            self.on_message(data[PREFIX:])  # one whole message in one frame: the usual reply
             return
         buf += data
-        while len(buf) >= _PREFIX:
+        while len(buf) >= PREFIX:
             if buf[0] != 0:
                 return self._end("Tulip sent a compressed message (this client asks for none)")
             n = int.from_bytes(buf[1:5], "big")
             if n > self.max_message:
                 return self._end(f"Tulip sent a message of {n} bytes, over the limit of {self.max_message}")
-            if len(buf) < _PREFIX + n:
+            if len(buf) < PREFIX + n:
                 return
-            msg = bytes(buf[_PREFIX:_PREFIX + n])
-            del buf[:_PREFIX + n]
+            msg = bytes(buf[PREFIX:PREFIX + n])
+            del buf[:PREFIX + n]
             self.on_message(msg)
             if self.closed:
                 return
@@ -328,9 +279,9 @@ class StreamConnection(asyncio.Protocol):
             room = min(self._send_conn, self._send_stream, self._peer_frame)
             if len(token) == 1:
                 msg = token[0]
-                size = len(msg) + _PREFIX
+                size = len(msg) + PREFIX
                 if size <= room:  # the usual message: prefix and body in one frame
-                    out.append(_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, SID) + b"\x00"
+                    out.append(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, SID) + b"\x00"
                                + len(msg).to_bytes(4, "big") + msg)
                     self._send_conn -= size
                     self._send_stream -= size
@@ -405,7 +356,7 @@ class StreamConnection(asyncio.Protocol):
             return
         t = self.transport
         if t is not None and not t.is_closing():
-            t.write(frame(RST_STREAM, 0, SID, _U32.pack(8)) + frame(GOAWAY, 0, 0, struct.pack(">LL", 0, 0)))
+            t.write(frame(RST_STREAM, 0, SID, U32.pack(8)) + frame(GOAWAY, 0, 0, struct.pack(">LL", 0, 0)))
             t.close()  # what was written goes first
         self.transport = None
         self._end("the stream to Tulip was closed")

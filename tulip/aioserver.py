@@ -34,7 +34,7 @@ __all__ = ["AioServer"]
 
 # grpc-core's ping policy, loosened to ours: a client may ping every second while it waits for a reply,
 # whether or not data flows (Ivy's stream and channel ping after 4 s without hearing from Tulip, see
-# tulip.client; under grpc's default of one ping in 5 minutes without data, the third such ping draws
+# trellis.client; under grpc's default of one ping in 5 minutes without data, the third such ping draws
 # GOAWAY too_many_pings and breaks every call on that connection).
 PING_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),

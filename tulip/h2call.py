@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import grpc
 
 from tulip.h2limits import ENHANCE_YOUR_CALM, NO_ERROR
-from tulip.h2stream import _HEAD, _PREFIX, _U32, DATA, END_HEADERS, END_STREAM, HEADERS, RST_STREAM, _literal, frame
+from trellis.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, RST_STREAM, frame
+from trellis.h2frames import HEAD as _HEAD, PREFIX as _PREFIX, U32 as _U32, literal as _literal
 
 log = logging.getLogger("tulip.h2server")
 

@@ -48,11 +48,11 @@ from tulip.h2call import WRITE_HIGH, Call, Direct, Requests, parse_timeout
 from tulip.h2limits import (COMPRESSION_ERROR, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, MAX_WINDOW,
                             NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Bucket, Limits, raise_nofile_limit,
                             request_error)
-from tulip.h2stream import (_PREFACE, _PREFIX, _U32, ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW,
-                            END_HEADERS, END_STREAM, GOAWAY, HEADERS, MAX_FRAME, PADDED, PING, PRIORITY,
-                            PRIORITY_FLAG, PUSH_PROMISE, RST_STREAM, SETTINGS, SETTINGS_ENABLE_PUSH,
-                            SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, WINDOW, WINDOW_UPDATE, _literal,
-                            frame, frames)
+from trellis.h2frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY,
+                              HEADERS, MAX_FRAME, PADDED, PING, PRIORITY, PRIORITY_FLAG, PUSH_PROMISE, RST_STREAM,
+                              SETTINGS, SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
+                              WINDOW, WINDOW_UPDATE, frame, frames)
+from trellis.h2frames import PREFACE as _PREFACE, PREFIX as _PREFIX, U32 as _U32, literal as _literal
 
 log = logging.getLogger("tulip.h2server")
 

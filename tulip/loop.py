@@ -23,7 +23,7 @@ from rose.engine import Engine
 from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Entry, Scheduler
-from tulip.spin import Spinner
+from trellis.spin import Spinner
 from rose.layers.heads import Extra, colbert_vectors, lexical_weights, vocab_weights
 from tulip.stages import StageRecorder
 

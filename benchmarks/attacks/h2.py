@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.h2raw import RawH2, frame, grpc_message, request_block
-from tulip.h2stream import CONTINUATION, DATA, END_STREAM, HEADERS, PING, RST_STREAM, SETTINGS, WINDOW_UPDATE
+from trellis.h2frames import CONTINUATION, DATA, END_STREAM, HEADERS, PING, RST_STREAM, SETTINGS, WINDOW_UPDATE
 
 HERE = Path(__file__).resolve().parents[2]
 MiB = 1 << 20

@@ -18,7 +18,7 @@ from ivy.front import REQUEST_ID, WATCH_TOKENS, Handler, Stamp, _no_stamp, watch
 from ivy.metrics import Metrics
 from ivy.schemas import schema
 from ivy.served import Models
-from tulip.client import EmbedOptions
+from trellis.client import EmbedOptions
 
 
 @dataclass
