@@ -69,7 +69,7 @@ def test_bad_env_value(monkeypatch, capsys):
     assert "TULIP_DRAIN_SECONDS='soon'" in capsys.readouterr().err
 
 
-def test_readme_lists_every_metric():
+def test_api_doc_lists_every_metric():
     import types
     from pathlib import Path
 
@@ -77,12 +77,97 @@ def test_readme_lists_every_metric():
     from rose.graphs import GraphStats
     from tulip.metrics import GraphCollector, TulipMetrics
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
     engine = types.SimpleNamespace(runner=types.SimpleNamespace(stats=GraphStats()))
     names = [m.name for reg in (TulipMetrics().registry, Metrics().registry) for m in reg.collect()]
     names += [m.name for m in GraphCollector(engine).collect()]
-    missing = [n for n in names if f"`{n}" not in readme]
-    assert len(names) > 10 and not missing, f"README's metrics table lacks {missing}"
+    missing = [n for n in names if f"`{n}" not in doc]
+    assert len(names) > 10 and not missing, f"docs/api.md's metrics table lacks {missing}"
+
+
+def _doc_default(value) -> str:
+    """A config default as docs/configuration.md's tables write it."""
+    if value == ():
+        return "none"
+    if value == "":
+        return "empty"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def test_configuration_doc_lists_every_flag_with_its_env_and_default():
+    """docs/configuration.md has one row per config field: Tulip's and Ivy's flag, environment variable
+    and default as the dataclasses declare them, and each --model-config entry field."""
+    from pathlib import Path
+
+    from ivy.config import ModelConfig
+
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text().splitlines()
+            if line.startswith("| `")]
+    wrong = []
+    for cls, prefix in ((TulipConfig, "TULIP"), (IvyConfig, "IVY")):
+        for f in dataclasses.fields(cls):
+            want = [f"`--{f.name.replace('_', '-')}`", f"`{prefix}_{f.name.upper()}`", _doc_default(f.default)]
+            if not any(r[:3] == want for r in rows):
+                wrong.append(" | ".join(want))
+    for f in dataclasses.fields(ModelConfig):
+        if not any(r[:2] == [f"`{f.name}`", _doc_default(f.default)] for r in rows):
+            wrong.append(f"ModelConfig.{f.name}")
+    assert not wrong, f"docs/configuration.md lacks (or has another default for) {wrong}"
+
+
+def _markdown_links(text: str):
+    """(line number, target) of each [text](target) outside fenced code, and the page's heading anchors
+    as GitHub makes them (lower case, punctuation dropped, spaces as dashes, -1 for a repeat)."""
+    import re
+
+    links, anchors, fenced = [], set(), False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        if line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            k, a = 0, slug
+            while a in anchors:
+                k += 1
+                a = f"{slug}-{k}"
+            anchors.add(a)
+        links += [(n, t) for t in re.findall(r"\]\(([^)\s]+)\)", line)]
+    return links, anchors
+
+
+def test_readme_is_short_and_every_doc_link_resolves():
+    """README.md is a newcomer's path (<= 200 lines, no link out of the repository); every relative
+    link in it and in docs/*.md names a file of the repository, and an #anchor a heading there."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, f"README.md has {len(readme.splitlines())} lines"
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    parsed = {p.resolve(): _markdown_links(p.read_text()) for p in pages}
+    bad = []
+    for page in pages:
+        for n, target in parsed[page.resolve()][0]:
+            where = f"{page.relative_to(root)}:{n}: {target}"
+            if target.startswith(("http://", "https://", "mailto:")):
+                if page.name == "README.md":
+                    bad.append(where + " (outside the repository)")
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page.resolve()
+            if not dest.is_relative_to(root) or not dest.exists():
+                bad.append(where + " (no such file in the repository)")
+            elif anchor and dest.suffix == ".md":
+                anchors = (parsed.get(dest) or _markdown_links(dest.read_text()))[1]
+                if anchor not in anchors:
+                    bad.append(where + " (no such heading)")
+    assert not bad, "\n".join(bad)
 
 
 def test_structure_doc_names_every_module():
