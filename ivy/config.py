@@ -102,7 +102,7 @@ class IvyConfig:
                                    "directory name, preset:NAME or all-MiniLM-L6-v2")
     prompts_file: str = field("", "JSON {input_type: prompt} overriding the model's prompts; re-read when it changes")
     model_config: str = field("", "a JSON file listing more models to serve, each with its own directory and "
-                              "Tulips (ivy/config.py's docstring; README, Configuration); --model with --tulip, "
+                              "Tulips (ivy/config.py's docstring; docs/configuration.md); --model with --tulip, "
                               "if given, comes first and is the default")
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(8000, "HTTP port")
