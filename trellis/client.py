@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trellis.options import PER_SEQUENCE, Options
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from trellis import h2stream
 from trellis.spin import Spinner
@@ -62,17 +63,12 @@ def unpack(reply: tulip_pb2.EmbedReply) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class EmbedOptions:
+class EmbedOptions(Options):
     """What an embed request asks of Tulip beside its token ids, one object from Ivy's route
-    through the balancer to the client (a new EmbedRequest field: the proto, the route that sets it,
-    this class and the servicer). The per-sequence fields are empty or one per sequence.
+    through the balancer to the client: the request options (`trellis.options.Options`, their
+    fields first, declared there once) and how the request travels. The per-sequence options are
+    empty or one per sequence (`part` splits them).
 
-    dimensions:     Matryoshka truncation (0: the model's full width).
-    encoding:       tulip_pb2.ENCODING_* of the reply's vectors.
-    outputs:        extra tulip_pb2.OUTPUT_* (sparse, ColBERT) where the model has them.
-    pool_from:      per sequence, leading (prompt) tokens mean pooling leaves out.
-    segment_starts: a cross-encoder's pairs: per sequence where its second segment starts (0: none).
-    raw_scores:     a cross-encoder's logits, not activated.
     request_id:     the caller's id (a chunk's: "-k" added by `part`; the stream adds "#n").
     deadline:       time.monotonic() by which the whole request (every chunk, retries included) must
                     be answered; 0: none. Each call is given what is left of it as its timeout.
@@ -80,21 +76,14 @@ class EmbedOptions:
                     stream message's `traceparent` field, as gRPC metadata on a unary call; "": none.
     """
 
-    dimensions: int = 0
-    encoding: int = tulip_pb2.ENCODING_FLOAT32
-    outputs: tuple[int, ...] = ()
-    pool_from: Sequence[int] = ()
-    segment_starts: Sequence[int] = ()
-    raw_scores: bool = False
     request_id: str = ""
     deadline: float = 0.0
     traceparent: str = ""
 
     def part(self, a: int, b: int, k: int) -> "EmbedOptions":
         """The options of sequences [a, b), chunk k of a request split over replicas."""
-        return EmbedOptions(self.dimensions, self.encoding, self.outputs, self.pool_from[a:b],
-                            self.segment_starts[a:b], self.raw_scores,
-                            f"{self.request_id}-{k}" if self.request_id else "", self.deadline, self.traceparent)
+        return replace(self, **{name: getattr(self, name)[a:b] for name in PER_SEQUENCE},
+                       request_id=f"{self.request_id}-{k}" if self.request_id else "")
 
     def timeout(self) -> float | None:
         """Seconds left until the deadline (at least 1 ms), or None without one."""
@@ -105,15 +94,8 @@ class EmbedOptions:
         req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
         if self is _DEFAULT:
             return req
-        req.dimensions, req.encoding, req.raw_scores, req.request_id = (
-            self.dimensions, self.encoding, self.raw_scores, self.request_id)
-        if self.outputs:  # the repeated fields only where set
-            req.outputs.extend(self.outputs)
-        if len(self.pool_from):
-            req.pool_from.extend(self.pool_from)
-        if len(self.segment_starts):
-            req.segment_starts.extend(self.segment_starts)
-        return req
+        req.request_id = self.request_id
+        return self.to_proto(req)
 
 
 _DEFAULT = EmbedOptions()

@@ -18,6 +18,7 @@ from ivy.front import REQUEST_ID, WATCH_TOKENS, Handler, Stamp, _no_stamp, watch
 from ivy.metrics import Metrics
 from ivy.schemas import schema
 from ivy.served import Models
+from trellis import options as request_options
 from trellis.client import EmbedOptions
 
 
@@ -29,9 +30,12 @@ class Context:
     models: Models
     metrics: Metrics
 
-    def options(self, **fields) -> EmbedOptions:
-        """The request's EmbedOptions: `fields`, its request id, and its deadline (--request-timeout-s
-        from now: every chunk and retry must be answered by then)."""
+    def options(self, base: request_options.Options | None = None, **fields) -> EmbedOptions:
+        """The request's EmbedOptions: the options of `base` (verified ones, `verify`) with `fields`, its
+        request id, and its deadline (--request-timeout-s from now: every chunk and retry must be
+        answered by then)."""
+        if base is not None:
+            fields = {**{name: getattr(base, name) for name in request_options.NAMES}, **fields}
         return EmbedOptions(**fields, request_id=REQUEST_ID.get(),
                             deadline=time.monotonic() + self.cfg.request_timeout_s)
 
@@ -66,6 +70,16 @@ class Routes:
         self.router.post(path, name=name or handler.__name__, openapi_extra={"requestBody": {
             "required": True, "content": {"application/json": {"schema": schema(body_model)}}}})(route)
         self.fast[path] = handler
+
+
+def verify(options: request_options.Options, info) -> request_options.Options:
+    """`trellis.options.verify` before any tokenizing: an option the model cannot honour is a 400 naming
+    the HTTP field (`OptionError.param`), with the message Tulip would give."""
+    try:
+        request_options.verify(options, info)
+    except request_options.OptionError as e:
+        raise APIError(400, e.message, e.param) from None
+    return options
 
 
 async def tulip_call(balancer, seqs: list, opts: EmbedOptions, stamp: Stamp | None = None):

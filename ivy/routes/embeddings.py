@@ -1,42 +1,24 @@
 """POST /v1/embeddings (OpenAI's shape and Ivy's extensions), routed by `model`; long inputs
 (`truncate` false / true / "end" / "start" / "chunk": windows embedded together, token-weighted
-mean per input, `pool_windows`). `embed` is the work of every route that embeds (TEI's too)."""
+mean per input, `trellis.postprocess.pool_windows`). `embed` is the work of every route that embeds
+(TEI's too); its options are `trellis.options.Options`, checked by `verify` before tokenizing."""
 
 from __future__ import annotations
 
 import base64
 import time
+from dataclasses import replace
 
-import numpy as np
 import orjson
 
 from ivy import errors
 from ivy.errors import APIError
 from ivy.front import Stamp, _no_stamp
-from ivy.routes.common import Context, Routes, tulip_call
+from ivy.routes.common import Context, Routes, tulip_call, verify
 from ivy.schemas import EmbeddingRequest
+from trellis.options import ENCODING_FORMATS, OUTPUT_PARAMS, Options
+from trellis.postprocess import pool_windows
 from trellis.tulip.v1 import tulip_pb2
-
-ENCODINGS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,
-             "base64_int8": tulip_pb2.ENCODING_INT8, "base64_binary": tulip_pb2.ENCODING_BINARY}
-
-
-def pool_windows(vectors: np.ndarray, seqs: list[np.ndarray], windows: list[int], normalized: bool,
-                 dims: int) -> np.ndarray:
-    """truncate "chunk": per input the mean of its windows' vectors weighted by their token counts
-    (special tokens included), L2-normalised again where the model normalises; then `dims`
-    (Matryoshka, 0: all) as Tulip applies it: the first `dims` values, L2-normalised."""
-    v = vectors.astype(np.float64)
-    if len(windows) < len(seqs):
-        w = np.array([len(s) for s in seqs], dtype=np.float64)
-        starts = np.cumsum([0, *windows[:-1]])
-        v = np.add.reduceat(v * w[:, None], starts, axis=0) / np.add.reduceat(w, starts)[:, None]
-        if normalized:
-            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-    if dims and dims < v.shape[1]:
-        v = v[:, :dims]
-        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-    return v.astype("<f4")
 
 
 async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
@@ -50,34 +32,21 @@ async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
         raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
                        "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
     stamp("checks")
-    dims = 0
-    if req.dimensions is not None:
-        if not 1 <= req.dimensions <= info.embedding_dim:
-            raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
-                           "dimensions")
-        dims = req.dimensions
-    encoding = ENCODINGS[req.encoding_format]
-    if encoding not in info.encodings:
-        raise APIError(400, f"encoding_format '{req.encoding_format}' is not supported by this model",
-                       "encoding_format")
-    outputs = tuple(o for o, asked in ((tulip_pb2.OUTPUT_SPARSE, req.return_sparse),
-                                       (tulip_pb2.OUTPUT_COLBERT, req.return_colbert)) if asked)
-    for o in outputs:
-        if o not in info.outputs:
-            name = "return_sparse" if o == tulip_pb2.OUTPUT_SPARSE else "return_colbert"
-            raise APIError(400, f"'{name}' is not supported by this model (it has no such head)", name)
+    options = verify(Options(dimensions=req.dimensions, encoding=ENCODING_FORMATS[req.encoding_format],
+                             outputs=tuple(o for o, param in OUTPUT_PARAMS.items() if getattr(req, param))), info)
     chunked = req.mode == "chunk"
-    if chunked and (outputs or encoding != tulip_pb2.ENCODING_FLOAT32):
+    if chunked and (options.outputs or options.encoding != tulip_pb2.ENCODING_FLOAT32):
         raise APIError(400, "truncate \"chunk\" pools float vectors: it takes encoding_format float or base64 "
                        "and no return_sparse / return_colbert", "truncate")
     stamp("checks")  # accumulates with the one above
     seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
     # chunked windows come back whole: pooled, then Matryoshka-cut here
-    opts = ctx.options(dimensions=0 if chunked else dims, encoding=encoding, outputs=outputs, pool_from=pool_from)
+    opts = ctx.options(options if not chunked else replace(options, dimensions=None), pool_from=pool_from)
     result = await tulip_call(model.balancer, seqs, opts, stamp)
     stamp("grpc")
     if chunked:
-        result.vectors = pool_windows(result.vectors, seqs, windows, info.normalized, dims)
+        result.vectors = pool_windows(result.vectors, [len(s) for s in seqs], windows, info.normalized,
+                                      options.dimensions)
     tokens = int(sum(map(len, seqs)))
     ctx.metrics.tokens.labels(model.name).inc(tokens)
     return model, info, result, tokens

@@ -15,9 +15,10 @@ import orjson
 from ivy import errors
 from ivy.errors import APIError
 from ivy.front import Stamp
-from ivy.routes.common import Context, Routes, tulip_call
+from ivy.routes.common import Context, Routes, tulip_call, verify
 from ivy.schemas import RerankRequest, ScoreRequest, ScoreWeights
 from ivy.served import ServedModel
+from trellis.options import Options
 from trellis.tulip.v1 import tulip_pb2
 
 MODES = ("dense", "sparse", "colbert")  # the order of FlagEmbedding's weights_for_different_modes
@@ -114,9 +115,7 @@ async def _scores(ctx: Context, model: ServedModel, queries: str | list[str], do
                            f"'{model.name}' is a cross-encoder: it gives one score per pair", "weights")
         return await _pair_scores(ctx, model, queries, documents, truncate, raw_scores, instruction, info,
                                   document_names[0], pair_item)
-    if raw_scores:
-        raise APIError(400, "'raw_scores' applies to cross-encoders; this model scores by cosine similarity",
-                       "raw_scores")
+    verify(Options(raw_scores=raw_scores), info)  # raw_scores: a cross-encoder's; this model scores by cosine
     outputs = ()
     if weights is not None:
         missing = [m for m, w in zip(MODES, weights) if w and m in MODE_OUTPUTS

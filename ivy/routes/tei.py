@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from ivy import errors
 from ivy.errors import APIError, TEIError
 from ivy.front import Handler, Stamp
-from ivy.routes.common import Context, Routes, tulip_call
+from ivy.routes.common import Context, Routes, tulip_call, verify
 from ivy.routes.embeddings import embed
 from ivy.routes.scores import ranked, unit
 from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, TEIDecodeRequest, TEIEmbedRequest,
@@ -33,6 +33,8 @@ from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, 
 from ivy.served import ServedModel
 from ivy.tokenizer import TextTokenizer
 from ivy.tokenizer_long import SEGMENT_CHARS, segments
+from trellis.options import Options
+from trellis.postprocess import matryoshka
 from trellis.tulip.v1 import tulip_pb2
 
 
@@ -151,18 +153,15 @@ def routes(ctx: Context) -> Routes:
         if not req.normalize and info.normalized:
             raise APIError(400, f"'{model.name}' normalises its embeddings (its sentence-transformers pipeline ends "
                            "in Normalize): normalize false is not available for it", "normalize")
-        if req.dimensions is not None and not 1 <= req.dimensions <= info.embedding_dim:
-            raise APIError(400, f"dimensions must be between 1 and {info.embedding_dim}, got {req.dimensions}",
-                           "dimensions")
+        verify(Options(dimensions=req.dimensions), info)
         _, _, result, _ = await embed(ctx, EmbeddingRequest(
             input=req.inputs, model=req.model, truncate=_truncation(req.truncate, req.truncation_direction),
             prompt_name=req.prompt_name), stamp)
-        v = result.vectors
-        if req.dimensions is not None:  # TEI's order: the Matryoshka cut, then the norm
-            v = np.ascontiguousarray(v[:, :req.dimensions])  # orjson takes C-ordered arrays
+        # TEI's order: the Matryoshka cut, then the norm where asked (not re-normalised without `normalize`)
+        v = matryoshka(result.vectors, req.dimensions, renormalize=False)
         if req.normalize and (req.dimensions is not None or not info.normalized):
             v = unit(v).astype(np.float32)
-        return orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY)
+        return orjson.dumps(np.ascontiguousarray(v), option=orjson.OPT_SERIALIZE_NUMPY)  # orjson: C-ordered arrays
 
     async def tei_embed_sparse(body: bytes, stamp: Stamp) -> bytes:
         """POST /embed_sparse: per input its nonzero weights by token id, [{"index", "value"}] in id order
