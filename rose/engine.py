@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from rose.batch import Batch
+from rose.extras import Extra
 from rose.graphs import GraphConfig, GraphRunner
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
-from rose.layers.heads import BgeM3Heads, Extra
+from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import kept_rows, normalize, pool, pool_fused
 from rose.layers.scores import ACTIVATIONS, LogitScore, activation_name, token_types
 from rose.lazy import LazyTensor

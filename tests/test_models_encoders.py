@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rose.batch import Batch
 from rose.engine import Engine, EngineConfig
 from rose.layers.attention import SdpaBackend, WindowFallback
-from rose.layers.heads import vocab_weights
+from rose.extras import vocab_weights
 from torch.utils._python_dispatch import TorchDispatchMode
 from tests import checkpoints_encoders as ck
 from tests.sentences import SENTENCES

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rose.layers.attention import BACKENDS
-from rose.layers.heads import Extra
+from rose.backends import BACKENDS
+from rose.extras import Extra
 from trellis.cli import field, parse
 from trellis.logs import FORMATS, check_format
 from trellis.tracing import require as require_tracing
@@ -17,7 +17,7 @@ class TulipConfig:
 
     model: str = field("default", "a Hugging Face Hub id ORG/NAME[@REVISION] (downloaded once into the Hugging "
                        "Face cache: HF_HOME, HF_TOKEN, HF_HUB_OFFLINE), a model directory (Hugging Face layout), "
-                       "'default' (all-MiniLM-L6-v2) or preset:NAME (real shapes, RANDOM weights; trellis.presets)")
+                       "'default' (all-MiniLM-L6-v2) or preset:NAME (real shapes, RANDOM weights)")
     revision: str = field("", "with a Hub id: the branch, tag or commit to serve (as ORG/NAME@REVISION); empty: "
                           "the default branch")
     served_model_name: str = field("", "name reported by Info; defaults to the Hub id, the directory name, "

@@ -20,11 +20,11 @@ import numpy as np
 
 from rose.batch import Batch
 from rose.engine import Engine
+from rose.extras import Extra, colbert_vectors, lexical_weights, vocab_weights
+from trellis.spin import Spinner
 from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Entry, Scheduler
-from trellis.spin import Spinner
-from rose.layers.heads import Extra, colbert_vectors, lexical_weights, vocab_weights
 from tulip.stages import StageRecorder
 
 log = logging.getLogger("tulip")

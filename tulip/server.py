@@ -25,7 +25,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rose.engine import Engine, EngineConfig
-from rose.layers.heads import Extra
+from rose.extras import Extra
 from trellis import postprocess
 from trellis.modelref import ModelRef, resolve
 from trellis.options import Options, no_options, no_reply_options, verify

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rose.backends import BACKENDS
+
 log = logging.getLogger(__name__)
 
 
@@ -371,9 +373,6 @@ def with_window_support(backend: AttentionBackend, make_backend) -> AttentionBac
     log.warning("attention: %s has no sliding window; windowed layers over sequences longer than the window "
                 "use %s", backend.name, windowed.name)
     return WindowFallback(backend, windowed)
-
-
-BACKENDS = ("sdpa", "padded", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (0, 0, 0),

@@ -6,54 +6,22 @@
   first (CLS) of each sequence.
 
 SPLADE's sparse output is its whole (vocabulary-sized) output row, reduced on the device by its
-family (`rose.models.splade`); `vocab_weights` is its host-side half.
+family (`rose.models.splade`).
 
-`Extra` names them wherever a step asks for them (the graph keys, Tulip's requests); the host-side
-halves (`lexical_weights`, `colbert_vectors`) live here too, beside the heads they finish.
+`rose.extras` names these outputs (`Extra`) wherever a step asks for them (the graph keys, Tulip's
+requests) and holds their host-side halves (`lexical_weights`, `colbert_vectors`, `vocab_weights`):
+numpy only, so that Tulip reads them without this module's torch.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SPARSE_FILE, COLBERT_FILE = "sparse_linear.pt", "colbert_linear.pt"
-
-
-class Extra(StrEnum):
-    """A token-level output a step can compute beside the pooled vector (equal to its name)."""
-
-    SPARSE = "sparse"
-    COLBERT = "colbert"
-
-
-def lexical_weights(ids: np.ndarray, weights: np.ndarray, special: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One sequence's sparse output from its token ids and per-token weights: the max weight per
-    token id in first-occurrence order, special tokens and weights <= 0 dropped (FlagEmbedding's rule)."""
-    keep = (weights > 0) & ~np.isin(ids, special)
-    ids, weights = ids[keep], weights[keep]
-    uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    best = np.zeros(len(uniq), dtype=np.float32)
-    np.maximum.at(best, inverse, weights)
-    order = np.argsort(first, kind="stable")
-    return uniq[order], best[order]
-
-
-def vocab_weights(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One sequence's sparse output from a vocabulary-sized output row (SPLADE): its nonzero
-    entries, by ascending token id."""
-    ids = np.flatnonzero(row > 0)
-    return ids, row[ids]
-
-
-def colbert_vectors(vectors: np.ndarray, start: int, n: int) -> np.ndarray:
-    """One sequence's ColBERT output from a step's per-token vectors: every token after its first."""
-    return vectors[start + 1:start + n]
 
 
 def _linear(path: Path, hidden: int, out: int | None, device, dtype) -> nn.Linear:

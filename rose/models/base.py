@@ -30,7 +30,7 @@ Class-level rules (read before the model is built, from config.json alone):
                      the rest of the stack reads `hidden_size`, `vocab_size`, ... alike.
     output_dim(config)        width of a sequence's output vector (hidden size; SPLADE: the vocabulary).
     vocab_output(config)      the output's coordinates are vocabulary ids (SPLADE): its nonzero entries
-                     are the model's sparse output (`rose.layers.heads.vocab_weights`).
+                     are the model's sparse output (`rose.extras.vocab_weights`).
     score_bias       the family adds a bias to the attention scores (MPNet's relative position bias,
                      `AttentionMetadata.bias`): only backends that take one (`takes_bias`: sdpa, padded, triton) can
                      run it; "auto" picks one and any other backend is a ValueError.

@@ -1,0 +1,5 @@
+"""The attention backends by name, torch-free: what `--attention` chooses among besides "auto", so that
+Tulip's config checks a choice without loading torch. The backends themselves, and which of them runs
+where, are `rose.layers.attention`'s (`select_backend`)."""
+
+BACKENDS = ("sdpa", "padded", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
