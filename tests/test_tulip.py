@@ -122,6 +122,56 @@ def test_bad_requests_rejected_while_others_are_served(tulip_server, engine):
         assert message in err.details()
 
 
+def test_every_option_on_one_sequence_is_applied_or_refused(tulip_server):
+    """Every request option (the fields of trellis.options.Options: a new one is covered without an edit
+    here), its example value on one sequence (the request Tulip's one-sequence fast path sees) is refused
+    INVALID_ARGUMENT or changes the reply, and gives what the general path gives that sequence inside a
+    two-sequence request (the same refusal, or the same row). An option the fast path or the plain-reply
+    check did not know would come back as the default's reply."""
+    from dataclasses import fields
+
+    from trellis.client import unpack
+    from trellis.options import Options
+
+    target, _ = tulip_server
+    seq, other = rand_seqs(9, 5)
+
+    def request(seqs, f=None):
+        ids, lengths = pack(seqs)
+        req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
+        if f is not None:
+            value = f.metadata["example"]
+            if f.metadata["per_sequence"]:  # the example for the first sequence, the default (0) for the others
+                value = (*value, *[0] * (len(seqs) - 1))
+            Options(**{f.name: value}).to_proto(req)
+        return req
+
+    async def main():
+        async with TulipClient(target, transport="unary") as c:
+            async def outcome(req):
+                try:
+                    return await c.stub.Embed(req)
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, e.details())
+                    return e.details()
+
+            default = await outcome(request([seq]))
+            return default, [(f, await outcome(request([seq], f)), await outcome(request([seq, other], f)))
+                             for f in fields(Options)]
+
+    default, outcomes = run(main())
+    assert not isinstance(default, str)
+    for f, one, both in outcomes:
+        if isinstance(one, str):  # refused: by the same check, with the same message, on either path
+            assert both == one, (f.name, one, both)
+            continue
+        assert one.SerializeToString() != default.SerializeToString(), f"{f.name} was ignored on one sequence"
+        assert not isinstance(both, str), (f.name, both)
+        assert (one.encoding, list(one.shape)[1:]) == (both.encoding, list(both.shape)[1:]), f.name
+        a, b = unpack(one), unpack(both)[:1]
+        assert np.allclose(a, b, atol=1e-5) if a.dtype == np.float32 else np.abs(a.astype(int) - b).max() <= 1
+
+
 @pytest.mark.parametrize("spin_ms", [0.0, 5.0])
 def test_stream_multiplexes_and_isolates_bad_requests(tulip_server, engine, spin_ms):
     """One open EmbedStream: concurrent good requests get their own results, bad ones get their
