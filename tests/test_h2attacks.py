@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -33,7 +34,7 @@ UNARY, BIDI, DIRECT_BIDI = f"/{SERVICE}/Unary", f"/{SERVICE}/Bidi", f"/{SERVICE}
 CHECK = "/grpc.health.v1.Health/Check"
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 3, 8
 # small limits, so each bound is reached in milliseconds (the defaults are the same code with other numbers)
-LIMITS = Limits(control_burst=100, control_rate=10.0, reset_burst=100, reset_rate=10.0, stall_s=1.0,
+LIMITS = Limits(control_burst=100, control_rate=10.0, reset_burst=100, reset_rate=10.0, stall_s=1.0, reply_stall_s=1.0,
                 preface_timeout_s=0.5, idle_timeout_s=1.0, max_connections=40, conn_buffered=2 << 20,
                 call_output=1 << 20, conn_output=2 << 20)
 
@@ -368,21 +369,29 @@ def test_malformed_frames_get_the_errors_rfc_9113_and_grpc_require(served):
 
 @pytest.fixture(scope="module")
 def tulip(tmp_path_factory):
-    port = free_port()
-    proc = Proc(["-m", "tulip", "--model", "default", "--port", str(port), "--device", "cpu",
-                 "--max-queued-tokens", "20000", "--drain-seconds", "10"], tmp_path_factory.mktemp("tulip"))
+    port, metrics = free_port(), free_port()
+    # steps of 1,024 tokens: a test's work is many short steps, so what is dropped shows in the count
+    proc = Proc(["-m", "tulip", "--model", "default", "--port", str(port), "--device", "cpu", "--max-batch-tokens",
+                 "1024", "--max-queued-tokens", "1000000", "--drain-seconds", "10", "--metrics-port", str(metrics)],
+                tmp_path_factory.mktemp("tulip"))
     proc.wait_for(lambda: "TULIP_READY" in proc.output())
-    yield port, proc
+    yield port, proc, metrics
     proc.stop(check=False)
 
 
-def embed_request(n: int = 16) -> bytes:
-    ids = struct.pack(f"<{n}I", *range(100, 100 + n))
-    return tulip_pb2.EmbedRequest(request_id="r", token_ids=ids, lengths=[n]).SerializeToString()
+def embed_request(n: int = 16, seqs: int = 1) -> bytes:
+    ids = struct.pack(f"<{n}I", *range(100, 100 + n)) * seqs
+    return tulip_pb2.EmbedRequest(request_id="r", token_ids=ids, lengths=[n] * seqs).SerializeToString()
+
+
+def tulip_metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in r.read().decode().splitlines())
+                if k and not k.startswith("#")}
 
 
 def test_a_real_tulip_refuses_rapid_reset_and_garbage_and_another_caller_is_served(tulip):
-    port, _ = tulip
+    port, _, _ = tulip
     c = RawH2("127.0.0.1", port)
     c.call(1, "/trellis.tulip.v1.Tulip/Info", b"\xff\xff\xff")
     assert c.status(1)[0] == INVALID_ARGUMENT
@@ -402,8 +411,45 @@ def test_a_real_tulip_refuses_rapid_reset_and_garbage_and_another_caller_is_serv
     probe.close()
 
 
+def test_a_real_tulip_closes_a_peer_that_takes_no_reply_and_drops_its_queued_work(tulip):
+    """Fault 3, the work: 800 Embed calls of 1,024 tokens (replies of ~200 KB) from a peer whose
+    stream window is 0 and whose socket is never read. Before, the connection stayed open 20 s
+    and every call queued for it was computed (the attack bench: another caller stalled 41 s).
+    Now it is closed `reply_stall_s` (5 s) after its first reply found no window, its calls
+    cancelled: their queued work is dropped, not computed, and another caller is served at once."""
+    port, _, metrics = tulip
+    calls, tokens = 800, 1024
+    probe = grpc.insecure_channel(f"127.0.0.1:{port}")
+    embed = probe.unary_unary("/trellis.tulip.v1.Tulip/Embed", request_serializer=None, response_deserializer=None)
+    embed(embed_request(), timeout=10)
+    m0 = tulip_metrics(metrics)
+    c = RawH2("127.0.0.1", port, settings=settings((0x4, 0)))
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    req = grpc_message(embed_request(8, tokens // 8))
+    c.send(b"".join(c.headers(sid, "/trellis.tulip.v1.Tulip/Embed") + frame(DATA, END_STREAM, sid, req)
+                    for sid in range(1, 2 * calls, 2)))
+    c.frames_until(lambda fs: any(f[0] == HEADERS for f in fs), 10)  # a reply's headers: its DATA waits
+    t1 = time.monotonic()
+    c.frames_until(lambda fs: False, Limits().reply_stall_s + 2.5)  # until the server closes it (or not)
+    waited = time.monotonic() - t1
+    assert c.closed, f"the connection that takes no reply is still open {waited:.1f} s after its first reply"
+    assert waited < Limits().reply_stall_s + 2.5  # (the deadline is looked at once a second)
+    m1 = tulip_metrics(metrics)
+    computed = m1["tulip_batch_tokens_sum"] - m0["tulip_batch_tokens_sum"]
+    cancelled = m1['tulip_requests_total{status="CANCELLED"}'] - m0.get('tulip_requests_total{status="CANCELLED"}', 0)
+    assert m1["tulip_queue_tokens"] == 0  # what was queued for it is gone
+    assert cancelled >= calls // 2, cancelled
+    assert computed < calls * tokens / 2, f"{computed:.0f} of {calls * tokens} tokens computed"
+    t2 = time.perf_counter()
+    embed(embed_request(), timeout=10)
+    # the engine is free again: at most the steps under way (1,024 tokens each) were left, where the
+    # 800 calls' ~800,000 tokens took minutes of this CPU
+    assert time.perf_counter() - t2 < 2.5
+    probe.close()
+
+
 def test_sigterm_does_not_wait_for_a_health_watch(tulip):
-    port, proc = tulip
+    port, proc, _ = tulip
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVING

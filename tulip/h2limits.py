@@ -53,9 +53,16 @@ class Limits:
     """The transport's write high-water mark: above it writes pause (no more DATA is written, and no
     more is read from the peer) until it drains under a quarter of it."""
     stall_s: float = 20.0
-    """A connection whose output has waited this long for a peer that does not read (writes paused, or
-    calls waiting for a window with no WINDOW_UPDATE since) is closed; a partial request message that
-    got no byte for this long is dropped (RESOURCE_EXHAUSTED)."""
+    """A partial request message that got no byte for this long is dropped (RESOURCE_EXHAUSTED)."""
+    reply_stall_s: float = 5.0
+    """A connection whose replies have waited this long with not one byte of them sent (writes paused:
+    the peer does not read its socket; or calls waiting for a flow-control window with no WINDOW_UPDATE
+    that let anything go) gets GOAWAY ENHANCE_YOUR_CALM and is closed, every call on it cancelled, so
+    the work it queued is dropped, not computed for a peer that will not take it. A peer that reads
+    (Ivy: 16 MiB windows, topped up at half) moves bytes every round trip. (Go's http2 Server
+    WriteByteTimeout is the same measure, off by default; nghttpx --frontend-write-timeout: 30 s;
+    grpc-core has none short of keepalive, 2 h on servers: ours is short because each call here is
+    engine work done for the peer.)"""
     control_burst: int = 1000
     """Control frames a connection may send at once that make us write or work (PING, SETTINGS,
     PRIORITY, empty DATA, unknown types, requests refused at once); beyond the bucket GOAWAY
@@ -81,7 +88,7 @@ class Limits:
                      "call_output", "conn_output", "write_high", "control_burst", "reset_burst", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} {getattr(self, name)} must be >= 1")
-        for name in ("stall_s", "control_rate", "reset_rate", "preface_timeout_s"):
+        for name in ("stall_s", "reply_stall_s", "control_rate", "reset_rate", "preface_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} {getattr(self, name)} must be > 0")
         if self.max_continuations < 0 or self.idle_timeout_s < 0:

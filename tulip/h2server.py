@@ -105,6 +105,7 @@ class Connection(asyncio.Protocol):
         self.paused = False  # the transport is above its write high-water mark
         self._reading = True
         self.progress_at = 0.0  # when output last moved (or began to wait), while some waits
+        self._buffered = 0  # the transport's write buffer at the last tick (paused: it shrinks if the peer reads)
         self.call_output = max(limits.call_output, server.max_message + _PREFIX)
         self.conn_output = max(limits.conn_output, server.max_message + _PREFIX)
         # receiving: our windows are opened again only for bytes handed over (`held`: not yet)
@@ -149,6 +150,7 @@ class Connection(asyncio.Protocol):
         if not self.blocked and not self.starved:
             self.progress_at = time.monotonic()
         self.paused = True
+        self._buffered = self.transport.get_write_buffer_size() if self.transport is not None else 0
         self.reading()
 
     def resume_writing(self) -> None:
@@ -181,15 +183,16 @@ class Connection(asyncio.Protocol):
             self.transport = None
         self.server.call_over()
 
-    def fail(self, code: int, detail: str) -> None:
-        """A connection error: GOAWAY with its code, then the connection closed."""
+    def fail(self, code: int, detail: str, abort: bool = False) -> None:
+        """A connection error: GOAWAY with its code, then the connection closed (`abort`: at once, what is
+        not yet written dropped, as when writes are paused)."""
         log.info("tulip: closing a connection from %s: %s", self.peer, detail)
         if self.transport is not None and not self.closed:
             self.transport.write(b"".join(self.out) + frame(GOAWAY, 0, 0, struct.pack(">LL", self.last_sid, code)
                                                            + detail.encode()[:256]))
             self.out.clear()
             t, self.transport = self.transport, None
-            if self.paused:
+            if self.paused or abort:
                 t.abort()  # a peer that does not read would hold a closing transport open
             else:
                 t.close()
@@ -223,10 +226,18 @@ class Connection(asyncio.Protocol):
             return
         if not self.calls and limits.idle_timeout_s and now - self.idle_since > limits.idle_timeout_s:
             self.go_away()
-        if (self.paused or self.blocked or self.starved) and now - self.progress_at > limits.stall_s:
-            log.info("tulip: closing a connection from %s: it has not read its replies for %g s (%d bytes wait)",
-                     self.peer, limits.stall_s, self.queued_out)
-            return self._close()
+        if self.paused or self.blocked or self.starved:
+            if self.paused and self.transport is not None:  # paused: bytes still drain if the peer reads slowly
+                buffered = self.transport.get_write_buffer_size()
+                if buffered < self._buffered:
+                    self.progress_at = now
+                self._buffered = buffered
+            if now - self.progress_at > limits.reply_stall_s:
+                # the peer takes none of its replies: its calls are cancelled, so the work it queued is
+                # dropped rather than computed (Tulip's sessions hear gone() and cancel their requests)
+                return self.fail(ENHANCE_YOUR_CALM, f"no byte of its replies could be sent for "
+                                 f"{limits.reply_stall_s:g} s ({self.queued_out} bytes wait; its {len(self.calls)} "
+                                 "calls are cancelled)", abort=True)
         for call in [c for c in self.partial.values() if now - c.partial_at > limits.stall_s]:
             call.reset_with(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request message got no bytes for "
                             f"{limits.stall_s:g} s ({len(call._in)} of it came)")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -56,10 +57,11 @@ def rss_kib(pid: int) -> int:
 
 class Tulip:
     def __init__(self, root: Path, log: Path):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", "default", "--device", "cpu",
-                                   "--port", str(self.port), "--max-queued-tokens", "200000"],
+                                   "--port", str(self.port), "--max-queued-tokens", "200000",
+                                   "--metrics-port", str(self.metrics_port)],
                                   cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while "TULIP_READY" not in log.read_text():
@@ -71,18 +73,33 @@ class Tulip:
         self.p.kill()
         self.p.wait()
 
+    def metrics(self) -> dict[str, float]:
+        """Tulip's Prometheus metrics, `name{labels}` -> value ({} when they cannot be read)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+                if k and not k.startswith("#")}
+
 
 class Watch:
     """The Tulip's RSS every 50 ms, and the independent caller's Embed every 50 ms."""
 
     def __init__(self, tulip: Tulip):
         self.tulip, self.stop = tulip, threading.Event()
-        self.rss, self.lat, self.failed = [], [], []
+        self.rss, self.lat, self.failed, self.queued = [], [], [], []
         self.channel = grpc.insecure_channel(f"127.0.0.1:{tulip.port}")
         self.embed = self.channel.unary_unary(EMBED, request_serializer=None, response_deserializer=None)
         self.embed(embed_request(), timeout=30)
         self.base = rss_kib(tulip.p.pid)
-        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._rss, self._probe)]
+        self.m0 = tulip.metrics()
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._rss, self._probe, self._queue)]
+
+    def _queue(self):
+        while not self.stop.wait(0.25):
+            self.queued.append(self.tulip.metrics().get("tulip_queue_tokens", 0.0))
 
     def _rss(self):
         while not self.stop.wait(0.05):
@@ -114,7 +131,17 @@ class Watch:
 
     def result(self) -> dict:
         lat = sorted(self.lat) or [float("nan")]
-        return {"rss_before_mib": round(self.base / 1024, 1),
+        m1 = self.tulip.metrics()
+
+        def grew(name: str) -> float:
+            return m1.get(name, 0.0) - self.m0.get(name, 0.0)
+        steps = grew("tulip_step_seconds_count")
+        engine = {"queued_tokens_max": int(max(self.queued, default=0)),
+                  "tokens_computed": int(grew("tulip_batch_tokens_sum")), "steps": int(steps),
+                  "step_mean_s": round(grew("tulip_step_seconds_sum") / steps, 2) if steps else None,
+                  "requests": {k.split('"')[1]: int(grew(k)) for k in m1
+                               if k.startswith("tulip_requests_total{") and grew(k)}}
+        return {**engine, "rss_before_mib": round(self.base / 1024, 1),
                 "rss_growth_mib": round((max(self.rss, default=self.base) - self.base) / 1024, 1),
                 "probe_calls": len(self.lat), "probe_p50_ms": round(lat[len(lat) // 2] * 1e3, 1),
                 "probe_max_ms": round(lat[-1] * 1e3, 1), "probe_failed": len(self.failed)}
@@ -168,20 +195,72 @@ def partial_messages(port: int, seconds: float) -> dict:
     return {"sent_mb": round(sent / 1e6, 1), "outcome": outcome(c)}
 
 
+def _embed_calls(c: RawH2):
+    """Embed calls of 128 x 8 tokens (replies ~200 KB each), one after the other, as bytes."""
+    req = grpc_message(embed_request(8, 128))
+    sid = 1
+    while True:
+        yield c.headers(sid, EMBED) + frame(DATA, END_STREAM, sid, req)
+        sid += 2
+
+
 def unread_replies(port: int, seconds: float) -> dict:
-    """Calls whose replies (~200 KB each) are never read: the stream window 0, the socket never read."""
+    """Calls whose replies (~200 KB each) are never read: the stream window 0, the socket never read.
+    Sent until the server stops taking them (or `seconds`), then the connection is watched for as long
+    again: when the server closed it (seconds from the first call)."""
     c = RawH2("127.0.0.1", port, settings=struct.pack(">HL", 0x4, 0))
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    req = grpc_message(embed_request(8, 128))
+    t0 = time.monotonic()
+    sent = sender(c, _embed_calls(c), seconds)
+    sent_s = time.monotonic() - t0
+    end, closed_s = time.monotonic() + seconds, None
+    while time.monotonic() < end:
+        if _closed(c):
+            closed_s = round(time.monotonic() - t0, 1)
+            break
+        time.sleep(0.1)
+    return {"calls_sent": sent // (len(grpc_message(embed_request(8, 128))) + 200),
+            "sending_s": round(sent_s, 1), "outcome": "open" if closed_s is None else f"closed at {closed_s} s"}
 
-    def calls():
-        sid = 1
-        while True:
-            yield c.headers(sid, EMBED) + frame(DATA, END_STREAM, sid, req)
-            sid += 2
-    sent = sender(c, calls(), seconds)
-    time.sleep(min(seconds, 5))
-    return {"calls_sent": sent // (len(req) + 200), "outcome": "closed" if _closed(c) else "open"}
+
+def read_replies(port: int, seconds: float) -> dict:
+    """The baseline of unread_replies: the same calls as fast, from a client that reads every reply
+    (windows of 2^31 - 1, a thread draining the socket): what the engine's queue costs a legitimate
+    heavy client's neighbours."""
+    c = RawH2("127.0.0.1", port, settings=struct.pack(">HL", 0x4, 0x7FFFFFFF))
+    c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 0x7FFFFFFF - 65535)))
+    done, got = threading.Event(), [0, 0]  # bytes read, calls ended (HEADERS with END_STREAM)
+
+    def reader():
+        buf = b""
+        while not done.is_set():
+            try:
+                chunk = c.sock.recv(1 << 20)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            got[0] += len(chunk)
+            buf += chunk
+            pos = 0
+            while len(buf) - pos >= 9:
+                n = int.from_bytes(buf[pos:pos + 3], "big")
+                if len(buf) - pos < 9 + n:
+                    break
+                if buf[pos + 3] == HEADERS and buf[pos + 4] & END_STREAM:
+                    got[1] += 1
+                pos += 9 + n
+            buf = buf[pos:]
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    sent = sender(c, _embed_calls(c), seconds)
+    done.set()
+    t.join(5)
+    c.close()
+    return {"calls_sent": sent // (len(grpc_message(embed_request(8, 128))) + 200), "calls_ended": got[1],
+            "read_mb": round(got[0] / 1e6, 1), "outcome": "read"}
 
 
 def _closed(c: RawH2) -> bool:
@@ -267,6 +346,7 @@ def idle_sockets(port: int, seconds: float) -> dict:
 
 
 ATTACKS = {"continuation": continuation, "partial_messages": partial_messages, "unread_replies": unread_replies,
+           "read_replies": read_replies,
            "ping_flood": ping_flood, "settings_walk": settings_walk, "rapid_reset": rapid_reset,
            "idle_sockets": idle_sockets}
 
