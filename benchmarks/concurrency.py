@@ -71,7 +71,7 @@ def gate(url: str, model_name: str, model: str, text: str, L: int) -> float:
 
     from rose.batch import Batch
     from rose.engine import Engine, EngineConfig
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     r = httpx.post(url + "/v1/embeddings", json={"model": model_name, "input": text, "truncate": True}, timeout=120)
     if r.status_code != 200:

@@ -151,7 +151,7 @@ def fuzz_texts(n: int, seed: int, alphabet: list[str] | None = None, words: list
 
 
 def _models(names: list[str]) -> list[Path]:
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     return [resolve_model_path(m) for m in names]
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Recorder, graph_replay_ms, model_tag, progress
-from trellis.modeldir import ModelSpec, resolve_model_path
+from trellis.modeldir import ModelSpec
+from trellis.modelref import resolve_model_path
 
 
 def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     models = args.model or ["preset:bge-reranker-v2-m3", "preset:bge-m3"]
     if args.target and len(models) != 1:
         ap.error("--target serves one model: give one --model (the gate's reference)")
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,8 @@ from benchmarks.common import Recorder, graph_replay_ms, model_tag, progress
 from rose.graphs import GraphKey
 from rose.layers.activation import linear_gelu
 from rose.layers.attention import AttentionMetadata, select_backend
-from trellis.modeldir import ModelSpec, resolve_model_path
+from trellis.modeldir import ModelSpec
+from trellis.modelref import resolve_model_path
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the likeliest first (`--configs N` tries the first N)
 CONFIGS = [(64, 64, 64, 4, 3), (64, 32, 128, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),

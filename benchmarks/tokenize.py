@@ -39,9 +39,9 @@ def pin(cpu: int | None) -> None:
 
 
 def texts_of(reference, tokens: int, langs, count: int, seed: int = 3) -> list[str]:
-    """`count` distinct generated texts (trellis.standin) of `tokens` tokens with the special tokens,
+    """`count` distinct generated texts (presets.standin) of `tokens` tokens with the special tokens,
     cut at the word where the count is reached (so a text may have a token or two more)."""
-    from trellis import standin
+    from presets import standin
 
     out = []
     for i in range(count):
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     from tokenizers import Tokenizer
 
     from benchmarks.common import Recorder, model_tag
-    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve_model_path
 
     model = resolve_model_path(args.model)
     spec = ModelSpec.read(model)

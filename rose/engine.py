@@ -34,8 +34,8 @@ from rose.layers.scores import ACTIVATIONS, LogitScore, activation_name, token_t
 from rose.lazy import LazyTensor
 from rose.loader import load_weights, random_weights
 from rose.models import model_class
-from trellis.modeldir import ModelSpec, resolve_model_path
-from trellis.presets import RANDOM_WEIGHTS
+from trellis.modeldir import RANDOM_WEIGHTS, ModelSpec
+from trellis.modelref import resolve_model_path
 
 log = logging.getLogger(__name__)
 

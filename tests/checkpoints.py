@@ -120,7 +120,7 @@ def save_cross_encoder(family: str, path, num_labels: int = 1, max_length: int =
     import transformers
 
     from tests.sentences import SENTENCES
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     path.mkdir(parents=True, exist_ok=True)
     # initializer_range 0.2 (not 0.02): attention mixes the tokens enough that pairs score apart

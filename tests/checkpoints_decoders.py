@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from trellis.presets import RERANKER_TEMPLATE as _PUBLISHED_TEMPLATE
+from presets import RERANKER_TEMPLATE as _PUBLISHED_TEMPLATE
 
 # The published models' pooling and prompts (config_sentence_transformers.json), per family.
 E5_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
@@ -75,7 +75,7 @@ def write_st_files(path, family: str, max_seq_length: int = 256) -> None:
     tokenizer (tokenizer.json, and tokenizer_config.json for transformers' AutoTokenizer)."""
     from transformers import PreTrainedTokenizerFast
 
-    from trellis.presets import _stand_in_tokenizer
+    from presets import stand_in_tokenizer
 
     layout = LAYOUTS[family]
     (path / "1_Pooling").mkdir(exist_ok=True)
@@ -88,7 +88,7 @@ def write_st_files(path, family: str, max_seq_length: int = 256) -> None:
         {"word_embedding_dimension": hidden, "pooling_mode": layout["pooling"]}))
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": layout["prompts"]}))
-    _stand_in_tokenizer(SPECIALS, ("<s>", "</s>"), path / "tokenizer.json")
+    stand_in_tokenizer(SPECIALS, ("<s>", "</s>"), path / "tokenizer.json")
     PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>", pad_token="<pad>").save_pretrained(path)
 

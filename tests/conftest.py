@@ -101,7 +101,7 @@ def tulip_requests(ip: str, metrics_port: int, timeout: float = 2.0) -> float:
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     return resolve_model_path("default")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trellis.presets import _stand_in_tokenizer
+from presets import stand_in_tokenizer
 from tests.checkpoints import save_checkpoint
 from tests.conftest import local_stack
 
@@ -23,7 +23,7 @@ SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
 def m3(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-bge-m3")
     _, hf = save_checkpoint("xlm-roberta", d)
-    _stand_in_tokenizer(SPECIALS, ("<s>", "</s>"), d / "tokenizer.json")
+    stand_in_tokenizer(SPECIALS, ("<s>", "</s>"), d / "tokenizer.json")
     g = torch.Generator().manual_seed(1)
     sparse = {"weight": torch.randn(1, 64, generator=g) * 0.3, "bias": torch.tensor([0.05])}
     colbert = {"weight": torch.randn(48, 64, generator=g) * 0.2, "bias": torch.randn(48, generator=g) * 0.1}

@@ -225,8 +225,8 @@ def test_reranker_preset(tmp_path, monkeypatch):
     apart across pairs."""
     from ivy.chat import ChatPairs, special_tokens
     from tokenizers import Tokenizer
-    from trellis.modeldir import resolve_model_path
-    from trellis.presets import PRESETS
+    from trellis.modelref import resolve_model_path
+    from presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
     path = resolve_model_path("preset:qwen3-reranker-0.6b")

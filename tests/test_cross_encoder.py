@@ -244,7 +244,7 @@ def test_reranker_preset_fills_its_head_with_random_weights(tmp_path):
     copy with the preset's config at small widths: the full one is 560M parameters.)"""
     from rose.models import model_class
     from trellis.modeldir import ModelSpec
-    from trellis.presets import PRESETS, RANDOM_WEIGHTS
+    from presets import PRESETS, RANDOM_WEIGHTS
 
     config = PRESETS["bge-reranker-v2-m3"]["config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -270,8 +270,9 @@ def test_modernbert_reranker_preset(tmp_path, monkeypatch):
     (Ivy scores pairs with it); its random weights run (a copy at small widths: the full one is 150M
     parameters), the same scores from two engines, apart across pairs."""
     from rose.models import model_class
-    from trellis.modeldir import ModelSpec, resolve_model_path
-    from trellis.presets import PRESETS
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve_model_path
+    from presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
     path = resolve_model_path("preset:gte-reranker-modernbert-base")
@@ -404,8 +405,9 @@ def test_deberta_reranker_preset(tmp_path, monkeypatch):
     its random weights run (a copy at small widths: the full one is 184M parameters), the same scores
     from two engines, apart across pairs."""
     from rose.models import model_class
-    from trellis.modeldir import ModelSpec, resolve_model_path
-    from trellis.presets import PRESETS
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve_model_path
+    from presets import PRESETS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
     path = resolve_model_path("preset:mxbai-rerank-base-v1")

@@ -77,7 +77,7 @@ def test_dockerfile_copies_what_exists_and_installs_pinned(role):
 def test_the_images_hold_their_packages_and_no_more():
     copied = {role: {src for src, _ in copies(p) if (ROOT / src / "__init__.py").is_file()}
               for role, p in DOCKERFILES.items()}  # whole packages (deploy/ and benchmarks/ lend single files)
-    assert copied["tulip"] == {"trellis", "rose", "tulip"}
+    assert copied["tulip"] == {"trellis", "presets", "rose", "tulip"}  # presets: --model preset:NAME
     assert copied["gateway"] == {"trellis", "tulip", "ivy"}  # ivy uses tulip.client; no rose, so no torch
     installs = [c for rest in values(DOCKERFILES["gateway"], "RUN") for c in re.split(r"&&|;", rest) if "pip install" in c]
     assert any('".[${EXTRAS}]"' in c for c in installs) and not any("torch" in c for c in installs)
@@ -103,7 +103,7 @@ def test_kernel_caches_and_presets_live_on_the_cache_volume(monkeypatch):
     (volume,) = [json.loads(v)[0] for v in values(DOCKERFILES["tulip"], "VOLUME")]
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TRELLIS_CACHE"):
         assert e[var].startswith(volume), (var, e[var])
-    from trellis import presets
+    import presets
 
     monkeypatch.setenv("TRELLIS_CACHE", e["TRELLIS_CACHE"])  # the variable the presets' cache is read from
     assert str(presets.cache_dir()).startswith(volume)

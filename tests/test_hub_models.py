@@ -68,7 +68,7 @@ def tree(d: Path) -> dict[str, Path]:
 def hub_stack(tmp_path_factory):
     """`trellis serve` over a populated offline cache: (Ivy URL, banner lines, {name: snapshot dir})."""
     from tests.checkpoints import save_cross_encoder
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     tmp = tmp_path_factory.mktemp("hub")
     cache = tmp / "hf" / "hub"

@@ -172,7 +172,8 @@ def test_window_fallback_serves_windowed_calls_only(causal, caplog):
     ("embeddinggemma-300m", "gemma3_text", "mean", 257, False, 768, 2)])
 def test_decoder_presets(tmp_path, monkeypatch, name, model_type, pooling, window, causal, dim, wrap):
     from rose.models import model_class
-    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path(f"preset:{name}")
@@ -197,8 +198,10 @@ def test_embeddinggemma_preset_runs_its_dense_modules(tmp_path, monkeypatch):
     vectors are the mean-pooled states through both Dense modules, normalised."""
     from safetensors.numpy import load_file
 
-    from trellis.modeldir import ModelSpec, resolve_model_path
-    from trellis.presets import PRESETS, RANDOM_WEIGHTS
+    from trellis.modeldir import ModelSpec
+
+    from trellis.modelref import resolve_model_path
+    from presets import PRESETS, RANDOM_WEIGHTS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
     path = resolve_model_path("preset:embeddinggemma-300m")

@@ -315,7 +315,8 @@ def test_served_end_to_end(built, family, tmp_path):
 def test_sentence_t5_preset(tmp_path, monkeypatch):
     """sentence-t5-base's preset: T5-base's encoder (random weights) with its Dense module and Normalize,
     read as published; a step gives unit vectors of the Dense module's width, the same from two engines."""
-    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec
+    from trellis.modelref import resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path / "cache"))
     path = resolve_model_path("preset:sentence-t5-base")

@@ -25,4 +25,4 @@ def test_wheel_contains_every_package(tmp_path):
     missing = [p for p in packages if f"{p}/__init__.py" not in names]
     assert not missing, f"packages left out of the wheel: {missing}"
     assert "trellis/tulip/v1/tulip_pb2.py" in names  # the generated stubs travel too
-    assert "trellis/nmt_nfkc.charsmap.gz" in names  # the stand-in tokenizer's normalizer
+    assert "presets/nmt_nfkc.charsmap.gz" in names  # the stand-in tokenizer's normalizer

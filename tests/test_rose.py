@@ -163,7 +163,9 @@ def test_tiny_random_qwen3_matches_transformers(tmp_path, bidirectional):
 def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
     from tokenizers import Tokenizer
 
-    from trellis.modeldir import ModelSpec, resolve_model_path
+    from trellis.modeldir import ModelSpec
+
+    from trellis.modelref import resolve_model_path
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path(f"preset:{name}")
@@ -180,8 +182,10 @@ def test_qwen3_presets(tmp_path, monkeypatch, name, pooling, normalize, dim):
 def test_preset_directory(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
-    from trellis.modeldir import ModelSpec, resolve_model_path
-    from trellis.presets import RANDOM_WEIGHTS
+    from trellis.modeldir import ModelSpec
+
+    from trellis.modelref import resolve_model_path
+    from presets import RANDOM_WEIGHTS
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = resolve_model_path("preset:bge-m3")
@@ -196,7 +200,7 @@ def test_preset_directory(tmp_path, monkeypatch):
 
 
 def test_preset_cache_from_an_older_definition_is_rewritten(tmp_path, monkeypatch):
-    from trellis.presets import RANDOM_WEIGHTS, materialize
+    from presets import RANDOM_WEIGHTS, materialize
 
     monkeypatch.setenv("TRELLIS_CACHE", str(tmp_path))
     path = materialize("bge-m3")

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from ivy.tokenizer import TextTokenizer
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
-from trellis import standin
+from presets import standin
 from tests.sentences import SENTENCES as MORE_SENTENCES
 
 try:
@@ -35,7 +35,7 @@ def varied_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def standin_dir(tmp_path_factory):
-    from trellis.presets import materialize
+    from presets import materialize
 
     old = os.environ.get("TRELLIS_CACHE")
     os.environ["TRELLIS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
@@ -50,7 +50,7 @@ def standin_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def minilm_dir():
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     return resolve_model_path("default")
 
@@ -127,7 +127,7 @@ def test_reranker_preset_pairs_as_xlm_r(standin_dir):
 
     from rose.models import model_class
     from trellis.modeldir import ModelSpec
-    from trellis.presets import RANDOM_WEIGHTS, materialize
+    from presets import RANDOM_WEIGHTS, materialize
 
     spm = pytest.importorskip("sentencepiece")
     path = materialize("bge-reranker-v2-m3")
@@ -340,7 +340,7 @@ def test_native_pairs_are_the_pair_template_and_longest_first_truncation(model):
     """A cross-encoder's (query, document) pairs from the native encoder: each text alone, cut as
     tokenizers' LongestFirst cuts a pair, put in the pair template (XLM-R's all-0 types; BERT's type 1
     from B on), equal to tokenizers' own pair encoding at several maximum lengths."""
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     path = resolve_model_path(model)
     rng = random.Random(11)

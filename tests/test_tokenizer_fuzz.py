@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from benchmarks.fuzz_native import fuzz_texts
 from ivy.native import read_json, serde_float, serde_int, serde_number, tokenizers_rounds_correctly, unigram_json
 from ivy.tokenizer import TextTokenizer
-from trellis import standin
+from presets import standin
 
 try:
     from ivy.native import library
@@ -38,7 +38,7 @@ def bits(x: float) -> bytes:
 
 @pytest.fixture(scope="module")
 def standin_dir(tmp_path_factory):
-    from trellis.presets import materialize
+    from presets import materialize
 
     old = os.environ.get("TRELLIS_CACHE")
     os.environ["TRELLIS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
@@ -180,7 +180,7 @@ def test_unigram_ids_equal_tokenizers_on_fuzzed_text(standin_dir, standin_ref):
 
 def test_wordpiece_ids_equal_tokenizers_on_fuzzed_text():
     """The same classes through BERT's WordPiece (all-MiniLM-L6-v2): ids as tokenizers gives them."""
-    from trellis.modeldir import resolve_model_path
+    from trellis.modelref import resolve_model_path
 
     path = resolve_model_path("default")
     ref = reference(path)

