@@ -46,12 +46,15 @@ class OptionError(ValueError):
         self.message, self.param = message, param
 
 
-def option(default, stage: str, example, per_sequence: bool = False):
+def option(default, stage: str, example, per_sequence: bool = False, kw_only: bool = True):
     """One option's field: its default (the proto's zero value, or None where the wire's zero means
     "unset"), the stage that applies it (ENGINE or REPLY), a non-default `example` value (the test that
     every option is applied or refused sends it), and whether it holds one entry per sequence (a
-    request split into chunks splits it too)."""
-    return field(default=default, metadata={"stage": stage, "example": example, "per_sequence": per_sequence})
+    request split into chunks splits it too). Keyword-only, so that a new option moves no positional
+    argument of `Options` or of the client's `EmbedOptions` (whose own fields follow); the first six
+    stay positional for the callers that predate this module."""
+    return field(default=default, kw_only=kw_only,
+                 metadata={"stage": stage, "example": example, "per_sequence": per_sequence})
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,12 @@ class Options:
     Per-sequence fields are sequences (lists or tuples), empty or one entry per sequence.
     """
 
-    dimensions: int | None = option(None, REPLY, 2)
-    encoding: int = option(tulip_pb2.ENCODING_FLOAT32, REPLY, tulip_pb2.ENCODING_INT8)
-    outputs: tuple[int, ...] = option((), REPLY, (tulip_pb2.OUTPUT_SPARSE,))
-    pool_from: Sequence[int] = option((), ENGINE, (1,), per_sequence=True)
-    segment_starts: Sequence[int] = option((), ENGINE, (1,), per_sequence=True)
-    raw_scores: bool = option(False, REPLY, True)
+    dimensions: int | None = option(None, REPLY, 2, kw_only=False)
+    encoding: int = option(tulip_pb2.ENCODING_FLOAT32, REPLY, tulip_pb2.ENCODING_INT8, kw_only=False)
+    outputs: tuple[int, ...] = option((), REPLY, (tulip_pb2.OUTPUT_SPARSE,), kw_only=False)
+    pool_from: Sequence[int] = option((), ENGINE, (1,), per_sequence=True, kw_only=False)
+    segment_starts: Sequence[int] = option((), ENGINE, (1,), per_sequence=True, kw_only=False)
+    raw_scores: bool = option(False, REPLY, True, kw_only=False)
 
     @classmethod
     def from_proto(cls, request: tulip_pb2.EmbedRequest) -> "Options":
