@@ -78,7 +78,7 @@ def test_the_images_hold_their_packages_and_no_more():
     copied = {role: {src for src, _ in copies(p) if (ROOT / src / "__init__.py").is_file()}
               for role, p in DOCKERFILES.items()}  # whole packages (deploy/ and benchmarks/ lend single files)
     assert copied["tulip"] == {"trellis", "presets", "rose", "tulip"}  # presets: --model preset:NAME
-    assert copied["gateway"] == {"trellis", "tulip", "ivy"}  # ivy uses tulip.client; no rose, so no torch
+    assert copied["gateway"] == {"trellis", "ivy"}  # Ivy stands on the contracts alone (Tulip's client: trellis.client)
     installs = [c for rest in values(DOCKERFILES["gateway"], "RUN") for c in re.split(r"&&|;", rest) if "pip install" in c]
     assert any('".[${EXTRAS}]"' in c for c in installs) and not any("torch" in c for c in installs)
     assert args(DOCKERFILES["gateway"])["EXTRAS"] == "gateway"  # (a build arg: gateway,tracing adds traces)

@@ -1,10 +1,11 @@
 """The gateway installs and serves without torch, and the kernel-cache pre-build runs, each as the
 images do it but without a container runtime (none runs here: tests/test_deploy_files.py).
 
-The gateway: the project's wheel with its `gateway` extra and deploy/constraints.txt (as
-deploy/Dockerfile.gateway installs it) into a fresh venv (~25 s with pip's cache warm; it needs the
-package index), no torch in it, then Ivy from that venv in front of a real Tulip (from the test
-environment) answers /health, /ready and an embedding equal to sentence-transformers'.
+The gateway: the project's wheel built from what deploy/Dockerfile.gateway COPYs (the contracts and
+Ivy: no tulip/, rose/ or presets/), with its `gateway` extra and deploy/constraints.txt, into a fresh
+venv (~25 s with pip's cache warm; it needs the package index), no torch in it, then Ivy from that
+venv in front of a real Tulip (from the test environment) answers /health, /ready and an embedding
+equal to sentence-transformers'.
 """
 
 import json
@@ -15,12 +16,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import free_port, http_status
+from tests.deployfiles import DOCKERFILES, copies
 
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK_ERRORS = ("NewConnectionError", "Name or service not known", "Temporary failure in name resolution",
@@ -32,15 +35,21 @@ def test_gateway_installs_without_torch_and_serves(tmp_path, tulip_server, st_mo
     # pip run with nothing of this checkout on its path (PYTHONPATH would show it the in-tree egg-info
     # a wheel build leaves, and it would count trellis as installed)
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("IVY_")}
+    # the image's /app: what Dockerfile.gateway COPYs, and nothing else of the checkout
+    app = tmp_path / "app"
+    for src, dest in copies(DOCKERFILES["gateway"]):
+        to = app / Path(dest).relative_to("/app")
+        if (ROOT / src).is_dir():
+            shutil.copytree(ROOT / src, to, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / src, to)
     wheels = tmp_path / "wheels"
-    leftovers = [ROOT / "build", ROOT / "trellis.egg-info"]
-    existed = [p.exists() for p in leftovers]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                    str(ROOT)], check=True, cwd=tmp_path, timeout=300, env=clean)
-    for path, was in zip(leftovers, existed):
-        if not was:
-            shutil.rmtree(path, ignore_errors=True)
+                    str(app)], check=True, cwd=tmp_path, timeout=300, env=clean)
     (wheel,) = wheels.glob("trellis-*.whl")
+    packages = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/__init__.py")}
+    assert packages == {"trellis", "ivy"}, packages  # the gateway needs neither tulip nor rose nor presets
     venv = tmp_path / "gateway"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
