@@ -150,7 +150,7 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 class TulipStream:
     """One long-lived EmbedStream call multiplexing concurrent requests by request_id, on an HTTP/2
-    connection of its own (`tulip.h2stream`: cheaper per message than grpc.aio's call).
+    connection of its own (`trellis.h2stream`: cheaper per message than grpc.aio's call).
 
     Tulip matches replies (and cancels) by request_id, so every message on the stream carries one
     of its own: the caller's request_id with "#n" added (n counts this stream's requests), or n.
