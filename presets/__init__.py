@@ -366,6 +366,19 @@ def materialize(name: str) -> Path:
     if marker.is_file() and fp in marker.read_text():
         return d
     d.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(d) + ".lock"):  # processes sharing a cache (test workers, Tulips) write it once
+        if marker.is_file() and fp in marker.read_text():
+            return d
+        marker.unlink(missing_ok=True)
+        _write(name, p, d)
+        marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
+    return d
+
+
+def _write(name: str, p: dict, d: Path) -> None:
+    """The preset's files but its marker."""
     (d / "config.json").write_text(json.dumps(p["config"], indent=2))
     if p.get("cross_encoder") and p.get("tokenizer") == "xlm-r-unigram":
         # a transformers classifier as published: the tokenizer's limit, no pipeline
@@ -388,5 +401,3 @@ def materialize(name: str) -> Path:
         standin.build(d)
     else:
         stand_in_tokenizer(p["specials"], p["wrap"], d / "tokenizer.json", pair=bool(p.get("cross_encoder")))
-    marker.write_text(f"preset {name} ({fp}): random weights, stand-in tokenizer; its outputs are meaningless\n")
-    return d
