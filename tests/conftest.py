@@ -100,6 +100,15 @@ def tulip_requests(ip: str, metrics_port: int, timeout: float = 2.0) -> float:
 
 
 @pytest.fixture(scope="session")
+def standin_dir():
+    """The bge-m3 preset's directory (the XLM-R-like stand-in tokenizer of 250,002 pieces), written once into
+    the preset cache that every test shares (building it costs ~25 s: once per cache, not once per module)."""
+    from presets import materialize
+
+    return materialize("bge-m3")
+
+
+@pytest.fixture(scope="session")
 def model_path() -> Path:
     from trellis.modelref import resolve_model_path
 

@@ -37,21 +37,6 @@ def bits(x: float) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def standin_dir(tmp_path_factory):
-    from presets import materialize
-
-    old = os.environ.get("TRELLIS_CACHE")
-    os.environ["TRELLIS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        yield materialize("bge-m3")
-    finally:
-        if old is None:
-            os.environ.pop("TRELLIS_CACHE")
-        else:
-            os.environ["TRELLIS_CACHE"] = old
-
-
-@pytest.fixture(scope="module")
 def standin_ref(standin_dir):
     """tokenizers on the stand-in, and its vocabulary as it holds it ((piece, score) pairs)."""
     tok = reference(standin_dir)
