@@ -1,7 +1,10 @@
 """Issue 47, faults 1-7: HTTP/2 attacks on Tulip's own gRPC server (tulip.h2server), each against a
 fresh real CPU Tulip (`python -m tulip --model default`), measured by the Tulip's RSS growth (peak
 during the attack less the RSS before it) and by an independent caller: grpcio's client sending a
-16-token Embed every 50 ms on its own connection (its worst latency, and the calls that failed).
+16-token Embed every 50 ms on its own connection (its worst latency, and the calls that failed); and
+by the engine, from the Tulip's metrics: the queue's peak, tokens computed, steps and their mean time,
+requests by status. `read_replies` is `unread_replies`' baseline: the same calls from a client that
+reads its replies (what a heavy legitimate client costs the engine and its neighbours).
 
     python -m benchmarks.attacks.h2 [--root /tmp/old] [--only NAME ...] [--seconds 10] [--out FILE.jsonl]
 
