@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ivy.errors import APIError
-from ivy.tokenizer_long import SEGMENT_CHARS, scan, segments_agree
+from ivy.tokenizer_long import SEGMENT_CHARS, CutRule, cut_rule, scan, segments, segments_agree
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 
 log = logging.getLogger("ivy.tokenizer")
@@ -149,23 +151,29 @@ class TextTokenizer:
         self.exact = Tokenizer.from_file(str(path))
         self.exact.no_truncation()
         self.exact.no_padding()
-        self.truncating = Tokenizer.from_file(str(path))
-        self.truncating.no_padding()
-        self.truncating.enable_truncation(max_len)
+        # `tokenizers` with truncation only where a fixed template cannot cut (a second parse of the
+        # file: ~0.5 s of CPU for 250k pieces, so built on first use)
+        self._path, self._truncating, self._lock = path, None, threading.Lock()
         self.max_len = max_len
         self.offload_chars = offload_chars
         self.max_request_tokens = max_request_tokens
         self.fast = fast_encoder(path, self.exact, backend)
         self.backend = "native" if self.fast else "tokenizers"
-        # long texts a segment at a time (ivy.tokenizer_long) where segments give the whole text's ids
-        self.segmentable = segments_agree(self.content, EDGE_CASES + SENTENCES)
+        # long texts a segment at a time (ivy.tokenizer_long) where its rule holds for this tokenizer
+        # and segments give the whole text's ids on the check texts
+        rule = cut_rule(self.exact)
+        self.cuts: CutRule | None = rule if isinstance(rule, CutRule) else None
+        self.segmentable = self.cuts is not None and segments_agree(self.content, EDGE_CASES + SENTENCES, self.cuts)
         if not self.segmentable:
-            log.warning("long texts are tokenized whole: segments of a text do not tokenize as the text does")
-        # pairs natively too where the pair template is fixed and the native pairs match tokenizers'
-        pair_wrap = fixed_pair_wrap(self.exact) if self.fast else None
-        # the template's special tokens as arrays, and where type 1 starts in the middle (-1: none)
-        self._pair_wrap = None if pair_wrap is None else (
+            why = rule if isinstance(rule, str) else "segments of a text do not tokenize as the text does"
+            log.warning("long texts are tokenized whole: %s", why)
+        # where the pair template is fixed: its special tokens as arrays, and where type 1 starts in the
+        # middle (-1: none); pairs are then cut as LongestFirst cuts them here, and natively too where
+        # the native pairs match tokenizers'
+        pair_wrap = fixed_pair_wrap(self.exact)
+        self._pair_template = None if pair_wrap is None else (
             *(np.asarray(x, dtype=np.int32) for x in pair_wrap[:3]), pair_wrap[3])
+        self._pair_wrap = self._pair_template if self.fast else None
         if self._pair_wrap is not None:
             checks = [(q, d) for q in SENTENCES[:3] for d in EDGE_CASES + SENTENCES]
             for truncate in (False, True):
@@ -194,23 +202,34 @@ class TextTokenizer:
             return self._pairs_native(pairs, truncate)
         return self._pairs_exact(pairs, truncate)
 
+    @property
+    def truncating(self) -> Tokenizer:
+        """`tokenizers` truncating to the maximum (built on first use)."""
+        with self._lock:
+            if self._truncating is None:
+                tok = Tokenizer.from_file(str(self._path))
+                tok.no_padding()
+                tok.enable_truncation(self.max_len)
+                self._truncating = tok
+            return self._truncating
+
     def _pairs_native(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
         """Each text of a pair by the native encoder alone (each distinct text once: a query comes
         with every document), cut as LongestFirst cuts them, put into the pair template."""
-        pre, mid, suf, k = self._pair_wrap
-        head, tail = len(self.fast.prefix), len(self.fast.suffix)
+        content: dict[str, np.ndarray] = {}
+        for t in {t for pair in pairs for t in pair}:
+            content[t] = self.content(t)
+        return self._pairs_template(pairs, truncate, content)
+
+    def _pairs_template(self, pairs: list[tuple[str, str]], truncate: bool, content: dict[str, np.ndarray]
+                        ) -> tuple[list[np.ndarray], list[int]]:
+        """Pairs of texts whose content ids are `content[text]`, cut as `tokenizers`' LongestFirst cuts
+        them, put into the fixed pair template."""
+        pre, mid, suf, k = self._pair_template
         room = self.max_len - len(pre) - len(mid) - len(suf)
-        ids, content = self.fast.ids, {}
-
-        def of(text: str) -> np.ndarray:
-            if text not in content:
-                a = ids(text)
-                content[text] = a[head:len(a) - tail]
-            return content[text]
-
         seqs, starts = [], []
         for q, d in pairs:
-            a, b = of(q), of(d)
+            a, b = content[q], content[d]
             if truncate:
                 n1, n2 = longest_first(len(a), len(b), max(room, 0))
                 a, b = a[:n1], b[:n2]
@@ -219,6 +238,10 @@ class TextTokenizer:
         return seqs, starts
 
     def _pairs_exact(self, pairs: list[tuple[str, str]], truncate: bool) -> tuple[list[np.ndarray], list[int]]:
+        if truncate and self._pair_template is not None:  # each text alone (once), cut here
+            texts = list({t for pair in pairs for t in pair})
+            encs = self.exact.encode_batch_fast(texts, add_special_tokens=False)
+            return self._pairs_template(pairs, True, {t: np.asarray(e.ids, dtype=np.int32) for t, e in zip(texts, encs)})
         tok = self.truncating if truncate else self.exact
         seqs, starts = [], []
         for e in tok.encode_batch_fast(pairs):
@@ -277,7 +300,7 @@ class TextTokenizer:
         for i, pair in enumerate(zip(queries, documents)):
             for t in pair:
                 if len(t) > SEGMENT_CHARS and t not in cut:
-                    p = scan(t, self.content, room + 1)
+                    p = scan(t, self.content, room + 1, self.cuts)
                     if not truncate and not p.whole:
                         raise APIError(400, f"{item.format(i)} has more than this model's maximum of {self.max_len} "
                                        "tokens; shorten it or send \"truncate\": true", param, "context_length_exceeded")
@@ -339,6 +362,11 @@ class TextTokenizer:
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""
 
+    def segments(self, text: str) -> Iterator[tuple[int, int]]:
+        """(start, end) of a long text's segments, cut where this tokenizer's rule allows
+        (ivy.tokenizer_long; only where `segmentable`)."""
+        return segments(text, self.cuts)
+
     def content(self, text: str) -> np.ndarray:
         """`text`'s ids without the special tokens (one segment of a long text)."""
         if self.fast is not None:
@@ -360,15 +388,16 @@ class TextTokenizer:
         n_special = len(wrap[0]) + len(wrap[1]) if wrap is not None else 0
         if truncate:
             budget = max(self.max_len - n_special, 0)
-            p = scan(text, self.content, budget)
+            p = scan(text, self.content, budget, self.cuts)
             return self._wrapped(p.ids[:budget]) if wrap is not None else text[:p.end]
         if check_length:  # over the maximum as soon as a prefix is: the rest is counted only while cheap
-            p = scan(text, self.content, self.max_len - n_special + 1 if len(text) > COUNT_CHARS else room + 1)
+            p = scan(text, self.content, self.max_len - n_special + 1 if len(text) > COUNT_CHARS else room + 1,
+                     self.cuts)
             if not p.whole:
                 raise APIError(400, f"{which} has more than this model's maximum of {self.max_len} tokens; "
                                "shorten it or send \"truncate\": true", param, "context_length_exceeded")
         else:
-            p = scan(text, self.content, room - n_special + 1)
+            p = scan(text, self.content, room - n_special + 1, self.cuts)
             if not p.whole or len(p.ids) + n_special > room:
                 raise self.too_many_tokens()
         return self._wrapped(p.ids) if wrap is not None else text
@@ -387,13 +416,25 @@ class TextTokenizer:
         """`tokenizers` whatever the fast encoder: it releases the GIL, so it can run in a thread. In
         slices of ~SLICE_CHARS characters (its Encodings cost ~100 bytes a token, held until they
         are turned into arrays); more than `room` tokens in all is a 413 at the slice that makes them."""
-        tok = self.truncating if truncate else self.exact
+        wrap = self.wrap if truncate else None
+        if wrap is not None and self.max_len >= len(wrap[0]) + len(wrap[1]):  # cut here: no truncating Tokenizer
+            budget = self.max_len - len(wrap[0]) - len(wrap[1])
+            head, tail = np.asarray(wrap[0], np.int32), np.asarray(wrap[1], np.int32)
+
+            def batch(part: list[str]) -> list[np.ndarray]:
+                return [np.concatenate([head, np.asarray(e.ids[:budget], dtype=np.int32), tail])
+                        for e in self.exact.encode_batch_fast(part, add_special_tokens=False)]
+        else:
+            tok = self.truncating if truncate else self.exact
+
+            def batch(part: list[str]) -> list[np.ndarray]:
+                return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(part)]
         out: list[np.ndarray] = []
         start, chars, total = 0, 0, 0
         for i, t in enumerate(texts):
             chars += len(t)
             if chars >= SLICE_CHARS or i == len(texts) - 1:
-                out += [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(texts[start:i + 1])]
+                out += batch(texts[start:i + 1])
                 total += sum(map(len, out[start:]))
                 if room is not None and total > room:
                     raise self.too_many_tokens()

@@ -3,7 +3,7 @@ default model, all-MiniLM-L6-v2, and one Ivy worker in front of it), each measur
 worker's RSS growth (peak during the attack, `VmHWM` reset before it, less the RSS before) and the
 latency of an independent small request (`/v1/embeddings` "hi", every 50 ms) while it runs.
 
-    python -m benchmarks.attacks.ivy [--root /tmp/old] [--only NAME ...] [--out FILE.jsonl]
+    python -m benchmarks.attacks.ivy [--root /tmp/old] [--model preset:bge-m3] [--only NAME ...] [--out FILE.jsonl]
 
 `--root`: the checkout whose `ivy` / `tulip` run (e.g. `git worktree add /tmp/old <commit>` for the
 code before a fix); this checkout's venv runs them. Ivy is restarted before each attack (a clean
@@ -106,6 +106,9 @@ def post_raw(port: int, path: str, body: bytes, timeout: float = 120) -> tuple[i
     return status, len(reply), time.monotonic() - t0
 
 
+TIMEOUT_S = 120.0  # a body attack's reply waited for this long (--timeout)
+
+
 def big_text(mib: int) -> str:
     return "a " * (mib * MiB // 2)  # one token per 2 bytes
 
@@ -123,7 +126,11 @@ ATTACKS = {
 def body_attack(port: int, pid: int, name: str) -> dict:
     path, make = ATTACKS[name]
     body = json.dumps(make()).encode()
-    status, size, secs = post_raw(port, path, body)
+    t0 = time.monotonic()
+    try:
+        status, size, secs = post_raw(port, path, body, timeout=TIMEOUT_S)
+    except TimeoutError:  # recorded as such (the peak RSS is still read after it)
+        status, size, secs = f"no reply in {TIMEOUT_S:g} s", 0, time.monotonic() - t0
     return {"status": status, "reply_bytes": size, "seconds": round(secs, 2), "body_bytes": len(body)}
 
 
@@ -175,19 +182,24 @@ def one_byte_connections(port: int, pid: int, n: int = 20000) -> dict:
 
 
 def main(argv=None) -> int:
+    global TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=HERE)
     ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--model", default="default", help="the model Tulip and Ivy serve (e.g. preset:bge-m3: "
+                    "XLM-R's Unigram tokenizer, the one fault 9 was found on)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds a body attack's reply is waited for")
     ap.add_argument("--ivy-args", default="")
     ap.add_argument("--tulip-args", default="", help="e.g. '--max-batch-tokens 2048' (a CPU step of the default "
                     "16,384 tokens takes seconds, and a running step is never cut short)")
     args = ap.parse_args(argv)
+    TIMEOUT_S = args.timeout
     root, logs = args.root.resolve(), Path("/tmp") / f"attacks-ivy-{os.getpid()}"
     logs.mkdir(exist_ok=True)
     names = args.only or [*ATTACKS, "chunk_disconnect", "one_byte_connections"]
     tport, mport = free_port(), free_port()
-    tulip = spawn(root, ["-m", "tulip", "--model", "default", "--port", str(tport), "--device", "cpu",
+    tulip = spawn(root, ["-m", "tulip", "--model", args.model, "--port", str(tport), "--device", "cpu",
                          "--metrics-port", str(mport), *args.tulip_args.split()], logs / "tulip.log",
                   lambda: "TULIP_READY" in (logs / "tulip.log").read_text())
     rows = []
@@ -202,7 +214,7 @@ def main(argv=None) -> int:
                 except httpx.HTTPError:
                     return False
 
-            ivy = spawn(root, ["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{tport}",
+            ivy = spawn(root, ["-m", "ivy", "--port", str(port), "--tulip", f"127.0.0.1:{tport}", "--model", args.model,
                                *args.ivy_args.split()], logs / f"ivy-{name}.log", ready)
             try:
                 for _ in range(20):  # warm: the first requests build caches
@@ -226,7 +238,7 @@ def main(argv=None) -> int:
                        "probe_idle_p50_ms": round(statistics.median(idle.lat) * 1e3, 1),
                        "probe_max_ms": round(max(probe.lat) * 1e3, 1), "probe_n": len(probe.lat),
                        "probe_failures": probe.bad[:5] + ([f"+{len(probe.bad) - 5}"] if len(probe.bad) > 5 else []),
-                       "root": str(root), "date": time.strftime("%Y-%m-%d")}
+                       "model": args.model, "root": str(root), "date": time.strftime("%Y-%m-%d")}
             finally:
                 ivy.send_signal(signal.SIGINT)
                 try:

@@ -32,7 +32,7 @@ from ivy.schemas import (EmbeddingRequest, RerankRequest, SimilarityParameters, 
                          TEIPredictRequest, TEIRerankRequest, TEISimilarityRequest, TEITokenizeRequest, lax_bool)
 from ivy.served import ServedModel
 from ivy.tokenizer import TextTokenizer
-from ivy.tokenizer_long import SEGMENT_CHARS, segments
+from ivy.tokenizer_long import SEGMENT_CHARS
 from trellis.options import Options
 from trellis.postprocess import matryoshka
 from trellis.tulip.v1 import tulip_pb2
@@ -104,7 +104,7 @@ def _tokens(tok: TextTokenizer, add_special_tokens: bool, max_bytes: int, texts:
     for n, text in enumerate(texts):
         if tok.segmentable and wrap is not None and len(text) > SEGMENT_CHARS:
             pieces, base = [], 0
-            for start, end in segments(text):
+            for start, end in tok.segments(text):
                 pieces.append((text[start:end], base))
                 base += len(text[start:end].encode("utf-8", "surrogatepass"))
             groups = [[{"id": i, "text": tok.token(i), "special": True, "start": None, "stop": None}
