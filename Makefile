@@ -11,6 +11,8 @@ EXTRAS := $(if $(HAS_GPU),test$(comma)gpu,test)
 MODEL ?= default
 REPLICAS ?= 1
 PORT ?= 8000
+# make test: pytest-xdist workers, each taking whole files (module-scoped servers stay one per file)
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test proto clean
 
@@ -36,7 +38,7 @@ tests/node/node_modules/.installed: tests/node/package.json tests/node/package-l
 	touch $@
 
 test: install $(if $(NPM),tests/node/node_modules/.installed)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Regenerate the gRPC stubs from proto/ (grpcio-tools pinned in pyproject.toml).
 proto: install
