@@ -89,13 +89,18 @@ def bge_m3(standin_dir):
 
 
 @pytest.fixture(scope="module")
+def bge_tt(bge_m3):
+    return TextTokenizer(bge_m3, 24, 1 << 30)  # one for the module: ~1 s of CPU to build
+
+
+@pytest.fixture(scope="module")
 def corpus():
     rng = random.Random(3)
     return SENTENCES + [standin.sample_text(8, s, ("en", "de", "ru", "zh")) for s in range(40)] + [
         rng.choice(EDGE_CASES) for _ in range(40)]
 
 
-def test_xlm_r_unigram_presets_segment_exactly(bge_m3):
+def test_xlm_r_unigram_presets_segment_exactly(bge_m3, bge_tt):
     """bge-m3's stand-in (bge-reranker-v2-m3 has the same tokenizer.json): Precompiled charsmap,
     Replace(" {2,}"), Metaspace always. The rule before: any space after a non-space, wrong where the
     charsmap maps the character before it to a space (U+FFFD, zero-width spaces); so Ivy tokenized its
@@ -106,7 +111,7 @@ def test_xlm_r_unigram_presets_segment_exactly(bge_m3):
     tok = load(bge_m3)
     texts = long_texts(4, 1)
     assert_exact(tok, texts)
-    tt = TextTokenizer(bge_m3, 8192, 1 << 30)
+    tt = bge_tt
     assert tt.backend == "native" and tt.segmentable and tt.cuts.attach
     for text in texts:
         assert scan(text, tt.content, 1 << 62, tt.cuts, 300).ids.tolist() == tok.encode(text, add_special_tokens=False).ids
@@ -163,15 +168,15 @@ def test_cuts_in_hostile_texts_stay_linear():
 
 
 @pytest.mark.parametrize("which", ["bge-m3", "default"])
-def test_truncation_without_a_second_tokenizer_is_tokenizers_own(which, bge_m3, model_path):
+def test_truncation_without_a_second_tokenizer_is_tokenizers_own(which, bge_tt, model_path):
     """TextTokenizer cuts single texts and pairs to the maximum itself (fixed templates, LongestFirst),
     instead of parsing tokenizer.json a second time for a truncating Tokenizer at start-up: the same
     ids as `tokenizers` with truncation, over the maximum and under it."""
-    path = bge_m3 if which == "bge-m3" else model_path
+    path = bge_tt._path.parent if which == "bge-m3" else model_path
     rng = random.Random(7)
     texts = [rng.choice(WORDS) * rng.randint(1, 12) for _ in range(60)] + SENTENCES + EDGE_CASES
-    pairs = [(rng.choice(texts), rng.choice(texts)) for _ in range(150)]
-    tt = TextTokenizer(path, 24, 1 << 30)
+    pairs = [(rng.choice(texts), rng.choice(texts)) for _ in range(80)]  # tokenizers' LongestFirst: ~10 ms a pair
+    tt = bge_tt if which == "bge-m3" else TextTokenizer(path, 24, 1 << 30)
     assert tt._truncating is None  # not built at start-up
     ref = load(path)
     ref.enable_truncation(24)
