@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                 row = {"attack": name, **got, "attack_s": round(wall, 2), "ivy_rss_before_mib": round(before / 1024, 1),
                        "ivy_rss_growth_mib": round((peak - before) / 1024, 1),
                        "probe_idle_p50_ms": round(statistics.median(idle.lat) * 1e3, 1),
-                       "probe_max_ms": round(max(probe.lat) * 1e3, 1), "probe_n": len(probe.lat),
+                       "probe_max_ms": round(max(probe.lat) * 1e3, 1) if probe.lat else None, "probe_n": len(probe.lat),
                        "probe_failures": probe.bad[:5] + ([f"+{len(probe.bad) - 5}"] if len(probe.bad) > 5 else []),
                        "model": args.model, "root": str(root), "date": time.strftime("%Y-%m-%d")}
             finally:
