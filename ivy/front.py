@@ -123,13 +123,15 @@ WATCH_TOKENS = 1024
 _GONE = object()
 
 
-def watch_disconnect() -> None:
+def watch_disconnect() -> bool:
     """From inside a fast handler whose work is large: from now on, the client's disconnect cancels
     the handler (Front answers nothing and counts a 499). Nothing where the request is already
-    watched (a large body) or is not served by Front."""
+    watched (a large body) or is not served by Front. True where it started a watch: the caller
+    yields once (`await asyncio.sleep(0)`) before its work, so a client already gone (it left while
+    its text was tokenized) cancels it before anything is sent."""
     call = CALL.get()
     if call is None or call.receive is None or call.watcher is not None:
-        return
+        return False
     task, receive = asyncio.current_task(), call.receive
 
     async def watch():
@@ -139,6 +141,7 @@ def watch_disconnect() -> None:
         task.cancel()
 
     call.watcher = asyncio.ensure_future(watch())
+    return True
 
 
 async def _unless_disconnected(work, receive):

@@ -16,11 +16,20 @@ request head (a silent or slow peer, or an idle keep-alive connection) is closed
 connection whose request is being read or answered is never closed for it; when every one is
 busy, the new one is answered 503 and closed at once.
 
+A connection costs next to nothing until its first bytes arrive: uvicorn's own protocol state (an
+httptools parser, its loggers looked up, the peer's addresses read, ~5 KiB and ~50 us) is built
+then, not when it is accepted. A flood of connections that send nothing is mostly accepted, made to
+wait and closed to make room before any of them speaks (19,970 of them cost the worker 2.0 s of
+CPU and +92 MiB with the state built at once; see docs/reliability.md for the figures now); a
+connection closed before it spoke gets no 408 (it sent no request to answer).
+
 The bytes a connection writes in one turn of the event loop go out in one write (`OneWrite`):
 uvicorn writes a response's head and its body apart, which cost two send calls and two TCP
 segments for the peer to read."""
 
 from __future__ import annotations
+
+import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -74,6 +83,7 @@ class OneWrite:
 
 # This worker's connections waiting for a request head, oldest first (a dict: ordered, O(1) removal).
 _WAITING: dict["ReadLimitedProtocol", None] = {}
+_OPEN = [0]  # this worker's open connections, spoken or not (uvicorn's `connections` counts the spoken ones)
 
 
 class ReadLimitedProtocol(HttpToolsProtocol):
@@ -82,7 +92,9 @@ class ReadLimitedProtocol(HttpToolsProtocol):
     its worker processes."""
 
     def __init__(self, *args, read_timeout: float = 30.0, max_connections: int = 4096, **kwargs):
-        super().__init__(*args, **kwargs)
+        self._uvicorn = (args, kwargs)  # uvicorn's __init__, at the first bytes (`_speak`); None once run
+        self.loop = kwargs.get("_loop") or asyncio.get_event_loop()
+        self.transport = None
         self.read_timeout = read_timeout
         self.max_connections = max_connections
         self._read_timer = None
@@ -92,21 +104,32 @@ class ReadLimitedProtocol(HttpToolsProtocol):
         self._head_size = 0  # this request's line and headers, as parsed
 
     def connection_made(self, transport) -> None:
-        super().connection_made(OneWrite(transport, self.loop))
+        self.transport = transport  # uvicorn's connection_made runs at the first bytes (`_speak`)
+        _OPEN[0] += 1
         self._arm()
-        if len(self.connections) > self.max_connections:
+        if _OPEN[0] > self.max_connections:
             oldest = next(iter(_WAITING), None)
             if oldest is None:  # every connection has a request under way
-                self.transport.write(_reply(b"503 Service Unavailable"))
-                self.transport.close()
+                transport.write(_reply(b"503 Service Unavailable"))
+                transport.close()
                 return
             oldest._stalled()  # closes it (a 408 first); its descriptor is freed when the loop sees it closed
         _WAITING[self] = None
 
+    def _speak(self) -> None:
+        """The connection's first bytes: uvicorn's protocol state, built now (see the module docstring)."""
+        args, kwargs = self._uvicorn
+        self._uvicorn = None
+        transport = self.transport
+        super().__init__(*args, **kwargs)
+        super().connection_made(OneWrite(transport, self.loop))
+
     def connection_lost(self, exc) -> None:
+        _OPEN[0] -= 1
         self._disarm()
         _WAITING.pop(self, None)
-        super().connection_lost(exc)
+        if self._uvicorn is None:
+            super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -126,7 +149,7 @@ class ReadLimitedProtocol(HttpToolsProtocol):
         self._read_timer = None
         _WAITING.pop(self, None)
         if not self.transport.is_closing():
-            if self._in_head:
+            if self._in_head and self._uvicorn is None:  # a peer that has sent nothing gets no reply
                 self.transport.write(_reply(b"408 Request Timeout"))
             self.transport.close()
 
@@ -136,6 +159,8 @@ class ReadLimitedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._uvicorn is not None:
+            self._speak()
         head, done = self._in_head, self._completed
         super().data_received(data)
         if head and self._in_head and done == self._completed:  # all of `data` was head, still incomplete

@@ -4,16 +4,20 @@ the default MiniLM model, 256 tokens at most): long texts tokenized only as far 
 small body with large work cancelled when its client leaves, the connection cap and the descriptor
 limit, and an empty API key refused at start-up."""
 
+import asyncio
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from tests.conftest import ROOT, Child, Proc, free_port, metric
@@ -137,6 +141,65 @@ def test_a_small_body_with_large_work_is_cancelled_when_its_client_leaves(stack)
     r = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
     assert r.status_code == 200
 
+
+
+class _SlowCpu:
+    """A CPU engine (steps run in Tulip's step thread) whose step takes 0.2 s; each row is its
+    sequence's first token id. `ran`: the tokens of each step it ran."""
+
+    device = torch.device("cpu")
+    embedding_dim, dtype, extra_outputs, sparse_rows = 4, torch.float32, (), False
+    spec = types.SimpleNamespace(max_seq_len=256, vocab_size=1000, pooling="mean", normalize=False,
+                                 special_token_ids=(), quantized_outputs=False)
+
+    def __init__(self):
+        self.ran, self.started = [], threading.Event()
+
+    def step(self, batch, extras=frozenset()):
+        self.ran.append(int(batch.num_tokens))
+        self.started.set()
+        time.sleep(0.2)
+        out = batch.input_ids[batch.cu_seqlens[:-1].long()].float().unsqueeze(1).repeat(1, 4)
+        return types.SimpleNamespace(synchronize=lambda: out)
+
+
+def test_cancelled_work_stops_at_the_next_cpu_piece():
+    """Fault 10, Tulip's side: ten disconnected 16,000-token requests still held a probe 15 s, because
+    the CPU step running when they left ran whole and a second one, formed while it ran, waited in the
+    step thread's queue and ran after it though all its requests were cancelled. Now a CPU step runs
+    CPU_PIECE_TOKENS at a time, skipping pieces whose requests are all cancelled, and no step is formed
+    while one runs: of two cancelled requests of two pieces each, one piece runs (before: both
+    requests whole, [4096, 4096]). A request not cancelled gets its rows from every piece, in order."""
+    from tulip.config import TulipConfig
+    from tulip.loop import CPU_PIECE_TOKENS, EngineLoop, Request
+
+    seq = 256
+    n = 2 * CPU_PIECE_TOKENS // seq  # two pieces
+
+    def big(first: int = 1) -> Request:
+        return Request(np.repeat(np.arange(first, first + n, dtype=np.int32), seq), [seq] * n)
+
+    engine = _SlowCpu()
+
+    async def main():
+        loop = EngineLoop(engine, TulipConfig(max_batch_tokens=4 * CPU_PIECE_TOKENS, max_inflight=2))
+        loop.start()
+        tasks = [asyncio.ensure_future(loop.submit(big())) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert await asyncio.to_thread(engine.started.wait, 5)
+        for t in tasks:
+            t.cancel()
+        probe = await asyncio.wait_for(loop.submit(Request(np.full(4, 7, dtype=np.int32), [4])), 5)
+        assert probe[0, 0] == 7
+        ran_before = list(engine.ran)
+        rows = await asyncio.wait_for(loop.submit(big(100)), 5)
+        await loop.stop()
+        return ran_before, rows
+
+    ran, rows = asyncio.run(main())
+    assert ran == [CPU_PIECE_TOKENS, 4], ran
+    assert engine.ran[2:] == [CPU_PIECE_TOKENS, CPU_PIECE_TOKENS], engine.ran
+    assert rows[:, 0].tolist() == list(range(100, 100 + n))
 
 def test_one_byte_connections_cannot_take_every_descriptor(stack):
     """Fault 11: 300 connections that each send one byte and wait: Ivy holds at most

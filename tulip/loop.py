@@ -17,6 +17,7 @@ from time import perf_counter_ns
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from rose.batch import Batch
 from rose.engine import Engine
@@ -122,6 +123,63 @@ def _stamp(slots, point: int) -> None:
             r.stamps[point] = t
 
 
+def _batch_of(slots) -> tuple[Batch, frozenset]:
+    """The Batch of these (request, sequence index) slots, and the outputs its requests ask for."""
+    if len(slots) == 1:  # the online case
+        r, i = slots[0]
+        return Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]],
+                                    None if r.segments is None else [r.segments[i]]), r.extras
+    extras, skip, seg = _NO_EXTRAS, None, None
+    for r, i in slots:
+        if r.extras:
+            extras = extras | r.extras
+        if r.pool_from is not None:  # prompts left out of pooling: only from Ivy for such models
+            skip = [0 if r.pool_from is None else r.pool_from[i] for r, i in slots]
+        if r.segments is not None and seg is None:  # pairs: only for cross-encoders
+            seg = [0 if r.segments is None else r.segments[i] for r, i in slots]
+    return Batch.from_sequences([r.seq(i) for r, i in slots], skip, seg), extras
+
+
+# A running step cannot be cut short, and on CPU one of 16,384 tokens takes seconds (all-MiniLM-L6-v2
+# on 2 shared cores: 15 s and more), during which every other caller waits. So a CPU step of more
+# tokens than this runs a piece of consecutive sequences at a time, and a piece whose requests have
+# all been cancelled by the time it would start (their clients left) is skipped: the work of
+# disconnected callers stops at the next piece, not at the end of the step. A CPU has no device to
+# fill: per token, 8 pieces of 2,048 cost what one step of 16,384 does, within the noise of shared
+# cores (docs/reliability.md, Ivy's limits).
+CPU_PIECE_TOKENS = 2048
+
+
+def _pieces(slots) -> list:
+    """`slots` cut into consecutive runs of at most CPU_PIECE_TOKENS tokens (at least one sequence each)."""
+    pieces, start, tokens = [], 0, 0
+    for k, (r, i) in enumerate(slots):
+        n = r.lengths[i]
+        if k > start and tokens + n > CPU_PIECE_TOKENS:
+            pieces.append(slots[start:k])
+            start, tokens = k, 0
+        tokens += n
+    pieces.append(slots[start:])
+    return pieces
+
+
+def _run_pieces(engine: Engine, slots) -> torch.Tensor:
+    """A large CPU step without token-level outputs, one piece at a time (CPU_PIECE_TOKENS); a piece
+    whose requests are all cancelled (read across threads: a flag only ever set) is not run, and
+    its rows are zeros that no one reads (`_complete` answers no cancelled request)."""
+    outs: list = []
+    for piece in _pieces(slots):
+        if all(r.cancelled for r, _ in piece):
+            outs.append(len(piece))
+            continue
+        batch, _ = _batch_of(piece)
+        outs.append(engine.step(batch, _NO_EXTRAS).synchronize().clone())  # a copy: the next piece reuses buffers
+    like = next((o for o in outs if not isinstance(o, int)), None)
+    if like is None:  # all cancelled: rows of any width do
+        return torch.zeros((len(slots), 1))
+    return torch.cat([like.new_zeros((o, *like.shape[1:])) if isinstance(o, int) else o for o in outs])
+
+
 def _run_step(engine: Engine, batch: Batch, extras: frozenset):
     return engine.step(batch, extras).synchronize()
 
@@ -154,7 +212,7 @@ class EngineLoop:
     """Owns the scheduler and the engine; answers each request through its `on_done` callback.
 
     No task sits between a request and the GPU: `submit_nowait` queues the request and,
-    when a step slot is free (at most `max_inflight` in flight), launches the next FCFS
+    when a step slot is free (at most `max_inflight` in flight on a GPU, one on CPU), launches the next FCFS
     batch at once (on CUDA `engine.step` only queues work). While a step runs, another is
     launched only once a quarter of a batch's token budget is waiting; fewer requests wait
     for the running step and go together in the next. The oldest step is watched by
@@ -178,6 +236,11 @@ class EngineLoop:
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
         self._spin_s = cfg.spin_ms / 1e3 if self._executor is None else 0.0
+        # On CPU one step at a time: the step thread runs steps one after another, so a second step
+        # launched would only wait in its queue, formed and past cancelling (ten disconnected clients'
+        # 8,192-token chunks once held a probe 15 s behind two such steps, the second all cancelled
+        # work). Formed when the running step completes, it leaves out whatever was cancelled meanwhile.
+        self._max_inflight = cfg.max_inflight if self._executor is None else 1
         # A step launched while another runs pays a step's fixed cost (~0.9 ms for BGE-M3 on an
         # H200) for whatever is queued; for a few requests that costs more than waiting for the
         # running step and joining the next, larger one.
@@ -265,32 +328,20 @@ class EngineLoop:
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free."""
         sched = self.scheduler
-        while (len(self._inflight) < self.cfg.max_inflight and len(sched)
+        while (len(self._inflight) < self._max_inflight and len(sched)
                and (not self._inflight or sched.queued_tokens >= self._overlap_tokens)):
             slots = sched.next_batch()
             if not slots:
                 break
             launched = time.monotonic()
             try:
-                if len(slots) == 1:  # the online case
-                    r, i = slots[0]
-                    extras = r.extras
-                    batch = Batch.from_sequences([r.seq(i)], None if r.pool_from is None else [r.pool_from[i]],
-                                                 None if r.segments is None else [r.segments[i]])
-                else:
-                    extras, skip, seg = _NO_EXTRAS, None, None
-                    for r, i in slots:
-                        if r.extras:
-                            extras = extras | r.extras
-                        if r.pool_from is not None:  # prompts left out of pooling: only from Ivy for such models
-                            skip = [0 if r.pool_from is None else r.pool_from[i] for r, i in slots]
-                        if r.segments is not None and seg is None:  # pairs: only for cross-encoders
-                            seg = [0 if r.segments is None else r.segments[i] for r, i in slots]
-                    batch = Batch.from_sequences([r.seq(i) for r, i in slots], skip, seg)
+                batch, extras = _batch_of(slots)
                 if self.stages is not None:
                     _stamp(slots, 5)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
+                elif batch.num_tokens > CPU_PIECE_TOKENS and len(slots) > 1 and not extras:
+                    lazy = _StepThread(self._executor.submit(_run_pieces, self.engine, slots))
                 else:
                     lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
                 if self.stages is not None:

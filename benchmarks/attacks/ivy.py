@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import socket
 import statistics
@@ -152,33 +151,43 @@ def chunk_disconnect(port: int, pid: int, tulip_pid: int, n: int = 10) -> dict:
     return {"body_bytes": len(body), "requests": n, "tulip_cpu_s_after_disconnect": round(cpu_s(tulip_pid) - c0, 2)}
 
 
+_FLOOD = """
+import resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+socks = []
+for _ in range(min(int(sys.argv[2]), hard - 30)):
+    try:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", int(sys.argv[1])))
+        socks.append(s)
+    except OSError:
+        break
+time.sleep(1)
+for s in socks:
+    try:
+        s.send(b"P")
+    except OSError:
+        pass
+time.sleep(4)
+print(len(socks), flush=True)
+time.sleep(4)
+for s in socks:
+    s.close()
+"""
+
+
 def one_byte_connections(port: int, pid: int, n: int = 20000) -> dict:
     """Fault 11: n connections that each send one byte and wait; how many Ivy took (its open
-    descriptors), and whether a new client is served meanwhile (the probe)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    socks, refused = [], 0
-    for _ in range(min(n, hard - 30)):
-        try:
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            socks.append(s)
-        except OSError:
-            refused += 1
-            break
-    time.sleep(1)
-    for s in socks:
-        try:
-            s.send(b"P")
-        except OSError:
-            pass
-    time.sleep(4)
+    descriptors, 5 s in), and whether a new client is served meanwhile (the probe). The connections
+    come from a child process: a flood loop in this one would hold the GIL the probe's thread needs
+    and add its own waits to the probe's latency."""
+    child = subprocess.Popen([sys.executable, "-c", _FLOOD, str(port), str(n)], stdout=subprocess.PIPE, text=True)
+    made = int(child.stdout.readline() or 0)
     fds = len(os.listdir(f"/proc/{pid}/fd"))
-    time.sleep(4)
-    for s in socks:
-        s.close()
-    return {"connections": len(socks), "ivy_fds": fds}
+    child.wait(60)
+    return {"connections": made, "ivy_fds": fds}
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ and the request checks and error mapping more than one route uses."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -85,8 +86,8 @@ def verify(options: request_options.Options, info) -> request_options.Options:
 async def tulip_call(balancer, seqs: list, opts: EmbedOptions, stamp: Stamp | None = None):
     """`balancer.embed`'s result for `seqs`, a Tulip's gRPC error as the caller's APIError. Work of
     more than WATCH_TOKENS tokens is cancelled if its client disconnects, whatever its body's size."""
-    if sum(map(len, seqs)) > WATCH_TOKENS:
-        watch_disconnect()
+    if sum(map(len, seqs)) > WATCH_TOKENS and watch_disconnect():
+        await asyncio.sleep(0)  # the watch's first look: a client already gone sends nothing to Tulip
     try:
         return await balancer.embed(seqs, opts, stamp)
     except grpc.aio.AioRpcError as e:
