@@ -437,7 +437,7 @@ class Call:
             conn.held -= self.held
             self.held = 0
             if not conn.closed:  # the connection's window opens again for what was dropped
-                conn._topup(None)
+                conn.topup(None)
                 if conn.out:
                     conn.write_soon()
         self._in.clear()

@@ -1,0 +1,103 @@
+"""Tulip's Embed messages on the wire, apart from any server: an EmbedRequest checked against the
+served model and unpacked (`parse_request`), a message that does not decode (`Undecodable`,
+`decode_request`), the usual reply serialized straight from its rows (`plain_reply`,
+`serialize_reply`), and which request outputs are the engine's extras (`EXTRAS`). The servicer
+(`tulip.servicer`) calls these; the tests call them without a server."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rose.extras import Extra
+from trellis.options import Options, verify
+from trellis.tulip.v1 import tulip_pb2
+
+
+def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
+                  ) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]:
+    """Check an EmbedRequest against the served model (its options: `trellis.options.verify`) and unpack it
+    into (int32 ids, lengths, pool_from or None, segment_starts or None; plain ints); raise ValueError (an
+    option's: trellis.options.OptionError) with a caller-facing message."""
+    lens = tuple(req.lengths)  # plain ints: cheaper than numpy for the usual handful of sequences
+    raw = req.token_ids  # (each read of a bytes field makes a new bytes object)
+    ids = np.frombuffer(raw, dtype="<i4") if not len(raw) % 4 else None
+    vocab_size, max_seq_len = info.vocab_size, info.max_seq_len
+    if not lens:
+        raise ValueError("request has no sequences (lengths is empty)")
+    if ids is None:
+        raise ValueError(f"token_ids has {len(raw)} bytes, not a multiple of 4 (int32 little-endian)")
+    if sum(lens) != ids.shape[0]:
+        raise ValueError(f"lengths add up to {sum(lens)} tokens but token_ids holds {ids.shape[0]}")
+    if min(lens) == 0:
+        raise ValueError(f"sequence {lens.index(0)} is empty")
+    longest = max(lens)
+    if longest > max_seq_len:
+        raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; "
+                         f"this model accepts at most {max_seq_len}")
+    if ids.view("<u4").max() >= vocab_size:
+        lo, hi = int(ids.min()), int(ids.max())
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    verify(Options.from_proto(req), info, lens)
+    pool_from = tuple(req.pool_from) if req.pool_from else None
+    segments = tuple(req.segment_starts) if req.segment_starts else None
+    return ids, lens, pool_from, segments
+
+
+EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}
+NO_EXTRAS = frozenset()
+F32 = np.dtype("<f4")  # the reply's float encoding
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v > 0x7F:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+_PLAIN: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}  # (rows, dim, tokens) -> the bytes around the rows
+
+
+def plain_reply(vectors: np.ndarray, tokens: int, request_id: str = "") -> bytes:
+    """The usual reply, float32 rows and nothing else, serialized straight from the rows (C-contiguous
+    little-endian float32 [n, dim]): byte for byte `EmbedReply(embeddings=vectors.tobytes(), shape=vectors.shape,
+    prompt_tokens=tokens, request_id=request_id).SerializeToString()`, with one copy of the rows and no message."""
+    n, dim = vectors.shape
+    around = _PLAIN.get((n, dim, tokens))
+    if around is None:
+        if len(_PLAIN) > 4096:
+            _PLAIN.clear()
+        shape = _varint(n) + _varint(dim)  # fields 1 (bytes), 2 (packed uint32), 3 (uint32; 0: left out)
+        around = _PLAIN[n, dim, tokens] = (
+            b"\x0a" + _varint(4 * n * dim) if n * dim else b"",
+            b"\x12" + _varint(len(shape)) + shape + (b"\x18" + _varint(tokens) if tokens else b""))
+    if not request_id:
+        return b"".join((around[0], vectors, around[1]))
+    rid = request_id.encode()  # field 9 (string)
+    return b"".join((around[0], vectors, around[1], b"J", _varint(len(rid)), rid))
+
+
+def serialize_reply(reply: tulip_pb2.EmbedReply | bytes) -> bytes:
+    """The servicer's replies on the wire: an EmbedReply, or one already serialized (`plain_reply`)."""
+    return reply if type(reply) is bytes else reply.SerializeToString()
+
+
+class Undecodable:
+    """An Embed message that is not an EmbedRequest: answered INVALID_ARGUMENT on its own (on a
+    stream, the stream and its other requests carry on), never UNKNOWN or a dropped stream."""
+
+    request_id = ""  # no id could be read: the reply says so with an empty one
+    timeout_ms = 0
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def decode_request(data: bytes):
+    try:
+        return tulip_pb2.EmbedRequest.FromString(data)
+    except Exception as e:  # protobuf's DecodeError, or whatever a hostile message provokes
+        return Undecodable(f"{type(e).__name__}: {e}")
