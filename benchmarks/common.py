@@ -269,9 +269,32 @@ def run_client(coro):
     return _CLIENT_LOOP.run_until_complete(coro)
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on. With TRELLIS_FREE_PORTS=LO-HI (the test harness sets one range per
+    pytest worker, below the kernel's ephemeral range), a port of that range not given out before by this
+    process: the kernel's port-0 choice comes from the ephemeral range, where a concurrent client's outgoing
+    connection or another worker's pick can take it before the server binds it."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    span = os.environ.get("TRELLIS_FREE_PORTS", "")
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    lo, hi = (int(x) for x in span.split("-"))
+    for _ in range(200):
+        port = random.randrange(lo, hi)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in TRELLIS_FREE_PORTS={span}")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DIM = 1024
 ISSUE_TARGET_REQ_PER_S = 1000  # issue 14: per worker, CPU, a Tulip that answers at once, 512-token text
@@ -110,12 +112,6 @@ def serve_stand_in(port: int, max_seq_len: int = 8192, vocab_size: int = 250002,
 
 # --- processes -----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(argv: list[str], log: Path, env: dict | None = None, root: Path = ROOT) -> subprocess.Popen:

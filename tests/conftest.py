@@ -1,7 +1,6 @@
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,10 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for the servers tests start: one range per pytest-xdist worker, below the kernel's ephemeral range
+# (32768-60999 by default), so neither the other worker nor a client's outgoing connection (tests open
+# thousands) takes a port between its pick and the server's bind. Subprocesses (benchmarks.common) inherit it.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+os.environ.setdefault("TRELLIS_FREE_PORTS", f"{20000 + 3000 * (_WORKER % 4)}-{23000 + 3000 * (_WORKER % 4)}")
+
+from benchmarks.common import free_port  # noqa: E402  (after TRELLIS_FREE_PORTS and sys.path)
 
 
 def http_status(url: str) -> int:

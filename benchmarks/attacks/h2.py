@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.common import free_port
 from benchmarks.h2raw import RawH2, frame, grpc_message, request_block
 from trellis.h2frames import CONTINUATION, DATA, END_STREAM, HEADERS, PING, RST_STREAM, SETTINGS, WINDOW_UPDATE
 
@@ -38,10 +39,6 @@ EMBED = "/trellis.tulip.v1.Tulip/Embed"
 STREAM = "/trellis.tulip.v1.Tulip/EmbedStream"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def embed_request(n: int = 16, seqs: int = 1) -> bytes:

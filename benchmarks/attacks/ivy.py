@@ -25,15 +25,10 @@ import time
 from pathlib import Path
 
 import httpx
+from benchmarks.common import free_port
 
 HERE = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(root: Path, args: list[str], log: Path, ready) -> subprocess.Popen:
