@@ -187,18 +187,22 @@ def test_replies_to_a_peer_that_gives_no_window_are_bounded(served):
 
 def test_a_peer_that_never_reads_is_closed_after_the_stall_deadline(served):
     c = served.raw()
+    peer = "ipv4:127.0.0.1:%d" % c.sock.getsockname()[1]
+    open_ = lambda: any(conn.peer == peer for conn in served.server.connections)  # noqa: E731  (this one, not
+    t = time.monotonic() + 5                                                      # another test's lingering)
+    while not served.on_loop(open_) and time.monotonic() < t:
+        time.sleep(0.01)
+    assert served.on_loop(open_)
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">L", 1 << 30)))
     t0 = time.monotonic()
     for i in range(60):  # 60 x 900 KB of replies asked for, none read
         if not c.send(c.headers(2 * i + 1, UNARY) + frame(DATA, END_STREAM, 2 * i + 1, grpc_message(b"big:900000"))):
             break
-    n = lambda: len(served.server.connections)  # noqa: E731
-    before = served.on_loop(n)
     deadline = time.monotonic() + 5
-    while served.on_loop(n) >= before and time.monotonic() < deadline:
+    while served.on_loop(open_) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert served.on_loop(n) < before, "the connection that reads nothing was not closed"
+    assert not served.on_loop(open_), "the connection that reads nothing was not closed"
     assert 1.0 <= time.monotonic() - t0 < 4.5
 
 
