@@ -163,7 +163,7 @@ def _child(args: argparse.Namespace, so: Path) -> int:
     from tokenizers import Tokenizer
 
     from ivy.native import NativeEncoder, load
-    from ivy.tokenizer import fixed_wrap
+    from ivy.wraps import fixed_wrap
 
     lib = load(so)
     rng = random.Random(args.seed)
