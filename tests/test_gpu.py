@@ -350,7 +350,8 @@ def test_cross_encoder_heads_in_graphs_equal_float32(tmp_path, family):
     """The newer cross-encoder families on the GPU's fast path (bfloat16, CUDA graphs; the small step
     where the family has one): ELECTRA's narrow embeddings through the fused embedding kernel, then
     projected; DistilBERT's and RoBERTa's heads; DeBERTa-v3's disentangled attention as a per-sequence
-    bias on the padded backend; the pairs' logits against the float32 eager step's."""
+    bias on the padded backend; the pairs' logits against the bfloat16 eager step's (every graph hit:
+    eager, capture, replay), and that eager step against float32's."""
     from tests.checkpoints import save_cross_encoder
     from tests.test_cross_encoder import PAIRS, pair_ids
 
@@ -358,9 +359,14 @@ def test_cross_encoder_heads_in_graphs_equal_float32(tmp_path, family):
     seqs, starts = pair_ids(path, PAIRS[:6])
     batch = Batch.from_sequences(seqs, None, starts)
     want = engine(path, dtype="float32", attention="sdpa", graphs="off").step(batch).synchronize().clone()
+    eager = engine(path, dtype="bfloat16", graphs="off").step(batch).synchronize().clone()
+    scale = max(1.0, want.abs().max().item())
+    # bfloat16 against float32 on these random heads (initializer_range 0.2): up to 0.114 of 3.06 (3.7 %) for
+    # DistilBERT, 0.126 of 4.81 for ELECTRA on an H100 (2026-12-06); the fast path is held to bfloat16's eager step
+    torch.testing.assert_close(eager, want, atol=0.06 * scale, rtol=0)
     fast = engine(path, dtype="bfloat16", graphs="lazy")
     assert fast.runner is not None and (fast.kernels or family == "deberta-v2")
     for _ in range(3):  # eager hit, capture, replay
         got = fast.step(batch).synchronize().clone()
-        torch.testing.assert_close(got, want, atol=0.03 * max(1.0, want.abs().max().item()), rtol=0)
+        torch.testing.assert_close(got, eager, atol=0.01 * scale, rtol=0)
     assert fast.runner.stats.replays >= 1
