@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import Recorder, free_port, model_tag, percentiles, pyplot, run_client
-from tulip.stages import POINTS
+from tulip.stages import POINTS, RECEIPT
 
 
 class TimedEvent:
@@ -364,8 +364,8 @@ def _segments(spans: list, stamps: list) -> tuple[np.ndarray, np.ndarray]:
     spans_a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     rows = np.asarray(stamps, dtype=np.int64).reshape(-1, len(TAIL_SEGMENTS) - 1)
     rows = rows[(rows > 0).all(axis=1)]
-    i = np.searchsorted(spans_a[:, 0], rows[:, 0], side="right") - 1
-    ok = (i >= 0) & (rows[:, 0] <= spans_a[np.maximum(i, 0), 1])
+    i = np.searchsorted(spans_a[:, 0], rows[:, RECEIPT], side="right") - 1
+    ok = (i >= 0) & (rows[:, RECEIPT] <= spans_a[np.maximum(i, 0), 1])
     rows, sp = rows[ok], spans_a[i[ok]]
     points = np.concatenate([sp[:, :1], rows[:, :-1], np.minimum(rows[:, -1:], sp[:, 1:]), sp[:, 1:]], axis=1)
     return np.diff(points, axis=1), sp

@@ -26,7 +26,7 @@ from trellis.spin import Spinner
 from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import Entry, Scheduler
-from tulip.stages import StageRecorder
+from tulip.stages import BATCH, COPY, DELIVER, LAUNCH, SCHEDULE, WAIT, StageRecorder
 
 log = logging.getLogger("tulip")
 
@@ -104,7 +104,7 @@ def _deliver(req: Request, rows, error) -> None:
         req.timer.cancel()
         req.timer = None
     if req.stamps is not None:
-        req.stamps[9] = perf_counter_ns()
+        req.stamps[DELIVER] = perf_counter_ns()
     # Dropped once called: the callback is the caller's session, which holds the request, and a
     # cycle left behind is garbage for the collector (a collection is ~0.1-0.4 ms on the loop).
     on_done, req.on_done = req.on_done, None
@@ -117,6 +117,7 @@ def _deliver(req: Request, rows, error) -> None:
 
 
 def _stamp(slots, point: int) -> None:
+    """Stamp `point` (a tulip.stages constant) now on each stamping request of `slots`."""
     t = perf_counter_ns()
     for r, _ in slots:
         if r.stamps is not None:
@@ -294,7 +295,7 @@ class EngineLoop:
         req.queued_at = time.monotonic()
         self.scheduler.add(req)
         if req.stamps is not None:
-            req.stamps[4] = perf_counter_ns()
+            req.stamps[SCHEDULE] = perf_counter_ns()
         if req.deadline:
             req.timer = self._aloop.call_later(max(0.0, req.deadline - req.queued_at), self._expire, req)
         self._pump()
@@ -337,7 +338,7 @@ class EngineLoop:
             try:
                 batch, extras = _batch_of(slots)
                 if self.stages is not None:
-                    _stamp(slots, 5)
+                    _stamp(slots, BATCH)
                 if self._executor is None:
                     lazy = self.engine.step(batch, extras)
                 elif batch.num_tokens > CPU_PIECE_TOKENS and len(slots) > 1 and not extras:
@@ -345,7 +346,7 @@ class EngineLoop:
                 else:
                     lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
                 if self.stages is not None:
-                    _stamp(slots, 6)
+                    _stamp(slots, LAUNCH)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
@@ -392,7 +393,7 @@ class EngineLoop:
             return  # stop() already failed it
         self._inflight.popleft()
         if self.stages is not None:
-            _stamp(step.slots, 7)
+            _stamp(step.slots, WAIT)
         if self.tracing is not None:
             self.tracing.completed(step, time.monotonic())
         try:
@@ -404,7 +405,7 @@ class EngineLoop:
             else:
                 out = result.numpy().copy()
             if self.stages is not None:
-                _stamp(step.slots, 8)
+                _stamp(step.slots, COPY)
         except Exception as e:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)

@@ -22,6 +22,7 @@ from tulip.h2server import Direct
 from tulip.loop import EngineLoop, Request
 from tulip.messages import (EXTRAS, F32, NO_EXTRAS, Undecodable, decode_request, parse_request, plain_reply,
                             serialize_reply)
+from tulip.stages import RESUME, VALIDATE
 
 log = logging.getLogger("tulip")
 SERVICE_NAME = "trellis.tulip.v1.Tulip"
@@ -101,7 +102,7 @@ class TulipServicer:
         req = self._request(request, on_done)
         req.tag = request
         if stamps is not None:
-            stamps[3] = perf_counter_ns()
+            stamps[VALIDATE] = perf_counter_ns()
             req.stamps = stamps
         if self.tracing is not None:
             self.tracing.start(req, request, None if stream else call)
@@ -115,7 +116,7 @@ class TulipServicer:
         encoded, handed on); the failure to report instead where building it failed."""
         stamps = req.stamps
         if stamps is not None:
-            stamps[10] = perf_counter_ns()
+            stamps[RESUME] = perf_counter_ns()
         try:
             reply = self._reply(req.tag, req, rows, request_id)
         except Exception as e:  # never leave a request unanswered

@@ -20,24 +20,30 @@ from time import perf_counter_ns
 
 import numpy as np
 
-# The points stamped, in path order; a stage is named by the point that ends it.
-POINTS = (
-    "receipt",    # the deserializer is called with the message's bytes
-    "decode",     # ...and has returned the EmbedRequest
-    "handler",    # the servicer's code runs with it (unary handler started / stream reader resumed)
-    "validate",   # checked and unpacked into a Request
-    "schedule",   # queued on the scheduler (submit_nowait, before any launch)
-    "batch",      # Batch.from_sequences done for the step it is in
-    "launch",     # engine.step returned (the step is queued on the device)
-    "wait",       # the engine loop sees the step complete
-    "copy",       # the step's rows copied out of the engine's host buffer
-    "deliver",    # its completion callback ran (future set / reply queued)
-    "resume",     # the servicer's code runs again with the rows
-    "reply",      # the EmbedReply is built
-    "to_encode",  # the serializer is called with it
-    "encode",     # ...and has returned the bytes
-    "write",      # handed to gRPC's core (stream) / the call is done (unary)
-)
+# The points stamped, in path order: each one's index in a request's stamp list, named here and
+# only here. The stamping code indexes the list with these module constants (imported by name: a
+# plain int, no enum or dict lookup on the request path). A stage is named by the point that ends it.
+RECEIPT = 0     # the deserializer is called with the message's bytes
+DECODE = 1      # ...and has returned the EmbedRequest
+HANDLER = 2     # the servicer's code runs with it (unary handler started / stream reader resumed)
+VALIDATE = 3    # checked and unpacked into a Request
+SCHEDULE = 4    # queued on the scheduler (submit_nowait, before any launch)
+BATCH = 5       # Batch.from_sequences done for the step it is in
+LAUNCH = 6      # engine.step returned (the step is queued on the device)
+WAIT = 7        # the engine loop sees the step complete
+COPY = 8        # the step's rows copied out of the engine's host buffer
+DELIVER = 9     # its completion callback ran (future set / reply queued)
+RESUME = 10     # the servicer's code runs again with the rows
+REPLY = 11      # the EmbedReply is built
+TO_ENCODE = 12  # the serializer is called with it
+ENCODE = 13     # ...and has returned the bytes
+WRITE = 14      # handed to gRPC's core (stream) / the call is done (unary)
+
+# Their names by index (summary()'s stage names, benchmarks' columns).
+POINTS = ("receipt", "decode", "handler", "validate", "schedule", "batch", "launch", "wait", "copy",
+          "deliver", "resume", "reply", "to_encode", "encode", "write")
+if any(globals()[name.upper()] != i for i, name in enumerate(POINTS)):
+    raise AssertionError("tulip.stages: POINTS and the point constants disagree")
 INDEX = {name: i for i, name in enumerate(POINTS)}
 N = len(POINTS)
 
@@ -78,8 +84,8 @@ class StageRecorder:
             out = to_string(msg)
             stamps = replies.get(id(msg))
             if stamps is not None:
-                stamps[12] = t0
-                stamps[13] = perf_counter_ns()
+                stamps[TO_ENCODE] = t0
+                stamps[ENCODE] = perf_counter_ns()
             return out
 
         return serialize
@@ -87,13 +93,13 @@ class StageRecorder:
     def received(self, msg) -> list[int]:
         """Stamps for a request whose handler now runs (its decode points filled in)."""
         stamps = [0] * N
-        stamps[0], stamps[1] = self._decoded.pop(id(msg), (0, 0))
-        stamps[2] = perf_counter_ns()
+        stamps[RECEIPT], stamps[DECODE] = self._decoded.pop(id(msg), (0, 0))
+        stamps[HANDLER] = perf_counter_ns()
         return stamps
 
     def replying(self, reply, stamps: list[int]) -> None:
         """`reply` is built and about to be handed to gRPC."""
-        stamps[11] = perf_counter_ns()
+        stamps[REPLY] = perf_counter_ns()
         if len(self._replies) > self.ring.maxlen:  # replies of calls that ended before writing them
             self._replies.clear()
         self._replies[id(reply)] = stamps
@@ -102,7 +108,7 @@ class StageRecorder:
         """`reply` has been handed to gRPC (stream) / its call is done (unary): keep its stamps."""
         stamps = self._replies.pop(id(reply), None)
         if stamps is not None:
-            stamps[14] = perf_counter_ns()
+            stamps[WRITE] = perf_counter_ns()
             self.ring.append(stamps)
 
     # -- reading it --------------------------------------------------------------------------
@@ -116,9 +122,9 @@ class StageRecorder:
             d = d[(rows[:, i] > 0) & (rows[:, i - 1] > 0)]
             if d.size:
                 out[POINTS[i]] = _pct(d)
-        ok = rows[(rows[:, 0] > 0) & (rows[:, N - 1] > 0)]
+        ok = rows[(rows[:, RECEIPT] > 0) & (rows[:, WRITE] > 0)]
         if ok.size:
-            out["total"] = _pct(ok[:, N - 1] - ok[:, 0])
+            out["total"] = _pct(ok[:, WRITE] - ok[:, RECEIPT])
         return out
 
 
