@@ -56,10 +56,10 @@ def rss_kib(pid: int) -> int:
 
 
 class Tulip:
-    def __init__(self, root: Path, log: Path):
+    def __init__(self, root: Path, log: Path, device: str = "cpu", model: str = "default"):
         self.port, self.metrics_port = free_port(), free_port()
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-        self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", "default", "--device", "cpu",
+        self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", model, "--device", device,
                                    "--port", str(self.port), "--max-queued-tokens", "200000",
                                    "--metrics-port", str(self.metrics_port)],
                                   cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -356,11 +356,13 @@ def main(argv=None) -> int:
     ap.add_argument("--root", type=Path, default=HERE)
     ap.add_argument("--only", nargs="*", default=list(ATTACKS))
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--model", default="default", help="the Tulip's model (e.g. preset:bge-m3 on a GPU)")
+    ap.add_argument("--device", default="cpu", help="the Tulip's device (cuda: the engine's steps take ms, not s)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     for name in args.only:
         log = Path(f"/tmp/tulip-attack-{name}.log")
-        tulip = Tulip(args.root, log)
+        tulip = Tulip(args.root, log, args.device, args.model)
         try:
             with Watch(tulip) as w:
                 t0 = time.monotonic()
