@@ -269,6 +269,15 @@ def run_client(coro):
     return _CLIENT_LOOP.run_until_complete(coro)
 
 
+def stop(proc: subprocess.Popen, sig: int = 15, timeout: float = 30.0) -> None:
+    """Signal a server this run started (SIGTERM by default) and wait for it; killed if it outlasts `timeout`."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 _GIVEN: set[int] = set()
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import free_port
+from benchmarks.common import free_port, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 DIM = 1024
@@ -375,11 +375,7 @@ def main(argv=None) -> int:
                 rec.emit(bench="ivy-saturation", encoding=enc, clients=c, target_req_per_s=ISSUE_TARGET_REQ_PER_S,
                          **common, **saturate(url, payload, c, args.seconds, args.client_processes, ivy.pid))
     finally:
-        ivy.send_signal(signal.SIGTERM)
-        try:
-            ivy.wait(30)
-        except subprocess.TimeoutExpired:
-            ivy.kill()
+        stop(ivy)
         stand_in.send_signal(signal.SIGTERM)
         stand_in.wait(30)
     if args.stages and stages.is_file():  # the latency cells' requests, in order, warm-ups first

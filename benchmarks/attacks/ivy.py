@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-from benchmarks.common import free_port
+from benchmarks.common import free_port, stop
 
 HERE = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -244,11 +244,7 @@ def main(argv=None) -> int:
                        "probe_failures": probe.bad[:5] + ([f"+{len(probe.bad) - 5}"] if len(probe.bad) > 5 else []),
                        "model": args.model, "root": str(root), "date": time.strftime("%Y-%m-%d")}
             finally:
-                ivy.send_signal(signal.SIGINT)
-                try:
-                    ivy.wait(30)
-                except subprocess.TimeoutExpired:
-                    ivy.kill()
+                stop(ivy, signal.SIGINT)
             print(json.dumps(row), flush=True)
             rows.append(row)
             if args.out:
