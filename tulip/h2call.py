@@ -17,13 +17,13 @@ import grpc
 
 from tulip.h2limits import ENHANCE_YOUR_CALM, NO_ERROR
 from trellis.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, RST_STREAM, frame
-from trellis.h2frames import HEAD as _HEAD, PREFIX as _PREFIX, U32 as _U32, literal as _literal
+from trellis.h2frames import HEAD, PREFIX, U32, literal
 
 log = logging.getLogger("tulip.h2server")
 
 WRITE_HIGH = 4 << 20  # a streaming handler's write() waits while this much of its call is not yet sent
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-HEADERS_OK = b"".join(_literal(k, v) for k, v in (
+HEADERS_OK = b"".join(literal(k, v) for k, v in (
     (b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-accept-encoding", b"identity")))
 _BAD = grpc.StatusCode.INVALID_ARGUMENT  # a request that is not one: the docs' promise (never INTERNAL)
 
@@ -194,10 +194,10 @@ class Call:
         if not self.headers_sent:
             self.headers_sent = True
             out.append(frame(HEADERS, END_HEADERS, self.sid, HEADERS_OK))
-        size = len(msg) + _PREFIX
+        size = len(msg) + PREFIX
         if (not self.queued and not conn.paused and size <= conn.window and size <= conn.peer_initial + self.window_off
                 and size <= conn.peer_frame):
-            out.append(_HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, self.sid) + b"\x00"
+            out.append(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, self.sid) + b"\x00"
                        + len(msg).to_bytes(4, "big") + msg)
             conn.window -= size
             self.window_off -= size
@@ -223,9 +223,9 @@ class Call:
         if self.over:
             return
         self.over, self.code, self.details = True, code, details
-        block = (b"" if self.headers_sent else HEADERS_OK) + _literal(b"grpc-status", str(code.value[0]).encode())
+        block = (b"" if self.headers_sent else HEADERS_OK) + literal(b"grpc-status", str(code.value[0]).encode())
         if details:
-            block += _literal(b"grpc-message", grpc_message(details))
+            block += literal(b"grpc-message", grpc_message(details))
         self.trailers = frame(HEADERS, END_HEADERS | END_STREAM, self.sid, block)
         self.conn.flush(self)
         self.conn.write_soon()
@@ -238,7 +238,7 @@ class Call:
         """End the call without trailers (the client reset it, the connection is gone, or we reset it)."""
         conn = self.conn
         if rst is not None and not conn.closed and conn.calls.get(self.sid) is self:
-            conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(rst)))
+            conn.out.append(frame(RST_STREAM, 0, self.sid, U32.pack(rst)))
             conn.write_soon()
         if not self.over:
             self.over, self.code, self.details = True, code, details
@@ -259,7 +259,7 @@ class Call:
         self.trailers = None
         self.session = None
         if not self.remote_closed and not self.conn.closed:  # the client may stop sending (gRPC's servers do this)
-            self.conn.out.append(frame(RST_STREAM, 0, self.sid, _U32.pack(NO_ERROR)))
+            self.conn.out.append(frame(RST_STREAM, 0, self.sid, U32.pack(NO_ERROR)))
         self.conn.forget(self)
 
     def run_callbacks(self) -> None:
@@ -374,14 +374,14 @@ class Call:
         What is handed over is consumed (the connection opens the windows again for it); a partial
         message and requests a streaming handler has not read yet stay `held`."""
         buf = self._in
-        if not buf and len(data) > _PREFIX and data[0] == 0 and len(data) == _PREFIX + int.from_bytes(data[1:5], "big"):
-            if len(data) - _PREFIX <= self.conn.server.max_message:  # one whole message in one frame: the usual
-                return self._deliver(data[_PREFIX:])
+        if not buf and len(data) > PREFIX and data[0] == 0 and len(data) == PREFIX + int.from_bytes(data[1:5], "big"):
+            if len(data) - PREFIX <= self.conn.server.max_message:  # one whole message in one frame: the usual
+                return self._deliver(data[PREFIX:])
         before = len(buf)
         buf += data
         limit = self.conn.server.max_message
         error = None
-        while len(buf) >= _PREFIX and not self.over:
+        while len(buf) >= PREFIX and not self.over:
             if buf[0] != 0:
                 error = (grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported "
                          "(this server takes identity encoding only)")
@@ -390,10 +390,10 @@ class Call:
             if n > limit:
                 error = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({n} vs. {limit})")
                 break
-            if len(buf) < _PREFIX + n:
+            if len(buf) < PREFIX + n:
                 break
-            msg = bytes(buf[_PREFIX:_PREFIX + n])
-            del buf[:_PREFIX + n]
+            msg = bytes(buf[PREFIX:PREFIX + n])
+            del buf[:PREFIX + n]
             self._deliver(msg)
         if error is not None:
             return self.reset_with(*error)
@@ -406,8 +406,8 @@ class Call:
         if buf:
             self.partial_at = time.monotonic()
             conn.partial[self.sid] = self
-            if len(buf) >= _PREFIX:
-                conn.progress(self, _PREFIX + int.from_bytes(buf[1:5], "big") - len(buf))
+            if len(buf) >= PREFIX:
+                conn.progress(self, PREFIX + int.from_bytes(buf[1:5], "big") - len(buf))
         elif before:
             conn.partial.pop(self.sid, None)
 
@@ -422,9 +422,9 @@ class Call:
             if self.session is not None:
                 self._to_session(request)
             else:
-                self.held += len(msg) + _PREFIX  # held until the handler reads it
-                self.conn.held += len(msg) + _PREFIX
-                self.requests.put(request, len(msg) + _PREFIX)
+                self.held += len(msg) + PREFIX  # held until the handler reads it
+                self.conn.held += len(msg) + PREFIX
+                self.requests.put(request, len(msg) + PREFIX)
         elif self.unary_request is None:
             self.unary_request = msg
         else:

@@ -18,7 +18,7 @@ from tulip.h2call import Call
 from tulip.h2flow import Framing
 from tulip.h2limits import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR
 from trellis.h2frames import GOAWAY, MAX_FRAME, frame, frames
-from trellis.h2frames import PREFACE as _PREFACE
+from trellis.h2frames import PREFACE
 
 log = logging.getLogger("tulip.h2server")
 
@@ -183,15 +183,15 @@ class Connection(Framing, asyncio.Protocol):
             data, self._buf = self._buf + data, b""
         pos, n = 0, len(data)
         if self._preface:
-            if n < len(_PREFACE):
-                if not _PREFACE.startswith(data):
+            if n < len(PREFACE):
+                if not PREFACE.startswith(data):
                     return self._not_http2(data)
                 self._buf = data
                 return
-            if not data.startswith(_PREFACE):
+            if not data.startswith(PREFACE):
                 return self._not_http2(data)
             self._preface = False
-            pos = len(_PREFACE)
+            pos = len(PREFACE)
             # our SETTINGS once the client's preface came (HTTP/1.1 on the port gets a plain answer instead)
             self.out.append(self.server.settings_frame)
         for ftype, flags, sid, payload, pos in frames(data, pos):

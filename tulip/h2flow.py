@@ -25,7 +25,7 @@ from trellis.h2frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WI
                               HEADERS, MAX_FRAME, PADDED, PING, PRIORITY, PRIORITY_FLAG, PUSH_PROMISE, RST_STREAM,
                               SETTINGS, SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
                               WINDOW, WINDOW_UPDATE, frame)
-from trellis.h2frames import PREFIX as _PREFIX, U32 as _U32, literal as _literal
+from trellis.h2frames import PREFIX, U32, literal
 
 log = logging.getLogger("tulip.h2server")
 
@@ -54,13 +54,13 @@ class Framing:
         self.blocked: dict[int, Call] = {}  # calls with output waiting for the connection's window (or writes)
         self.starved: dict[int, Call] = {}  # calls with output waiting for their own stream's window
         self.queued_out = 0  # reply bytes queued in calls
-        self.call_output = max(limits.call_output, server.max_message + _PREFIX)
-        self.conn_output = max(limits.conn_output, server.max_message + _PREFIX)
+        self.call_output = max(limits.call_output, server.max_message + PREFIX)
+        self.conn_output = max(limits.conn_output, server.max_message + PREFIX)
         # receiving: our windows are opened again only for bytes handed over (`held`: not yet)
         self.stream_window = limits.stream_buffered
         self.recv_window = WINDOW  # what the peer may still send on the connection
         self.held = 0
-        self.conn_buffered = max(limits.conn_buffered, server.max_message + _PREFIX + MAX_FRAME)
+        self.conn_buffered = max(limits.conn_buffered, server.max_message + PREFIX + MAX_FRAME)
         self.partial: dict[int, Call] = {}  # calls holding a partial message
         self.control = Bucket(limits.control_burst, limits.control_rate)
         self.resets = Bucket(limits.reset_burst, limits.reset_rate)
@@ -151,7 +151,7 @@ class Framing:
         if call is not None:
             call.reset(grpc.StatusCode.INTERNAL, f"HTTP/2 stream error {code}", code)
         else:
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(code)))
+            self.out.append(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         n = len(payload)
@@ -184,12 +184,12 @@ class Framing:
         """Open the windows again for what was handed over: each back to its size less what is held."""
         inc = WINDOW - self.held - self.recv_window
         if inc >= WINDOW // 2:
-            self.out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(inc)))
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(inc)))
             self.recv_window += inc
         if call is not None and not call.over:
             inc = self.stream_window - call.held - call.recv_window
             if inc >= self.stream_window // 2:
-                self.out.append(frame(WINDOW_UPDATE, 0, call.sid, _U32.pack(inc)))
+                self.out.append(frame(WINDOW_UPDATE, 0, call.sid, U32.pack(inc)))
                 call.recv_window += inc
 
     def progress(self, call: Call, need: int) -> None:
@@ -197,11 +197,11 @@ class Framing:
         message limit bounds it), past the connection's only within `conn_buffered`."""
         if call.recv_window < need:
             inc = need - call.recv_window
-            self.out.append(frame(WINDOW_UPDATE, 0, call.sid, _U32.pack(inc)))
+            self.out.append(frame(WINDOW_UPDATE, 0, call.sid, U32.pack(inc)))
             call.recv_window += inc
         if self.recv_window < need and self.held + need <= self.conn_buffered:
             inc = need - self.recv_window
-            self.out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(inc)))
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, U32.pack(inc)))
             self.recv_window += inc
 
     def release(self, call: Call, n: int) -> None:
@@ -216,7 +216,7 @@ class Framing:
     def _window_update(self, sid: int, payload: bytes) -> None:
         if len(payload) != 4:
             return self.fail(FRAME_SIZE_ERROR, "a WINDOW_UPDATE that is not 4 bytes")
-        inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
         if sid == 0:
             if inc == 0:
                 return self.fail(PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
@@ -306,13 +306,13 @@ class Framing:
             return  # trailers of a call already over: nothing to do
         self.last_sid = sid
         if self.going_away:
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))  # safe to retry elsewhere
+            self.out.append(frame(RST_STREAM, 0, sid, U32.pack(REFUSED_STREAM)))  # safe to retry elsewhere
             return
         if problem := request_error(headers):
             log.info("tulip: a malformed request from %s: %s", self.peer, problem)
             if not self.control.take():
                 return self._calm("malformed requests")
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+            self.out.append(frame(RST_STREAM, 0, sid, U32.pack(PROTOCOL_ERROR)))
             return
         h = dict(headers)
         path = h[b":path"].decode("latin-1")
@@ -322,15 +322,15 @@ class Framing:
             if not self.control.take():
                 return self._calm("requests that are not gRPC")
             status = b"405" if h[b":method"] != b"POST" else b"415"
-            self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, _literal(b":status", status)
-                                  + _literal(b"content-type", b"text/plain")))
+            self.out.append(frame(HEADERS, END_HEADERS | END_STREAM, sid, literal(b":status", status)
+                                  + literal(b"content-type", b"text/plain")))
             return
         if len(self.calls) >= self.limits.max_streams or self.queued_out > self.conn_output // 4:
             # (past a quarter of conn_output waiting for this peer: a client that does not take its
             # answers gets no new work done; REFUSED_STREAM is safe to retry)
             if not self.control.take():
                 return self._calm("streams over SETTINGS_MAX_CONCURRENT_STREAMS")
-            self.out.append(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self.out.append(frame(RST_STREAM, 0, sid, U32.pack(REFUSED_STREAM)))
             return
         self.opened += 1
         if self.opened >= OPEN_PER_TURN:

@@ -50,7 +50,7 @@ from tulip.h2conn import Connection
 from tulip.h2limits import Bucket, Limits, raise_nofile_limit
 from trellis.h2frames import (DEFAULT_WINDOW, MAX_FRAME, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
                               WINDOW, WINDOW_UPDATE, frame)
-from trellis.h2frames import U32 as _U32
+from trellis.h2frames import U32
 
 log = logging.getLogger("tulip.h2server")
 
@@ -76,7 +76,7 @@ class Server:
         self.settings_frame = frame(SETTINGS, 0, 0, b"".join(struct.pack(">HL", k, v) for k, v in (
             (SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_streams), (SETTINGS_INITIAL_WINDOW_SIZE, limits.stream_buffered),
             (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME), (SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_header_list)))
-        ) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(WINDOW - DEFAULT_WINDOW))
+        ) + frame(WINDOW_UPDATE, 0, 0, U32.pack(WINDOW - DEFAULT_WINDOW))
         self._generic: list = []
         self._paths: dict[str, Any] = {}
         self._cache: dict[str, Any] = {}
