@@ -27,8 +27,10 @@ from trellis.tulip.v1 import tulip_pb2
 ENGINE = "engine"  # the engine reads it (it changes the rows); Tulip hands it to the engine loop's Request
 REPLY = "reply"  # applied to the rows after the engine (trellis.postprocess): Tulip's plain reply is off for it
 
-# EmbedRequest fields that are not options: the ids and how the message travels (ids, deadline, tracing, cancel)
-TRANSPORT = frozenset({"token_ids", "lengths", "request_id", "timeout_ms", "cancel", "traceparent"})
+# EmbedRequest fields that are not options: the inputs (token ids, or an image request's pixels) and how the
+# message travels and is scheduled (ids, deadline, tracing, cancel, priority class)
+TRANSPORT = frozenset({"token_ids", "lengths", "pixels", "images", "request_id", "timeout_ms", "cancel",
+                       "traceparent", "priority"})
 
 # OpenAI's `encoding_format` (Ivy's /v1/embeddings) -> the wire's encoding
 ENCODING_FORMATS = {"float": tulip_pb2.ENCODING_FLOAT32, "base64": tulip_pb2.ENCODING_FLOAT32,

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrellis/tulip/v1/tulip.proto\x12\x10trellis.tulip.v1\"2\n\x0cSparseVector\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\x02\"\xab\x02\n\x0c\x45mbedRequest\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\r\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12)\n\x07outputs\x18\x04 \x03(\x0e\x32\x18.trellis.tulip.v1.Output\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x11\n\tpool_from\x18\x08 \x03(\r\x12\x0e\n\x06\x63\x61ncel\x18\t \x01(\x08\x12\x16\n\x0esegment_starts\x18\n \x03(\r\x12\x12\n\nraw_scores\x18\x0b \x01(\x08\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\"\xb2\x02\n\nEmbedReply\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12,\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12.\n\x06sparse\x18\x05 \x03(\x0b\x32\x1e.trellis.tulip.v1.SparseVector\x12\x0f\n\x07\x63olbert\x18\x06 \x01(\x0c\x12\x17\n\x0f\x63olbert_lengths\x18\x07 \x03(\r\x12\x13\n\x0b\x63olbert_dim\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\r\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x0e\n\x06scores\x18\x0c \x01(\x0c\"\r\n\x0bInfoRequest\"\xf7\x02\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rembedding_dim\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x12\n\nnormalized\x18\x06 \x01(\x08\x12)\n\x07outputs\x18\x07 \x03(\x0e\x32\x18.trellis.tulip.v1.Output\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12-\n\tencodings\x18\x0b \x03(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12\x11\n\tattention\x18\x0c \x01(\t\x12\x12\n\nnum_labels\x18\r \x01(\r\x12\x12\n\nactivation\x18\x0e \x01(\t\x12\x10\n\x08revision\x18\x0f \x01(\t\x12\x16\n\x0erandom_weights\x18\x10 \x01(\x08*l\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cOUTPUT_DENSE\x10\x01\x12\x11\n\rOUTPUT_SPARSE\x10\x02\x12\x12\n\x0eOUTPUT_COLBERT\x10\x03\x12\x11\n\rOUTPUT_SCORES\x10\x04*H\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x11\n\rENCODING_INT8\x10\x01\x12\x13\n\x0f\x45NCODING_BINARY\x10\x02\x32\xe3\x01\n\x05Tulip\x12\x45\n\x05\x45mbed\x12\x1e.trellis.tulip.v1.EmbedRequest\x1a\x1c.trellis.tulip.v1.EmbedReply\x12O\n\x0b\x45mbedStream\x12\x1e.trellis.tulip.v1.EmbedRequest\x1a\x1c.trellis.tulip.v1.EmbedReply(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.trellis.tulip.v1.InfoRequest\x1a\x1b.trellis.tulip.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctrellis/tulip/v1/tulip.proto\x12\x10trellis.tulip.v1\"2\n\x0cSparseVector\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07weights\x18\x02 \x03(\x02\"\xf9\x02\n\x0c\x45mbedRequest\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\r\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12)\n\x07outputs\x18\x04 \x03(\x0e\x32\x18.trellis.tulip.v1.Output\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x11\n\tpool_from\x18\x08 \x03(\r\x12\x0e\n\x06\x63\x61ncel\x18\t \x01(\x08\x12\x16\n\x0esegment_starts\x18\n \x03(\r\x12\x12\n\nraw_scores\x18\x0b \x01(\x08\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12,\n\x08priority\x18\r \x01(\x0e\x32\x1a.trellis.tulip.v1.Priority\x12\x0e\n\x06pixels\x18\x0e \x01(\x0c\x12\x0e\n\x06images\x18\x0f \x01(\r\"\xb2\x02\n\nEmbedReply\x12\x12\n\nembeddings\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12,\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12.\n\x06sparse\x18\x05 \x03(\x0b\x32\x1e.trellis.tulip.v1.SparseVector\x12\x0f\n\x07\x63olbert\x18\x06 \x01(\x0c\x12\x17\n\x0f\x63olbert_lengths\x18\x07 \x03(\r\x12\x13\n\x0b\x63olbert_dim\x18\x08 \x01(\r\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\r\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x0e\n\x06scores\x18\x0c \x01(\x0c\"\r\n\x0bInfoRequest\"\x8b\x03\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rembedding_dim\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x12\n\nnormalized\x18\x06 \x01(\x08\x12)\n\x07outputs\x18\x07 \x03(\x0e\x32\x18.trellis.tulip.v1.Output\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12-\n\tencodings\x18\x0b \x03(\x0e\x32\x1a.trellis.tulip.v1.Encoding\x12\x11\n\tattention\x18\x0c \x01(\t\x12\x12\n\nnum_labels\x18\r \x01(\r\x12\x12\n\nactivation\x18\x0e \x01(\t\x12\x10\n\x08revision\x18\x0f \x01(\t\x12\x16\n\x0erandom_weights\x18\x10 \x01(\x08\x12\x12\n\nimage_size\x18\x11 \x01(\r*l\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cOUTPUT_DENSE\x10\x01\x12\x11\n\rOUTPUT_SPARSE\x10\x02\x12\x12\n\x0eOUTPUT_COLBERT\x10\x03\x12\x11\n\rOUTPUT_SCORES\x10\x04*H\n\x08\x45ncoding\x12\x14\n\x10\x45NCODING_FLOAT32\x10\x00\x12\x11\n\rENCODING_INT8\x10\x01\x12\x13\n\x0f\x45NCODING_BINARY\x10\x02*3\n\x08Priority\x12\x13\n\x0fPRIORITY_ONLINE\x10\x00\x12\x12\n\x0ePRIORITY_BATCH\x10\x01\x32\xe3\x01\n\x05Tulip\x12\x45\n\x05\x45mbed\x12\x1e.trellis.tulip.v1.EmbedRequest\x1a\x1c.trellis.tulip.v1.EmbedReply\x12O\n\x0b\x45mbedStream\x12\x1e.trellis.tulip.v1.EmbedRequest\x1a\x1c.trellis.tulip.v1.EmbedReply(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.trellis.tulip.v1.InfoRequest\x1a\x1b.trellis.tulip.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trellis.tulip.v1.tulip_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUT']._serialized_start=1106
-  _globals['_OUTPUT']._serialized_end=1214
-  _globals['_ENCODING']._serialized_start=1216
-  _globals['_ENCODING']._serialized_end=1288
+  _globals['_OUTPUT']._serialized_start=1204
+  _globals['_OUTPUT']._serialized_end=1312
+  _globals['_ENCODING']._serialized_start=1314
+  _globals['_ENCODING']._serialized_end=1386
+  _globals['_PRIORITY']._serialized_start=1388
+  _globals['_PRIORITY']._serialized_end=1439
   _globals['_SPARSEVECTOR']._serialized_start=50
   _globals['_SPARSEVECTOR']._serialized_end=100
   _globals['_EMBEDREQUEST']._serialized_start=103
-  _globals['_EMBEDREQUEST']._serialized_end=402
-  _globals['_EMBEDREPLY']._serialized_start=405
-  _globals['_EMBEDREPLY']._serialized_end=711
-  _globals['_INFOREQUEST']._serialized_start=713
-  _globals['_INFOREQUEST']._serialized_end=726
-  _globals['_INFOREPLY']._serialized_start=729
-  _globals['_INFOREPLY']._serialized_end=1104
-  _globals['_TULIP']._serialized_start=1291
-  _globals['_TULIP']._serialized_end=1518
+  _globals['_EMBEDREQUEST']._serialized_end=480
+  _globals['_EMBEDREPLY']._serialized_start=483
+  _globals['_EMBEDREPLY']._serialized_end=789
+  _globals['_INFOREQUEST']._serialized_start=791
+  _globals['_INFOREQUEST']._serialized_end=804
+  _globals['_INFOREPLY']._serialized_start=807
+  _globals['_INFOREPLY']._serialized_end=1202
+  _globals['_TULIP']._serialized_start=1442
+  _globals['_TULIP']._serialized_end=1669
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,11 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENCODING_FLOAT32: _ClassVar[Encoding]
     ENCODING_INT8: _ClassVar[Encoding]
     ENCODING_BINARY: _ClassVar[Encoding]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_ONLINE: _ClassVar[Priority]
+    PRIORITY_BATCH: _ClassVar[Priority]
 OUTPUT_UNSPECIFIED: Output
 OUTPUT_DENSE: Output
 OUTPUT_SPARSE: Output
@@ -28,6 +33,8 @@ OUTPUT_SCORES: Output
 ENCODING_FLOAT32: Encoding
 ENCODING_INT8: Encoding
 ENCODING_BINARY: Encoding
+PRIORITY_ONLINE: Priority
+PRIORITY_BATCH: Priority
 
 class SparseVector(_message.Message):
     __slots__ = ("token_ids", "weights")
@@ -38,7 +45,7 @@ class SparseVector(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel", "segment_starts", "raw_scores", "traceparent")
+    __slots__ = ("token_ids", "lengths", "dimensions", "outputs", "request_id", "encoding", "timeout_ms", "pool_from", "cancel", "segment_starts", "raw_scores", "traceparent", "priority", "pixels", "images")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +58,9 @@ class EmbedRequest(_message.Message):
     SEGMENT_STARTS_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
     dimensions: int
@@ -63,7 +73,10 @@ class EmbedRequest(_message.Message):
     segment_starts: _containers.RepeatedScalarFieldContainer[int]
     raw_scores: bool
     traceparent: str
-    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ..., segment_starts: _Optional[_Iterable[int]] = ..., raw_scores: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    priority: Priority
+    pixels: bytes
+    images: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., dimensions: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., request_id: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., timeout_ms: _Optional[int] = ..., pool_from: _Optional[_Iterable[int]] = ..., cancel: _Optional[bool] = ..., segment_starts: _Optional[_Iterable[int]] = ..., raw_scores: _Optional[bool] = ..., traceparent: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., pixels: _Optional[bytes] = ..., images: _Optional[int] = ...) -> None: ...
 
 class EmbedReply(_message.Message):
     __slots__ = ("embeddings", "shape", "prompt_tokens", "encoding", "sparse", "colbert", "colbert_lengths", "colbert_dim", "request_id", "error_code", "error_message", "scores")
@@ -98,7 +111,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention", "num_labels", "activation", "revision", "random_weights")
+    __slots__ = ("model", "embedding_dim", "max_seq_len", "vocab_size", "pooling", "normalized", "outputs", "dtype", "device", "max_batch_tokens", "encodings", "attention", "num_labels", "activation", "revision", "random_weights", "image_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +128,7 @@ class InfoReply(_message.Message):
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     embedding_dim: int
     max_seq_len: int
@@ -131,4 +145,5 @@ class InfoReply(_message.Message):
     activation: str
     revision: str
     random_weights: bool
-    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ..., num_labels: _Optional[int] = ..., activation: _Optional[str] = ..., revision: _Optional[str] = ..., random_weights: _Optional[bool] = ...) -> None: ...
+    image_size: int
+    def __init__(self, model: _Optional[str] = ..., embedding_dim: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., encodings: _Optional[_Iterable[_Union[Encoding, str]]] = ..., attention: _Optional[str] = ..., num_labels: _Optional[int] = ..., activation: _Optional[str] = ..., revision: _Optional[str] = ..., random_weights: _Optional[bool] = ..., image_size: _Optional[int] = ...) -> None: ...
