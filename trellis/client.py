@@ -74,11 +74,15 @@ class EmbedOptions(Options):
                     be answered; 0: none. Each call is given what is left of it as its timeout.
     traceparent:    W3C trace context of the caller's span (ivy.tracing sets it per chunk): sent in the
                     stream message's `traceparent` field, as gRPC metadata on a unary call; "": none.
+    priority:       the request's scheduling class, tulip_pb2.PRIORITY_ONLINE (the default) or
+                    tulip_pb2.PRIORITY_BATCH (bulk jobs: Tulip serves queued online work first and gives
+                    batch work the token budget online work leaves). A transport field, not an option.
     """
 
     request_id: str = ""
     deadline: float = 0.0
     traceparent: str = ""
+    priority: int = tulip_pb2.PRIORITY_ONLINE
 
     def part(self, a: int, b: int, k: int) -> "EmbedOptions":
         """The options of sequences [a, b), chunk k of a request split over replicas."""
@@ -95,6 +99,8 @@ class EmbedOptions(Options):
         if self is _DEFAULT:
             return req
         req.request_id = self.request_id
+        if self.priority:
+            req.priority = self.priority
         return self.to_proto(req)
 
 
@@ -326,32 +332,36 @@ class TulipClient:
         return await self.stub.Info(tulip_pb2.InfoRequest(), timeout=timeout)
 
     async def score(self, seqs, segment_starts: Sequence[int] = (), timeout: float | None = None,
-                    raw_scores: bool = False) -> np.ndarray:
+                    raw_scores: bool = False, priority: int = tulip_pb2.PRIORITY_ONLINE) -> np.ndarray:
         """A cross-encoder's float32 [n, num_labels] scores of token-id sequences (query-document pairs
-        as its tokenizer's pair template builds them; `segment_starts`: where each second segment starts)."""
+        as its tokenizer's pair template builds them; `segment_starts`: where each second segment starts).
+        `priority`: tulip_pb2.PRIORITY_BATCH for bulk work (see `EmbedOptions.priority`)."""
         return (await self.embed_result(seqs, timeout=timeout, segment_starts=segment_starts,
-                                        raw_scores=raw_scores)).scores
+                                        raw_scores=raw_scores, priority=priority)).scores
 
     async def embed(self, seqs, dimensions: int = 0, timeout: float | None = None,
-                    encoding: int = tulip_pb2.ENCODING_FLOAT32) -> np.ndarray:
-        """Embed token-id sequences; the array's type follows `encoding` (see `unpack`)."""
-        if timeout is None and not dimensions and encoding == tulip_pb2.ENCODING_FLOAT32:
+                    encoding: int = tulip_pb2.ENCODING_FLOAT32, priority: int = tulip_pb2.PRIORITY_ONLINE) -> np.ndarray:
+        """Embed token-id sequences; the array's type follows `encoding` (see `unpack`). `priority`:
+        tulip_pb2.PRIORITY_BATCH for bulk work, served after queued online work (`EmbedOptions.priority`)."""
+        if timeout is None and not dimensions and encoding == tulip_pb2.ENCODING_FLOAT32 and not priority:
             return (await self.call(seqs, _DEFAULT)).vectors
         deadline = time.monotonic() + timeout if timeout is not None else 0.0
-        return (await self.call(seqs, EmbedOptions(dimensions, encoding, deadline=deadline))).vectors
+        return (await self.call(seqs, EmbedOptions(dimensions, encoding, deadline=deadline, priority=priority))).vectors
 
     async def embed_result(self, seqs, dimensions: int = 0, timeout: float | None = None,
                            encoding: int = tulip_pb2.ENCODING_FLOAT32, outputs: Sequence[int] = (),
                            pool_from: Sequence[int] = (), segment_starts: Sequence[int] = (),
-                           raw_scores: bool = False, request_id: str = "") -> EmbedResult:
+                           raw_scores: bool = False, request_id: str = "",
+                           priority: int = tulip_pb2.PRIORITY_ONLINE) -> EmbedResult:
         """Embed with extra `outputs` (tulip_pb2.OUTPUT_SPARSE / OUTPUT_COLBERT) where the model has them;
         `pool_from`: per sequence, leading (prompt) tokens mean pooling leaves out. A cross-encoder's
         result has `scores`; `segment_starts`: per sequence where its second segment starts (0: none),
         `raw_scores`: the head's logits, not activated. `request_id`: the caller's id for the request
-        (the stream adds "#n" to keep its messages apart, see TulipStream)."""
+        (the stream adds "#n" to keep its messages apart, see TulipStream). `priority`: the scheduling
+        class, tulip_pb2.PRIORITY_BATCH for bulk work (see `EmbedOptions.priority`)."""
         deadline = time.monotonic() + timeout if timeout is not None else 0.0
         return await self.call(seqs, EmbedOptions(dimensions, encoding, tuple(outputs), pool_from, segment_starts,
-                                                  raw_scores, request_id, deadline))
+                                                  raw_scores, request_id, deadline, priority=priority))
 
     async def call(self, seqs, opts: EmbedOptions) -> EmbedResult:
         """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object), within
