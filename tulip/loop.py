@@ -1,5 +1,6 @@
-"""Tulip's engine loop: FCFS batches from the `Scheduler`, launched on the engine while up to
-`max_inflight - 1` earlier steps still run, each step's rows scattered to its requests' callbacks.
+"""Tulip's engine loop: batches from the `Scheduler` (online work first, FCFS within a priority class),
+launched on the engine while up to `max_inflight - 1` earlier steps still run, each step's rows
+scattered to its requests' callbacks.
 
 `EngineLoop` owns the scheduler and the engine; the gRPC servicer (`tulip.server`) only validates,
 submits and replies. `warm_up` runs the --warmup shapes before serving.
@@ -25,7 +26,7 @@ from rose.extras import Extra, colbert_vectors, lexical_weights, vocab_weights
 from trellis.spin import Spinner
 from tulip.config import TulipConfig, warmup_shapes
 from tulip.metrics import TulipMetrics
-from tulip.scheduler import Entry, Scheduler
+from tulip.scheduler import ONLINE, Entry, Scheduler
 from tulip.stages import BATCH, COPY, DELIVER, LAUNCH, SCHEDULE, WAIT, StageRecorder
 
 log = logging.getLogger("tulip")
@@ -45,6 +46,7 @@ class Request(Entry):
     missing. `on_done(request, rows, error)` is called once, by the engine loop, when it
     completes or fails. `deadline` (monotonic, 0: none) drops its still-queued sequences.
     `trace`: its tulip.tracing.RequestTrace where tracing is on (None: not traced).
+    `priority`: its scheduling class (tulip.scheduler ONLINE, the default, or BATCH: the EmbedRequest's).
     """
 
     __slots__ = ("ids", "extras", "on_done", "pool_from", "segments", "offsets", "rows", "sparse", "colbert", "pending",
@@ -52,8 +54,9 @@ class Request(Entry):
 
     def __init__(self, ids: np.ndarray, lengths: Sequence[int], extras: frozenset = _NO_EXTRAS,
                  on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None,
-                 pool_from: Sequence[int] | None = None, segments: Sequence[int] | None = None):
-        super().__init__(lengths)
+                 pool_from: Sequence[int] | None = None, segments: Sequence[int] | None = None,
+                 priority: int = ONLINE):
+        super().__init__(lengths, priority)
         n = len(self.lengths)
         self.ids, self.extras, self.on_done, self.pool_from, self.segments = ids, extras, on_done, pool_from, segments
         self.pending = n
@@ -233,6 +236,7 @@ class EngineLoop:
         self.scheduler = Scheduler(cfg.max_batch_tokens)
         self.metrics.queue_tokens.set_function(lambda: self.scheduler.queued_tokens)
         self.metrics.queue_requests.set_function(lambda: len(self.scheduler))
+        self.metrics.by_class(self.scheduler)
         self._inflight: deque[_Step] = deque()
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
@@ -321,9 +325,12 @@ class EngineLoop:
         m = self.metrics
         m.batch_tokens.observe(step.tokens)
         m.batch_seqs.observe(len(step.slots))
+        by_class = m.class_queue_seconds
         for r, i in step.slots:
             if i == 0:
-                m.queue_seconds.observe(step.launched - r.queued_at)
+                waited = step.launched - r.queued_at
+                m.queue_seconds.observe(waited)
+                by_class[r.priority].observe(waited)
         m.step_seconds.observe(done - step.launched)
 
     def _pump(self) -> None:

@@ -1,7 +1,8 @@
 """Tulip's Embed messages on the wire, apart from any server: an EmbedRequest checked against the
 served model and unpacked (`parse_request`), a message that does not decode (`Undecodable`,
 `decode_request`), the usual reply serialized straight from its rows (`plain_reply`,
-`serialize_reply`), and which request outputs are the engine's extras (`EXTRAS`). The servicer
+`serialize_reply`), which request outputs are the engine's extras (`EXTRAS`) and which priority classes
+exist (`PRIORITIES`, `bad_priority`). The servicer
 (`tulip.servicer`) calls these; the tests call them without a server."""
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
     pool_from = tuple(req.pool_from) if req.pool_from else None
     segments = tuple(req.segment_starts) if req.segment_starts else None
     return ids, lens, pool_from, segments
+
+
+# The EmbedRequest's `priority` values Tulip schedules (tulip.scheduler's ONLINE / BATCH are these numbers)
+PRIORITIES = frozenset(tulip_pb2.Priority.values())
+
+
+def bad_priority(value: int) -> str:
+    """The INVALID_ARGUMENT message for a `priority` that is no Priority (proto3 keeps unknown enum numbers)."""
+    known = ", ".join(f"{name} = {number}" for name, number in tulip_pb2.Priority.items())
+    return f"priority {value} is not a scheduling class this server knows ({known})"
 
 
 EXTRAS = {tulip_pb2.OUTPUT_SPARSE: Extra.SPARSE, tulip_pb2.OUTPUT_COLBERT: Extra.COLBERT}

@@ -1,4 +1,5 @@
-"""Tulip's Prometheus metrics (served on --metrics-port): queue, batches, steps, requests, graphs."""
+"""Tulip's Prometheus metrics (served on --metrics-port): queue, batches, steps, requests, graphs; the
+queue and its waits by priority class as well (`tulip_priority_*{priority="online"|"batch"}`)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,26 @@ class TulipMetrics:
         self.queue_seconds = Histogram("tulip_queue_seconds", "time a request waited before its first step",
                                        buckets=TIME_BUCKETS, registry=r)
         self.requests = Counter("tulip_requests", "requests by final gRPC status", ["status"], registry=r)
+        # By priority class (tulip.scheduler ONLINE / BATCH), beside the totals above, whose names and
+        # series stay as they were: the per-class wait (its _count: the class's requests that reached a
+        # step) and the per-class queue, read from the scheduler at scrape time (no cost per request).
+        per_class = Histogram("tulip_priority_queue_seconds", "time a request waited before its first step, "
+                              "by priority class", ["priority"], buckets=TIME_BUCKETS, registry=r)
+        self.class_queue_seconds = (per_class.labels("online"), per_class.labels("batch"))  # indexed by priority
+        self._class_tokens = Gauge("tulip_priority_queue_tokens", "tokens waiting to be batched, by priority class",
+                                   ["priority"], registry=r)
+        self._class_requests = Gauge("tulip_priority_queue_requests", "requests waiting to be batched, by priority "
+                                     "class", ["priority"], registry=r)
         if engine is not None:
             r.register(GraphCollector(engine))
+
+    def by_class(self, scheduler) -> None:
+        """Read the per-class queue gauges from `scheduler` (a tulip.scheduler.Scheduler) at scrape time."""
+        s = scheduler
+        self._class_tokens.labels("online").set_function(lambda: s.queued_tokens - s.batch_tokens)
+        self._class_tokens.labels("batch").set_function(lambda: s.batch_tokens)
+        self._class_requests.labels("online").set_function(lambda: len(s) - s.batch_live)
+        self._class_requests.labels("batch").set_function(lambda: s.batch_live)
 
     def serve(self, port: int, host: str) -> None:
         start_http_server(port, addr=host, registry=self.registry)

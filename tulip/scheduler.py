@@ -1,14 +1,18 @@
-"""First-come-first-served token-budget scheduler (pure Python, no GPU, no asyncio, no numpy).
+"""Token-budget scheduler with two priority classes, first come first served within each (pure
+Python, no GPU, no asyncio, no numpy).
 
-Requests wait in arrival order. `next_batch()` takes sequences from the front
-until the next one would exceed the token budget; a request's sequences may be
-spread over several batches, and a later request never overtakes an earlier
-one. Nothing is sorted by length: the cost of a step is close to linear in its
-tokens, so sorting buys nothing and makes short requests wait (DESIGN.md).
+Requests wait in arrival order, online ones (the default) in one queue, batch ones (bulk jobs:
+`trellis embed`, Ivy's Batch API) in another. `next_batch()` takes online sequences from the front
+of theirs until the next one would exceed the token budget, then fills the budget they leave with
+batch sequences from the front of the batch queue: queued online work overtakes queued batch work at
+every step, and batch work is never starved (a step with no online work is all batch). A request's
+sequences may be spread over several batches, and within a class a later request never overtakes an
+earlier one. Nothing is sorted by length: the cost of a step is close to linear in its tokens, so
+sorting buys nothing and makes short requests wait (DESIGN.md).
 
-The scheduler sees only an `Entry`: a request's sequence lengths and how far it has been
-batched. What the engine loop needs besides (token ids, the rows computed so far, the
-caller's callback) lives in `tulip.loop.Request`, an `Entry` with more slots.
+The scheduler sees only an `Entry`: a request's sequence lengths, its class and how far it has been
+batched. What the engine loop needs besides (token ids, the rows computed so far, the caller's
+callback) lives in `tulip.loop.Request`, an `Entry` with more slots.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+# An Entry's `priority`: the values of the proto's Priority enum (PRIORITY_ONLINE, PRIORITY_BATCH;
+# tests/test_priority.py holds them equal), kept as plain ints so this module imports no stubs.
+ONLINE, BATCH = 0, 1
+
 
 class Entry:
-    """One request as the scheduler sees it: `lengths` (plain ints, one per sequence) and its
-    progress. `next` is the index of its next sequence to batch; `queued` says some of it is
-    still waiting; `cancelled` (set by `Scheduler.drop`, or by the owner) makes batching skip it."""
+    """One request as the scheduler sees it: `lengths` (plain ints, one per sequence), its class
+    `priority` (ONLINE or BATCH) and its progress. `next` is the index of its next sequence to batch;
+    `queued` says some of it is still waiting; `cancelled` (set by `Scheduler.drop`, or by the owner)
+    makes batching skip it. Set `priority` before `Scheduler.add`."""
 
-    __slots__ = ("lengths", "num_tokens", "next", "queued", "cancelled")
+    __slots__ = ("lengths", "num_tokens", "next", "queued", "cancelled", "priority")
 
-    def __init__(self, lengths: Sequence[int]):
+    def __init__(self, lengths: Sequence[int], priority: int = ONLINE):
         if type(lengths) is not tuple:
             lengths = tuple(lengths.tolist() if hasattr(lengths, "tolist") else lengths)
         self.lengths = lengths
@@ -32,20 +41,26 @@ class Entry:
         self.next = 0
         self.queued = False
         self.cancelled = False
+        self.priority = priority
 
 
 class Scheduler:
-    """FCFS queue of entries, cut into batches of at most `max_batch_tokens` tokens.
+    """Two FCFS queues of entries (online, batch), cut into batches of at most `max_batch_tokens`
+    tokens, online sequences first.
 
-    `queued_tokens` counts only live work: `drop()` takes an entry's unbatched tokens off at
-    once (the entry itself leaves the queue when it reaches the front)."""
+    `queued_tokens` and `len()` count only live work of both classes (`batch_tokens` / `batch_live`:
+    the batch class's share): `drop()` takes an entry's unbatched tokens off at once (the entry itself
+    leaves its queue when it reaches the front)."""
 
     def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16):
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
-        self._queue: deque[Entry] = deque()
-        self._live = 0  # entries with sequences still queued
+        self._queue: deque[Entry] = deque()  # online
+        self._batch: deque[Entry] = deque()
+        self._live = 0  # entries with sequences still queued, both classes
         self.queued_tokens = 0
+        self.batch_live = 0  # of which batch entries
+        self.batch_tokens = 0  # of which batch tokens
 
     def __len__(self) -> int:
         return self._live
@@ -55,7 +70,12 @@ class Scheduler:
         if longest > self.max_batch_tokens:
             raise ValueError(f"a sequence of {longest} tokens exceeds the batch budget of {self.max_batch_tokens}")
         entry.queued = True
-        self._queue.append(entry)
+        if entry.priority:
+            self._batch.append(entry)
+            self.batch_live += 1
+            self.batch_tokens += entry.num_tokens
+        else:
+            self._queue.append(entry)
         self._live += 1
         self.queued_tokens += entry.num_tokens
 
@@ -67,11 +87,16 @@ class Scheduler:
         entry.queued = False
         entry.cancelled = True
         self._live -= 1
-        self.queued_tokens -= sum(entry.lengths[entry.next:])
+        left = sum(entry.lengths[entry.next:])
+        self.queued_tokens -= left
+        if entry.priority:
+            self.batch_live -= 1
+            self.batch_tokens -= left
         return True
 
     def next_batch(self) -> list[tuple[Entry, int]]:
-        """Pop the next batch as (entry, sequence index) slots, in arrival order."""
+        """Pop the next batch as (entry, sequence index) slots: online work in arrival order, then
+        batch work in arrival order in the budget left."""
         slots: list[tuple[Entry, int]] = []
         tokens = 0
         budget = self.max_batch_tokens
@@ -95,4 +120,32 @@ class Scheduler:
                 q.popleft()
                 entry.queued = False
                 self._live -= 1
+        if self._batch:  # the online-only case pays this one test
+            self._fill(slots, tokens)
         return slots
+
+    def _fill(self, slots: list, tokens: int) -> None:
+        """Append batch-class sequences, FCFS, to `slots` (holding `tokens`) while they fit."""
+        budget = self.max_batch_tokens
+        q = self._batch
+        while q and len(slots) < self.max_batch_seqs:
+            entry = q[0]
+            if entry.cancelled:
+                q.popleft()
+                if entry.queued:
+                    self.drop(entry)
+                continue
+            i = entry.next
+            n = entry.lengths[i]
+            if tokens + n > budget:
+                break
+            slots.append((entry, i))
+            tokens += n
+            self.queued_tokens -= n
+            self.batch_tokens -= n
+            entry.next = i = i + 1
+            if i == len(entry.lengths):
+                q.popleft()
+                entry.queued = False
+                self._live -= 1
+                self.batch_live -= 1

@@ -20,8 +20,8 @@ from trellis.options import Options, no_options, no_reply_options
 from trellis.tulip.v1 import tulip_pb2
 from tulip.h2server import Direct
 from tulip.loop import EngineLoop, Request
-from tulip.messages import (EXTRAS, F32, NO_EXTRAS, Undecodable, decode_request, parse_request, plain_reply,
-                            serialize_reply)
+from tulip.messages import (EXTRAS, F32, NO_EXTRAS, PRIORITIES, Undecodable, bad_priority, decode_request,
+                            parse_request, plain_reply, serialize_reply)
 from tulip.stages import RESUME, VALIDATE
 
 log = logging.getLogger("tulip")
@@ -139,13 +139,16 @@ class TulipServicer:
                              "request to another replica")
         if type(request) is Undecodable:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"malformed EmbedRequest ({request.error})")
+        priority = request.priority  # the scheduling class (a transport field: no option, no fast-path test)
+        if priority and priority not in PRIORITIES:  # proto3 enums are open: an unknown number arrives as is
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, bad_priority(priority))
         lens = request.lengths
         if len(lens) == 1:  # the online case: one plain sequence (no option set) passes every check below in one test
             n, raw = lens[0], request.token_ids
             if 0 < n <= self._plain_max and len(raw) == n << 2 and no_options(request):
                 ids = np.frombuffer(raw, dtype="<u4")  # unsigned: a negative id is huge
                 if _MAX(ids) < self._vocab:
-                    return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done)
+                    return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done, None, None, priority)
         try:
             ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
@@ -162,7 +165,7 @@ class TulipServicer:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
                              "text (sentence-transformers include_prompt: true); send no pool_from")
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
-        return Request(ids, lengths, extras, on_done, pool_from, segments)
+        return Request(ids, lengths, extras, on_done, pool_from, segments, priority)
 
     def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
         """An upper bound of the reply's size, known before any work."""
