@@ -49,12 +49,14 @@ _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
 
 
 class Call:
-    """What the metrics say of the request being handled (the model it was routed to), and its
-    disconnect watch (`watch_disconnect`)."""
+    """What the metrics say of the request being handled (the model it was routed to), its
+    disconnect watch (`watch_disconnect`), and its ASGI headers (a route reads one it needs, as
+    `X-Trellis-Priority`, when it needs it: ivy.routes.common)."""
 
-    __slots__ = ("model", "receive", "watcher", "gone")
+    __slots__ = ("model", "receive", "watcher", "gone", "headers")
 
-    def __init__(self):
+    def __init__(self, headers=()):
+        self.headers = headers
         self.model = ""
         self.receive = None  # the request's ASGI receive, while a watch may still be started
         self.watcher: asyncio.Future | None = None
@@ -210,7 +212,7 @@ class Front:
         route = self.route(path)
         rid = request_id(scope["headers"])
         REQUEST_ID.set(rid)  # this request's task's own context
-        call = Call()
+        call = Call(scope["headers"])
         CALL.set(call)
         if not self.authorized(scope):
             return await self.reply(send, route, 401, error_body(

@@ -78,6 +78,8 @@ class EmbeddingRequest(Body):
                      "sparse_tokens" {token id: token string}.
     return_colbert:  also return BGE-M3 ColBERT vectors, "colbert_embedding": one vector per token
                      after the first (a list of lists, or base64 float32 with encoding_format base64).
+    priority:        "online" (the default) or "batch": the request's scheduling class in Tulip (queued
+                     online work goes first); the X-Trellis-Priority header says the same, this wins.
     """
 
     bools: ClassVar = ("return_sparse", "return_colbert")
@@ -94,6 +96,7 @@ class EmbeddingRequest(Body):
     prompt_name: Union[str, None] = None
     return_sparse: LaxBool = False
     return_colbert: LaxBool = False
+    priority: Union[Literal["online", "batch"], None] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -155,6 +158,7 @@ class RerankRequest(Body):
                       alone) before it is scored.
     weights:          BGE-M3's hybrid of dense, sparse and ColBERT scores (`ScoreWeights`); absent: the
                       cosine (an embedding model) or the pair score (a cross-encoder).
+    priority:         "online" or "batch", as /v1/embeddings' `priority`.
     """
 
     bools: ClassVar = ("return_documents", "truncate", "raw_scores")
@@ -169,6 +173,7 @@ class RerankRequest(Body):
     raw_scores: LaxBool = False
     max_tokens_per_doc: Union[int, None] = None
     weights: Union[ScoreWeights, list[float], None] = None
+    priority: Union[Literal["online", "batch"], None] = None
 
 
 class ScoreRequest(Body):
@@ -181,6 +186,7 @@ class ScoreRequest(Body):
     truncate:   cut texts (a pair: longest side first) longer than the model's maximum instead of 400.
     raw_scores: a cross-encoder's raw logits instead of its activated scores (as /v1/rerank).
     weights:    BGE-M3's hybrid of dense, sparse and ColBERT scores (as /v1/rerank, `ScoreWeights`).
+    priority:   "online" or "batch", as /v1/embeddings' `priority`.
     """
 
     bools: ClassVar = ("truncate", "raw_scores")
@@ -191,6 +197,7 @@ class ScoreRequest(Body):
     truncate: LaxBool = False
     raw_scores: LaxBool = False
     weights: Union[ScoreWeights, list[float], None] = None
+    priority: Union[Literal["online", "batch"], None] = None
 
 
 class TokenizeRequest(Body):

@@ -1,6 +1,7 @@
 """What every route module shares: the `Context` routes are built from, the `Routes` a module
 hands the app (a FastAPI router and the hot POST handlers `ivy.front.Front` answers itself),
-and the request checks and error mapping more than one route uses."""
+the request checks and error mapping more than one route uses, and a request's priority class
+(`request_priority`: its body's `priority` field, else its `X-Trellis-Priority` header, else online)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,35 @@ from starlette.responses import Response
 from ivy import errors
 from ivy.config import IvyConfig
 from ivy.errors import APIError
-from ivy.front import REQUEST_ID, WATCH_TOKENS, Handler, Stamp, _no_stamp, watch_disconnect
+from ivy.front import CALL, REQUEST_ID, WATCH_TOKENS, Handler, Stamp, _no_stamp, watch_disconnect
 from ivy.metrics import Metrics
 from ivy.schemas import schema
 from ivy.served import Models
 from trellis import options as request_options
 from trellis.client import EmbedOptions
+from trellis.tulip.v1 import tulip_pb2
+
+# A request's scheduling class by name (the body's `priority`, the X-Trellis-Priority header): Tulip serves
+# queued online work first at every step and gives batch work the token budget online work leaves
+PRIORITIES = {"online": tulip_pb2.PRIORITY_ONLINE, "batch": tulip_pb2.PRIORITY_BATCH}
+PRIORITY_HEADER = b"x-trellis-priority"  # (ASGI header names are lower case)
+
+
+def request_priority(body: str | None = None) -> int:
+    """The request's tulip_pb2.PRIORITY_*: its body's `priority` field where it has one (the schema has
+    checked it), else its X-Trellis-Priority header (online or batch, any case), else online. A header
+    with another value is a 400 naming it."""
+    if body is not None:
+        return PRIORITIES[body]
+    call = CALL.get()
+    for k, v in call.headers if call is not None else ():
+        if k == PRIORITY_HEADER:
+            p = PRIORITIES.get(v.decode("latin-1").strip().lower())
+            if p is None:
+                raise APIError(400, f"X-Trellis-Priority must be 'online' or 'batch', not "
+                               f"{v.decode('latin-1')[:64]!r}", "X-Trellis-Priority")
+            return p
+    return tulip_pb2.PRIORITY_ONLINE
 
 
 @dataclass
@@ -31,14 +55,16 @@ class Context:
     models: Models
     metrics: Metrics
 
-    def options(self, base: request_options.Options | None = None, **fields) -> EmbedOptions:
+    def options(self, base: request_options.Options | None = None, priority: str | None = None,
+                **fields) -> EmbedOptions:
         """The request's EmbedOptions: the options of `base` (verified ones, `verify`) with `fields`, its
-        request id, and its deadline (--request-timeout-s from now: every chunk and retry must be
-        answered by then)."""
+        request id, its deadline (--request-timeout-s from now: every chunk and retry must be
+        answered by then) and its priority class (`request_priority`; `priority`: the body's field)."""
         if base is not None:
             fields = {**{name: getattr(base, name) for name in request_options.NAMES}, **fields}
         return EmbedOptions(**fields, request_id=REQUEST_ID.get(),
-                            deadline=time.monotonic() + self.cfg.request_timeout_s)
+                            deadline=time.monotonic() + self.cfg.request_timeout_s,
+                            priority=request_priority(priority))
 
     def check_count(self, n: int, param: str) -> None:
         if n > self.cfg.max_inputs:

@@ -41,7 +41,8 @@ async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
     stamp("checks")  # accumulates with the one above
     seqs, pool_from, windows = await model.sequences(req, ctx.input_list(req.input), info, stamp)
     # chunked windows come back whole: pooled, then Matryoshka-cut here
-    opts = ctx.options(options if not chunked else replace(options, dimensions=None), pool_from=pool_from)
+    opts = ctx.options(options if not chunked else replace(options, dimensions=None), pool_from=pool_from,
+                       priority=req.priority)
     result = await tulip_call(model.balancer, seqs, opts, stamp)
     stamp("grpc")
     if chunked:

@@ -94,7 +94,8 @@ async def ranked(ctx: Context, req: RerankRequest) -> tuple[ServedModel, np.ndar
     if req.max_tokens_per_doc is not None:
         docs = await model.offload(sum(map(len, docs)), model.tokenizer.cut, docs, req.max_tokens_per_doc)
     seqs, scores = await _scores(ctx, model, req.query, docs, req.truncate, req.raw_scores, req.instruction,
-                                 weights, ("query", None), ("documents", "document"), "document {} with the query")
+                                 weights, ("query", None), ("documents", "document"), "document {} with the query",
+                                 req.priority)
     tokens = int(sum(len(s) for s in seqs))
     ctx.metrics.tokens.labels(model.name).inc(tokens)
     return model, np.argsort(-scores, kind="stable")[: req.top_n], scores, tokens
@@ -103,18 +104,18 @@ async def ranked(ctx: Context, req: RerankRequest) -> tuple[ServedModel, np.ndar
 async def _scores(ctx: Context, model: ServedModel, queries: str | list[str], documents: list[str], truncate: bool,
                   raw_scores: bool, instruction: str | None, weights: tuple[float, float, float] | None,
                   query_names: tuple[str, str | None], document_names: tuple[str, str | None],
-                  pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+                  pair_item: str, priority: str | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """Per document its score against the query (one for all, or one per document): a
     cross-encoder's score of the pair, or the cosine of a bi-encoder's embeddings, or with
     `weights` BGE-M3's hybrid. `*_names`: the request field and item label (None: one text) that
-    length errors name."""
+    length errors name; `priority`: the body's (`Context.options`)."""
     info = await model.info()
     if info.num_labels:
         if weights is not None:
             raise APIError(400, "'weights' mix an embedding model's dense, sparse and ColBERT scores (BGE-M3); "
                            f"'{model.name}' is a cross-encoder: it gives one score per pair", "weights")
         return await _pair_scores(ctx, model, queries, documents, truncate, raw_scores, instruction, info,
-                                  document_names[0], pair_item)
+                                  document_names[0], pair_item, priority)
     verify(Options(raw_scores=raw_scores), info)  # raw_scores: a cross-encoder's; this model scores by cosine
     outputs = ()
     if weights is not None:
@@ -126,13 +127,14 @@ async def _scores(ctx: Context, model: ServedModel, queries: str | list[str], do
                            "weights")
         outputs = tuple(MODE_OUTPUTS[m] for m, w in zip(MODES, weights) if w and m in MODE_OUTPUTS)
     return await _embedding_scores(ctx, model, [queries] if isinstance(queries, str) else queries, documents,
-                                   instruction, truncate, weights, outputs, query_names, document_names)
+                                   instruction, truncate, weights, outputs, query_names, document_names, priority)
 
 
 async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str], documents: list[str],
                             instruction: str | None, truncate: bool, weights: tuple[float, float, float] | None,
                             outputs: tuple[int, ...], query_names: tuple[str, str | None],
-                            document_names: tuple[str, str | None]) -> tuple[list[np.ndarray], np.ndarray]:
+                            document_names: tuple[str, str | None],
+                            priority: str | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """A bi-encoder's scores: each document's cosine similarity to its query (or the one query),
     or with `weights` the weighted mean of that, the lexical match and ColBERT's max-sim (the
     `outputs` those need asked of Tulip); the queries with the model's query prompt, the
@@ -142,7 +144,8 @@ async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str]
     d, d_pool = await model.text_sequences(documents, prompt("document", None), truncate, *document_names)
     pool_from = (q_pool or [0] * len(q)) + (d_pool or [0] * len(d)) if q_pool or d_pool else []
     seqs = q + d
-    result = await tulip_call(model.balancer, seqs, ctx.options(pool_from=pool_from, outputs=outputs))
+    result = await tulip_call(model.balancer, seqs, ctx.options(pool_from=pool_from, outputs=outputs,
+                                                                priority=priority))
     v = unit(result.vectors)
     dense = (v[len(q):] * v[: len(q)]).sum(1)  # one query row broadcasts over the documents
     if weights is None:
@@ -162,7 +165,7 @@ async def _embedding_scores(ctx: Context, model: ServedModel, queries: list[str]
 
 async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str], documents: list[str],
                        truncate: bool, raw_scores: bool, instruction: str | None, info: tulip_pb2.InfoReply, param: str,
-                       pair_item: str) -> tuple[list[np.ndarray], np.ndarray]:
+                       pair_item: str, priority: str | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """A cross-encoder's scores: each (query, document) pair scored together, as
     sentence-transformers' CrossEncoder.predict scores it (activated, or raw logits with raw_scores);
     `instruction` is its `prompt` for a model whose pairs go through a chat template (the system message)."""
@@ -174,7 +177,7 @@ async def _pair_scores(ctx: Context, model: ServedModel, queries: str | list[str
                        "system message; this cross-encoder reads the query and each document together, "
                        "without one", "instruction")
     seqs, starts = await model.pair_sequences(queries, documents, truncate, param, pair_item, instruction)
-    opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores)
+    opts = ctx.options(segment_starts=starts if any(starts) else (), raw_scores=raw_scores, priority=priority)
     result = await tulip_call(model.balancer, seqs, opts)
     return seqs, result.scores[:, 0].astype(np.float64)
 
@@ -217,7 +220,7 @@ def routes(ctx: Context) -> Routes:
             ctx, model, one, t2, req.truncate, req.raw_scores, None, weights,
             ("text_1", None if isinstance(req.text_1, str) else "text_1 item"),
             ("text_2", None if isinstance(req.text_2, str) else "text_2 item"),
-            "pair {} (text_1, text_2)" if len(t1) > 1 else "text_2 item {} with text_1")
+            "pair {} (text_1, text_2)" if len(t1) > 1 else "text_2 item {} with text_1", req.priority)
         tokens = int(sum(len(s) for s in seqs))
         prompt_tokens.labels(model.name).inc(tokens)
         return orjson.dumps({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
