@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import os
 import subprocess
@@ -89,6 +90,21 @@ def percentiles(samples_ms: list[float]) -> dict:
     a = np.asarray(samples_ms)
     return {"n": len(a), "p50_ms": round(float(np.percentile(a, 50)), 4), "p99_ms": round(float(np.percentile(a, 99)), 4),
             "mean_ms": round(float(a.mean()), 4)}
+
+
+def results_files(folder: Path) -> list[Path]:
+    """A folder's JSON-lines results, plain (`*.jsonl`, as a run writes them) and gzip-compressed (`*.jsonl.gz`,
+    as the committed runs under benchmarks/results/ are kept), sorted by name."""
+    return sorted([*folder.glob("*.jsonl"), *folder.glob("*.jsonl.gz")], key=lambda p: p.name)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON objects of one results file, `.jsonl` or `.jsonl.gz` alike (every reader of results goes through
+    here, so a committed run can be compressed without its readers noticing); lines that are not objects (a
+    log line a run printed in between) are skipped."""
+    path = Path(path)
+    with (gzip.open(path, "rt") if path.name.endswith(".gz") else path.open()) as f:
+        return [json.loads(line) for line in f if line.lstrip().startswith("{")]
 
 
 class Recorder:

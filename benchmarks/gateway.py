@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import free_port, stop
+from benchmarks.common import free_port, read_rows, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 DIM = 1024
@@ -281,7 +281,7 @@ def stage_chart(files: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [[json.loads(line) for line in open(f)] for f in files]
+    runs = [read_rows(f) for f in files]
     encodings = sorted({r["encoding"] for rows in runs for r in rows if r["bench"] == "ivy-stage"}, reverse=True)
     # Ivy's stages in the order its records name them (`stage_rows`), less the total and what lies outside
     stages = list(dict.fromkeys(r["stage"] for rows in runs for r in rows if r["bench"] == "ivy-stage"

@@ -31,7 +31,6 @@ how many slow requests a collection overlapped (server / client).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -39,6 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.common import read_rows, results_files
 from benchmarks.hop import INLINE_IO
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,7 @@ def _run(name: str, tree: Path, hop_args: list[str], extra_env: dict, out: Path)
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return read_rows(path)
 
 
 def table(paths: list[Path]) -> str:
@@ -86,7 +86,7 @@ def table(paths: list[Path]) -> str:
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for path in paths:
         rows = _rows(path)
-        name = path.stem
+        name = path.name.removesuffix(".gz").removesuffix(".jsonl")
         inproc = next((r for r in rows if r["bench"] == "hop" and r["transport"] == "in-process engine loop"), None)
         for transport in ("stream", "unary"):
             timed = next((r for r in rows if r["bench"] == "hop" and r["transport"] == transport and r["socket"] == "tcp"
@@ -131,11 +131,12 @@ def main(argv=None) -> int:
                     help="comma-separated, of before (needs --before), after, after+io, after+cspin; default: all "
                          "with the null engine, before,after,after+io with --model")
     ap.add_argument("--out", type=Path, default=None, help="directory for each variant's JSON lines")
-    ap.add_argument("--table", type=Path, default=None, help="only print the table of the *.jsonl in this directory")
+    ap.add_argument("--table", type=Path, default=None, help="only print the table of the *.jsonl[.gz] in this directory")
     args = ap.parse_args(argv)
     if args.table is not None:
         order = {"before": 0, "after": 1, "after+io": 2, "after+cspin": 3}
-        print(table(sorted(args.table.glob("*.jsonl"), key=lambda p: (order.get(p.stem, 9), p.stem))))
+        stem = lambda p: p.name.removesuffix(".gz").removesuffix(".jsonl")  # noqa: E731
+        print(table(sorted(results_files(args.table), key=lambda p: (order.get(stem(p), 9), stem(p)))))
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="tailab-"))
     out.mkdir(parents=True, exist_ok=True)
