@@ -3,3 +3,6 @@ Tulip's config checks a choice without loading torch. The backends themselves, a
 where, are `rose.layers.attention`'s (`select_backend`)."""
 
 BACKENDS = ("sdpa", "padded", "varlen", "fa4", "flashinfer-fa2", "flashinfer-fa3", "triton")
+
+# `--quantization`'s choices (`EngineConfig.quantization`; the fp8 path is `rose.layers.fp8`'s), torch-free alike
+QUANTIZATIONS = ("none", "fp8")

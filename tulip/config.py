@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rose.backends import BACKENDS
+from rose.backends import BACKENDS, QUANTIZATIONS
 from rose.extras import Extra
 from trellis.cli import field, parse
 from trellis.logs import FORMATS, check_format
@@ -39,6 +39,14 @@ class TulipConfig:
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
     kernel_tokens: int = field(512, "steps of up to this many tokens run ROSE's Triton small-batch path (CUDA, half "
                                "precision, Triton installed; Qwen3 caps it at 256); 0: torch's path for every step")
+    quantization: str = field("none", "fp8: the encoder blocks' GEMMs in float8 e4m3 for steps of at least "
+                              "--fp8-min-tokens tokens (BERT / XLM-RoBERTa / Qwen3 blocks; weights quantised per "
+                              "channel at load, kept beside the bf16 ones; activations per row; attention and norms "
+                              "bf16; a GPU of compute capability 8.9+); none: bf16 throughout",
+                              choices=QUANTIZATIONS)
+    fp8_min_tokens: int = field(1024, "with --quantization fp8: the smallest step (tokens) whose GEMMs run in fp8; "
+                                "smaller steps keep bf16 (python -m benchmarks.fp8's row sweep measures the "
+                                "crossover per GPU)")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512; "
                                     "A-BxL: every N from A to B (e.g. 1-16x512, the batches 16 concurrent callers "
                                     "form); NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
@@ -91,6 +99,10 @@ class TulipConfig:
             raise ValueError(f"stage_samples {self.stage_samples} must be >= 0")
         if self.kernel_tokens < 0:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0 (0: torch's path)")
+        if self.fp8_min_tokens < 1:
+            raise ValueError(f"fp8_min_tokens {self.fp8_min_tokens} must be >= 1")
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"quantization fp8 runs in bfloat16: dtype {self.dtype!r} (choose auto or bfloat16)")
         if self.max_message_mb < 1:
             raise ValueError(f"max_message_mb {self.max_message_mb} must be >= 1")
         if self.grpc_server not in ("ours", "grpcio"):

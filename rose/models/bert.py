@@ -16,6 +16,7 @@ from torch import nn
 
 from rose.layers.activation import GELUS, get_activation, linear_gelu
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.fp8 import Fp8Blocks, post_norm_forward
 from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels, post_norm_block
 from rose.models.base import Family, last_only
@@ -146,7 +147,7 @@ class BertPooler(nn.Module):
 POSITION_IDS = re.compile(r"(^|\.)position_ids$")
 
 
-class BertModel(SmallStepKernels, Family):
+class BertModel(SmallStepKernels, Fp8Blocks, Family):
     # Checkpoint names -> ours (`Family`): strip these prefixes, skip what matches `ignored`,
     # and stack q/k/v into qkv (shard index along dim 0).
     strip_prefixes = ("bert.", "model.")
@@ -193,10 +194,16 @@ class BertModel(SmallStepKernels, Family):
     def ffn_fits(self) -> bool:
         return self.blocks[0].intermediate.gelu
 
+    def fp8_linears(self, layer: BertLayer) -> dict[str, nn.Linear]:
+        return {"qkv": layer.attention.self.qkv, "out": layer.attention.output.dense,
+                "up": layer.intermediate.dense, "down": layer.output.dense}
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         small = input_ids.shape[0] <= self.kernel_tokens  # host-side: the ids' rows are the graph's token bucket
         x = self.embed(input_ids, positions, token_type_ids, small)
+        if not small and 0 < self.fp8_tokens <= input_ids.shape[0]:  # --quantization fp8, a large step
+            return post_norm_forward(self, x, meta, attn, rows)
         for layer, r in zip(self.encoder.layer, last_only(self.encoder.layer, rows)):
             x = layer.small_step(x, meta, attn, r) if small else layer(x, meta, attn, r)
         return x

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rose.layers.attention import AttentionBackend, AttentionMetadata
+from rose.layers.fp8 import Fp8Blocks, pre_norm_forward
 from rose.layers.norm import RMSNorm
 from rose.layers.pooling import keep_rows
 from rose.layers.small_step import SmallStepKernels
@@ -57,7 +58,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
                              next_norm.eps, rms=True)
 
 
-class Qwen3Model(SmallStepKernels, LlamaModel):
+class Qwen3Model(SmallStepKernels, Fp8Blocks, LlamaModel):
     layer = Qwen3DecoderLayer
     classifier_architectures = frozenset({"Qwen3ForSequenceClassification"})
 
@@ -81,9 +82,15 @@ class Qwen3Model(SmallStepKernels, LlamaModel):
         """The small step's SwiGLU epilogue and split-K down projection have no biases (`mlp_bias`)."""
         return self.layers[0].mlp.gate_up_proj.bias is None
 
+    def fp8_linears(self, layer: Qwen3DecoderLayer) -> dict[str, torch.nn.Linear]:
+        sa, mlp = layer.self_attn, layer.mlp
+        return {"qkv": sa.qkv_proj, "out": sa.o_proj, "up": mlp.gate_up_proj, "down": mlp.down_proj}
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, attn: AttentionBackend,
                 token_type_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.shape[0] > self.kernel_tokens:  # host-side: the ids' rows are the graph's token bucket
+            if 0 < self.fp8_tokens <= input_ids.shape[0]:  # --quantization fp8, a large step
+                return pre_norm_forward(self, input_ids, positions, meta, attn, rows)
             return super().forward(input_ids, positions, meta, attn, rows=rows)
         x = self.embed_tokens(input_ids)
         h = self.layers[0].input_layernorm(x)
