@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rose.backends import QUANTIZATIONS
 from rose.batch import Batch
 from rose.extras import Extra
 from rose.graphs import GraphConfig, GraphRunner
+from rose.images import ImageProcessing, ImageTower
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
@@ -67,14 +67,6 @@ class EngineConfig:
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
                small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
                GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
-    quantization: "none", or "fp8": the encoder blocks' four GEMMs in float8 e4m3 (`rose.layers.fp8`:
-               weights quantised at load per output channel and kept beside the bf16 ones, activations
-               per row by the kernels that produce them) for steps of at least `fp8_min_tokens` tokens
-               that do not take the small step; attention and norms stay bf16. BERT / XLM-RoBERTa (and
-               the families on BertModel's blocks) and Qwen3; bfloat16 only ("auto" dtype is bfloat16
-               then, on a CPU too); on CUDA a GPU of compute capability 8.9 or more (Ada, Hopper).
-    fp8_min_tokens: with quantization "fp8", the smallest step (tokens; a graph's token bucket) that
-               runs it (`python -m benchmarks.fp8`'s row sweep measures where fp8 starts to win per GPU).
     """
 
     model: str = "default"
@@ -87,16 +79,8 @@ class EngineConfig:
     compile: bool = False
     attention_table: str = ""
     kernel_tokens: int = 512
-    quantization: str = "none"
-    fp8_min_tokens: int = 1024
 
     def __post_init__(self):
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-        if self.fp8_min_tokens < 1:
-            raise ValueError(f"fp8_min_tokens {self.fp8_min_tokens} must be >= 1")
-        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"quantization fp8 runs in bfloat16: dtype {self.dtype!r} (choose auto or bfloat16)")
         if self.kernel_tokens < 0:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -116,7 +100,7 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" or self.quantization == "fp8" else torch.float32
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
 
@@ -169,7 +153,9 @@ class Engine:
         self._pool_mode = self.spec.pooling if self.spec.include_prompt else \
             {"cls": "first", "mean": "mean_kept"}.get(self.spec.pooling, self.spec.pooling)
         self.kernels = self._use_kernels()
-        self.fp8_tokens = self._use_fp8() if cfg.quantization == "fp8" else 0
+        # a family's own pooled rows (CLIP: the end-of-text token) and its head after pooling (CLIP, SigLIP)
+        self._pool_rows = getattr(self.model, "pool_rows", None)
+        self._project = getattr(self.model, "project", None)
         if cfg.compile:
             compile_blocks(self.model.blocks)
         # SPLADE: the output's nonzero entries are its sparse output, taken on the host (Tulip)
@@ -187,27 +173,30 @@ class Engine:
             else:
                 log.info("engine: CUDA graphs off: attention %s cannot be captured; every step runs eagerly",
                          self.attention.name)
+        self.images = self._image_tower(family)  # CLIP / SigLIP: `step_images`
         log.info(
             "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s, "
             "compiled=%s, graphs=%s", self.spec.path, self.spec.model_type,
             f", cross-encoder: {self.num_labels} labels, {self.activation}" if self.num_labels else "",
             self.device, self.dtype, self.attention.name, self.spec.pooling,
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
-            (f"<= {self.kernels} tokens" if self.kernels else "off") +
-            (f", fp8 GEMMs >= {self.fp8_tokens} tokens" if self.fp8_tokens else ""), cfg.compile,
+            f"<= {self.kernels} tokens" if self.kernels else "off", cfg.compile,
             cfg.graphs if self.runner is not None else "off",
         )
 
-    def _select_attention(self, family) -> AttentionBackend:
+    def _select_attention(self, family, heads: tuple[int, int, int] | None = None,
+                          causal: bool | None = None) -> AttentionBackend:
         """The backend `cfg.attention` names, or the best one here for "auto" (a swept table or the
         built-in cells), within what the family needs: a score bias (MPNet) only `sdpa`, `padded` and
         `triton` take;
         sliding-window layers (Mistral, Gemma3, ModernBERT's local ones) over sequences that can exceed
-        the window run on a backend that honours it (`with_window_support`)."""
+        the window run on a backend that honours it (`with_window_support`). `heads` / `causal`: another
+        tower's (an image tower's: its own instance), else the text model's."""
         cfg, config = self.cfg, self.spec.config
-        heads = family.head_shape(config)
+        heads = heads or family.head_shape(config)
+        causal = self.causal if causal is None else causal
         make = functools.partial(select_backend, device=self.device, dtype=self.dtype, heads=heads,
-                                 causal=self.causal)
+                                 causal=causal)
         if family.sequence_bias:
             if cfg.attention not in ("auto", "sdpa", "padded"):
                 raise ValueError(f"attention {cfg.attention!r} cannot run {self.spec.model_type}: its attention scores "
@@ -231,13 +220,51 @@ class Engine:
             return make(name)
         attn = make(cfg.attention)
         if cfg.attention == "auto":
-            builtin = builtin_table(make, attn, heads, self.causal)
-            attn = load_table(cfg.attention_table, heads, self.causal, make, builtin) if cfg.attention_table \
+            builtin = builtin_table(make, attn, heads, causal)
+            attn = load_table(cfg.attention_table, heads, causal, make, builtin) if cfg.attention_table \
                 else builtin
         window = family.sliding_window(config)
         if window and self.spec.max_seq_len > window:  # sequences can exceed it: the backend must honour it
             attn = with_window_support(attn, make)
         return attn
+
+    def _image_tower(self, family) -> ImageTower | None:
+        """The vision tower's steps where the family has one: the image processor's normalisation read from
+        the directory, a bidirectional attention backend of the tower's head shape, graphs beside the text's."""
+        config = self.spec.config
+        size = family.image_size(config)
+        if not size:
+            return None
+        processing = ImageProcessing.read(self.spec.path, size, family.image_processor)
+        attention = self._select_attention(family, family.image_head_shape(config), causal=False)
+        tower = ImageTower(self.model, processing, family.image_tokens(config), self._output_dim, attention,
+                           self.device, self.dtype, self.runner, self.cfg.max_graph_tokens, self.cfg.max_graph_seqs)
+        log.info("engine: image tower: %d x %d pixels, %d tokens an image, attention=%s, graphs for up to %d images, "
+                 "normalised by %s", size, size, tower.tokens, attention.name,
+                 tower.graphs.max_images if tower.graphs else 0, processing.source or "the processor's defaults")
+        return tower
+
+    @property
+    def image_size(self) -> int:
+        """The side S of the square uint8 [S, S, 3] pixels `step_images` takes; 0: no image tower."""
+        return self.images.size if self.images is not None else 0
+
+    @property
+    def image_tokens(self) -> int:
+        """Token states per image (patches, plus CLIP's class token): an image's cost in the scheduler's token
+        budget; 0: no image tower."""
+        return self.images.tokens if self.images is not None else 0
+
+    @torch.inference_mode()
+    def step_images(self, pixels: torch.Tensor) -> LazyTensor:
+        """Embed images: uint8 [N, S, S, 3] host pixels (RGB, already resized and cropped as the model's image
+        processor does; S = `image_size`) -> float32 [N, embedding_dim], L2-normalised, in the text embeddings'
+        space. Rescaled and normalised on the device with the directory's preprocessor_config.json. On CUDA a
+        batch replays its image-count bucket's graph (`rose.images`); bigger batches and any on CPU run eagerly.
+        ValueError: no image tower, or pixels of another dtype or shape."""
+        if self.images is None:
+            raise ValueError(f"{self.spec.model_type} has no image tower: it embeds text only")
+        return self.images.step(pixels)
 
     def _use_kernels(self) -> int:
         """The largest step (tokens) that takes the family's Triton path: `kernel_tokens`, or less
@@ -250,19 +277,6 @@ class Engine:
             log.info("engine: Triton is not installed; small steps keep torch's path")
             return 0
         return self.model.use_kernels(self.cfg.kernel_tokens)
-
-    def _use_fp8(self) -> int:
-        """Quantise the blocks' GEMM weights (`rose.layers.fp8`); the smallest step that runs them."""
-        if not hasattr(self.model, "use_fp8"):
-            raise ValueError(f"quantization fp8: {self.spec.model_type} has no fp8 path (BERT / XLM-RoBERTa "
-                             "blocks and Qwen3 have)")
-        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError(f"quantization fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); "
-                             f"{torch.cuda.get_device_name(self.device)} has none")
-        added = self.model.use_fp8(self.cfg.fp8_min_tokens)
-        log.info("engine: fp8 weights %.1f MB beside the bf16 ones, for steps of >= %d tokens", added / 1e6,
-                 self.cfg.fp8_min_tokens)
-        return self.cfg.fp8_min_tokens
 
     @property
     def embedding_dim(self) -> int:
@@ -294,15 +308,17 @@ class Engine:
 
     def _pooled(self, hidden, cu, seq_ids, positions, tokens: int, pooled: bool) -> torch.Tensor:
         """The sentence-transformers pipeline after the transformer: pooling (already done where
-        `pooled`: hidden holds the `kept_rows`), Dense modules, Normalize. tokens: the step's (its
-        token bucket in a graph)."""
+        `pooled`: hidden holds the `kept_rows`), the family's head (`project`: CLIP, SigLIP), Dense modules,
+        Normalize. tokens: the step's (its token bucket in a graph)."""
         out = hidden if pooled else self.model.pool(hidden, cu, seq_ids)  # a family's own output (SPLADE)
-        if self.dense is None and tokens <= self.kernels and (pooled or out is None):  # host-side
+        if self.dense is None and self._project is None and tokens <= self.kernels and (pooled or out is None):
             out = pool_fused(hidden, None if pooled else cu, "cls" if pooled else self._pool_mode,
                              self.spec.normalize)
             if out is not None:
                 return out
         out = pool(hidden, cu, seq_ids, self._pool_mode, positions) if out is None else out
+        if self._project is not None:
+            out = self._project(out.to(hidden.dtype))
         if self.dense is not None:
             out = self.dense(out)
         return normalize(out) if self.spec.normalize else out.float()
@@ -311,7 +327,8 @@ class Engine:
         """Device tensors in, float32 [N, dim] embeddings out (pooled, through any Dense modules, normalised
         where the model says)."""
         # CLS / last-token pooling reads one state per sequence: the last block computes those alone
-        rows = None if self.sparse_rows else kept_rows(cu, ids.shape[0], self._pool_mode)
+        rows = None if self.sparse_rows else self._pool_rows(ids, cu, seq_ids) if self._pool_rows is not None \
+            else kept_rows(cu, ids.shape[0], self._pool_mode)
         hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, rows=rows)
         return self._pooled(hidden, cu, seq_ids, positions, ids.shape[0], rows is not None)
 

@@ -17,6 +17,7 @@ module, how many positions the architecture numbers) is the family's to say:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,9 @@ QUANTIZER_MODULES = ("st_quantize.FlexibleQuantizer",)
 # The pipeline's stages in the order they must come (Dense may repeat). LogitScore: a CrossEncoder over a
 # causal LM (sentence-transformers 6: Qwen3-Reranker), the score read from the LM head at the last token.
 _STAGES = ("Transformer", "LogitScore", "Pooling", "Dense", "Normalize", "Quantizer")
-# sentence-transformers' SparseEncoder (SPLADE) modules, read as the stage they hold.
-_ALIASES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling"}
+# sentence-transformers' SparseEncoder (SPLADE) modules and its CLIPModel (a CLIP's two towers, as transformers
+# saved them), read as the stage they hold.
+_ALIASES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling", "CLIPModel": "Transformer"}
 
 
 @dataclass(frozen=True)
@@ -133,10 +135,14 @@ class ModelSpec:
 
     @classmethod
     def read(cls, path: Path) -> "ModelSpec":
+        modules = _read_json(path / "modules.json")
+        inner = _transformer_dir(path, modules)
+        if inner is not None:  # the checkpoint in its module's folder: that is the model directory
+            spec = cls.read(inner)
+            return dataclasses.replace(spec, **_read_pipeline(path, modules, hidden_width(spec.config)))
         config = _read_json(path / "config.json")
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
-        modules = _read_json(path / "modules.json")
         pipeline = _read_pipeline(path, modules or [], hidden_width(config))
         st = _read_json(path / "sentence_bert_config.json") or {}
         tok_cfg = _read_json(path / "tokenizer_config.json") or {}
@@ -158,6 +164,19 @@ class ModelSpec:
                    default_prompt_name=str(default_prompt),
                    special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **chat,
                    **pipeline)
+
+
+def _transformer_dir(path: Path, modules) -> Path | None:
+    """The folder of a directory's first module where the transformers checkpoint lives there and not in the
+    directory itself: older sentence-transformers saved a CLIP's `CLIPModel` module in `0_CLIPModel/`
+    (sentence-transformers/clip-ViT-B-32); None for every other layout (the checkpoint in the root)."""
+    if (path / "config.json").is_file() or not isinstance(modules, list) or not modules:
+        return None
+    first = modules[0] if isinstance(modules[0], dict) else {}
+    sub = first.get("path") or ""
+    if not sub or _stage(str(first.get("type", ""))) != "Transformer" or not (path / sub / "config.json").is_file():
+        return None
+    return path / sub
 
 
 def hidden_width(config: dict) -> int:

@@ -2,6 +2,7 @@
 
 from rose.models.base import Family
 from rose.models.bert import BertModel
+from rose.models.clip import CLIPModel
 from rose.models.deberta_v2 import DebertaV2Model
 from rose.models.distilbert import DistilBertModel
 from rose.models.electra import ElectraModel
@@ -15,6 +16,7 @@ from rose.models.pplx_qwen3 import PPLXQwen3Model
 from rose.models.qwen2 import Qwen2Model
 from rose.models.qwen3 import Qwen3Model
 from rose.models.roberta import CamembertModel, RobertaModel
+from rose.models.siglip import SiglipModel
 from rose.models.splade import DistilBertSpladeModel, SpladeModel
 from rose.models.t5 import T5EncoderModel
 from rose.models.xlm_roberta import XLMRobertaModel
@@ -25,7 +27,7 @@ MODELS: dict[str, type[Family]] = {
     "deberta-v2": DebertaV2Model, "distilbert": DistilBertModel, "electra": ElectraModel, "mpnet": MPNetModel,
     "modernbert": ModernBertModel, "nomic_bert": NomicBertModel, "qwen3": Qwen3Model,
     "bidirectional_pplx_qwen3": PPLXQwen3Model, "llama": LlamaModel, "mistral": MistralModel, "qwen2": Qwen2Model,
-    "gemma3_text": Gemma3TextModel, "t5": T5EncoderModel}
+    "gemma3_text": Gemma3TextModel, "t5": T5EncoderModel, "clip": CLIPModel, "siglip": SiglipModel}
 # Masked-LM checkpoints (architectures *ForMaskedLM) served as SPLADE where the directory has no dense
 # Pooling module (none at all, or sentence-transformers' SpladePooling), by model_type.
 SPLADE: dict[str, type[Family]] = {"bert": SpladeModel, "distilbert": DistilBertSpladeModel}

@@ -61,6 +61,22 @@ Instance side:
     use_kernels(max_tokens) -> int   route steps of up to that many tokens through the family's
                      small-batch path in `rose.kernels`; returns the cap it took (0: none).
     stacked_rows(name), materialize(device)   see below.
+    pool_rows(input_ids, cu_seqlens, seq_ids) -> int64 [N]   optional: the one row per sequence its pooling
+                     reads, found on the device from the ids (CLIP: the end-of-text token, as transformers finds
+                     it); the engine then passes them as `rows` instead of its pooling mode's `kept_rows`.
+    project(pooled) -> [N, output_dim]   optional: the text tower's head after pooling, before any Dense
+                     module and Normalize (CLIP's `text_projection`, SigLIP's `text_model.head`).
+
+Image towers (CLIP, SigLIP: a text tower served by the text step beside a vision tower; read from config.json):
+    image_size(config)        the square side S in pixels the vision tower takes (0: no image tower).
+    image_tokens(config)      rows of token states per image (patches, plus a class token where it has one):
+                     what an image costs the scheduler's token budget.
+    image_head_shape(config)  the vision tower's (heads, kv heads, head dim), for its attention backend.
+    image_processor           ClassVar: the image processor's defaults (image_mean, image_std, rescale_factor),
+                     where preprocessor_config.json leaves them out (`rose.images.ImageProcessing`).
+    embed_images(pixels, meta, attn) -> [N, output_dim]   normalised pixels [N, C, S, S] in the model's dtype
+                     (flat [N * image_tokens] token states inside, `meta` every image its own sequence) ->
+                     the image features as `get_image_features` computes them (not L2-normalised).
 """
 
 from __future__ import annotations
@@ -171,3 +187,17 @@ class Family(nn.Module, metaclass=abc.ABCMeta):
 
     def use_kernels(self, max_tokens: int) -> int:
         return 0
+
+    image_processor: ClassVar[dict] = {}
+
+    @classmethod
+    def image_size(cls, config: dict) -> int:
+        return 0
+
+    @classmethod
+    def image_tokens(cls, config: dict) -> int:
+        return 0
+
+    @classmethod
+    def image_head_shape(cls, config: dict) -> tuple[int, int, int]:
+        raise ValueError(f"{cls.__name__} has no image tower")
