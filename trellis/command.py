@@ -4,12 +4,13 @@
     trellis ivy --tulip HOST:PORT ...      the HTTP gateway alone (python -m ivy)
     trellis tulip --model ...              one gRPC inference server (python -m tulip)
     trellis bench run ...                  the benchmark harness (python -m benchmarks)
+    trellis embed IN OUT --model ...       a bulk embedding job (python -m jobs)
 
 A subcommand is its module's own `main(argv)`, so its flags, environment variables and `--help` are that
 module's, and `python -m MODULE` stays the same program. The module is imported by name only when its
 subcommand runs: `trellis ivy` needs only the gateway install (no torch), and the package trellis (the
-contracts) still imports nothing of the services above it. A new subcommand (e.g. a bulk `trellis embed`)
-is one row of COMMANDS and its module.
+contracts) still imports nothing of the services above it. A new subcommand is one row of COMMANDS and its
+module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ COMMANDS = {
                                      "id (ORG/NAME[@REVISION], downloaded once), a directory, 'default' or preset:NAME"),
     "ivy": ("ivy.__main__", "gateway", "the HTTP gateway (OpenAI, TEI and rerank routes) in front of running Tulips"),
     "tulip": ("tulip.__main__", "tulip", "one gRPC inference server: one model on one device"),
+    "embed": ("jobs.run", "jobs", "a bulk job: a dataset's texts (Parquet, JSONL, CSV) to a Parquet dataset of "
+                                  "vectors, in-process, on running Tulips or through an Ivy; resumable"),
     "bench": ("benchmarks.__main__", "all,bench", "the benchmark harness: run suites against a model, write the "
                                                   "summary"),
 }
