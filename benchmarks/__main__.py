@@ -6,7 +6,7 @@
 `--model` takes several models, comma-separated, each optionally with its own suites after `=`
 (joined by `+`): `--model preset:bge-m3,preset:pplx-embed-1-0.6b=engine+online+bulk` runs `--suite` for bge-m3 and
 those three for pplx. The kernel sweep runs once (it covers both head shapes), and so does the hop,
-each with the first model that lists it. Give the Tulip and the engine `--attention-table benchmarks/results` (the directory) so each
+each with the first model that lists it. Give the Tulip and the engine `--attention-table OUT` (the directory: --out's) so each
 model takes the table of its own head shape.
 
 `online`, `scoring` and `bulk` start one Tulip (benchmarks.online: correctness gate first);

@@ -140,7 +140,7 @@ class GpuSampler:
     block runs, so a throughput figure says whether the board held its clock: `with GpuSampler() as
     gs: ...`, then `gs.summary()` (an empty dict where nvidia-smi is not there or gave no sample).
     Measured this way on an H200 (2026-12-04), bge-m3's 100 x 512 loop drew ~693 W of its 700 W and
-    ran at ~1,665 MHz against 1,980 for short steps (benchmarks/results/small_step/power_d49d5af/)."""
+    ran at ~1,665 MHz against 1,980 for short steps (benchmarks/results/2026-12-04_h200_small-step-power-d49d5af/)."""
 
     QUERY = "clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active"
 

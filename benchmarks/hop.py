@@ -183,7 +183,7 @@ def _wait_ready(p, ready, timeout: float):
 
 # gRPC's iomgr for grpc.aio's echo server: sockets polled on the completion-queue thread, one thread wake-up
 # fewer per message each way than grpc's EventEngine (on an H200 host a Tulip on grpc.aio's server gained
-# 0.1-0.3 ms from it: results/request_path/tail/; Tulip's own server has no gRPC core)
+# 0.1-0.3 ms from it: results/2026-12-01_cpu-h200_request-path-tail/; Tulip's own server has no gRPC core)
 INLINE_IO = "-event_engine_client,-event_engine_listener"
 ECHOES = {"echo": "grpc echo", "echo-h2": "grpc echo (tulip.h2server)"}  # the floors: grpc.aio's server, Tulip's
 

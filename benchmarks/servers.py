@@ -3,7 +3,7 @@
 
     python -m benchmarks.servers                                   # both, null engine: the transport alone
     python -m benchmarks.servers --grpc-server grpcio              # one of them
-    python -m benchmarks.servers --model preset:bge-m3 --out benchmarks/results/request_path/servers_REV   # a GPU
+    python -m benchmarks.servers --model preset:bge-m3 --out benchmarks/results/DATE_MACHINE_servers-REV   # a GPU
 
 Each server runs in a process of its own, built as `python -m tulip` builds it (`tulip.server.make_server`
 from a TulipConfig with that `grpc_server`, `add_tulip`, grpc_health), over `benchmarks.hop`'s null engine

@@ -83,7 +83,7 @@ def test_windowed_layers_match_sdpa_band_mask(preset):
     weights amplify bf16 rounding over the layers: measured on an H200, the two bf16 runs agreed only
     to cosine 0.988-0.9986, and EmbeddingGemma's equally valid bf16 paths, SDPA, ROSE's Triton kernel and
     torch's varlen, were each 0.950-0.975 from float32, batch by batch either one ahead by up to 0.005,
-    means 0.9630 / 0.9626 / 0.9621: `benchmarks/results/families/README.md`)."""
+    means 0.9630 / 0.9626 / 0.9621: `benchmarks/results/2026-12-01_h200_families/README.md`)."""
     name, eager, _ = preset
     window, long = PRESETS[name]
     if not window:
