@@ -13,7 +13,7 @@ the default runs, as a harness check.
 Also `linear+gelu` against `gelu-epilogue` (the FFN's up projection only: bias + GELU in cuBLASLt's
 epilogue, `torch._addmm_activation`, tanh GELU) and `S@compile` (strategy S under `torch.compile`).
 Split-K (as a batched GEMM, and as a Triton kernel with float32 atomics, eleven tile shapes) was
-tried here on the H200 (revision 11d1795, `results/2026-11-30_h200_early-runs/gemm_bge-m3_candidates.jsonl`): it lost to
+tried here on the H200 (revision 11d1795, `results/2026-11-30_h200_early-runs/gemm_bge-m3_candidates.jsonl.gz`): it lost to
 cuBLAS in every cell, 1.4-4x slower, and was removed.
 """
 
