@@ -347,3 +347,22 @@ def test_cudaops_copies_go_to_the_driver_only_where_a_byte_copy_is_torchs_copy()
     no_driver._copy, no_driver._handle = None, 0
     no_driver.copier(dst, src)()
     assert torch.equal(dst, src)
+
+
+def test_shape_classes_cover_every_class_a_step_can_fall_in():
+    """tulip.loop.warm_up compiles the kernels of these classes on CUDA: every (sequences, length) pair
+    `rose.kernels.shape_class` can give a step of at most the budget must be among them."""
+    from rose.kernels import shape_class
+    from tulip.loop import shape_classes
+
+    from tulip.loop import class_batches
+
+    classes = set(shape_classes(8192, 16384))
+    for n, length in [(1, 1), (1, 128), (3, 500), (2, 8192), (1, 7936), (200, 64), (31, 512), (5, 3000),
+                      (9000, 1), (4000, 4)]:
+        sn, sl = shape_class(n, length)
+        assert (sn, min(sl, 8192)) in classes, (n, length)
+    for n, length in classes:  # each realised within the budget, in its own class
+        for batch in class_batches(n, length, 16384):
+            assert batch.num_tokens <= 16384
+            assert shape_class(len(batch.seq_lens), batch.max_seqlen) == (n, max(64, length)) or length == 8192

@@ -359,24 +359,36 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="default", help="the Tulip's model (e.g. preset:bge-m3 on a GPU)")
     ap.add_argument("--device", default="cpu", help="the Tulip's device (cuda: the engine's steps take ms, not s)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--warm-s", type=float, default=0.0,
+                    help="first serve `read_replies`' legitimate load for this long (0: none), so that the RSS growth "
+                         "counted is the attack's own, not what any first heavy client costs a fresh Tulip (graph "
+                         "captures and pinned staging of its shapes)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each attack this many times on the same Tulip, one row per round (round 2 on: what the "
+                         "attack costs a Tulip that has met it before, its shapes' graphs already captured)")
     args = ap.parse_args(argv)
     for name in args.only:
         log = Path(f"/tmp/tulip-attack-{name}.log")
         tulip = Tulip(args.root, log, args.device, args.model)
         try:
-            with Watch(tulip) as w:
-                t0 = time.monotonic()
-                extra = ATTACKS[name](tulip.port, args.seconds)
-                took = time.monotonic() - t0
+            if args.warm_s:
+                read_replies(tulip.port, args.warm_s)
                 time.sleep(1.0)
-            row = {"bench": "tulip-h2-attack", "attack": name, "root": str(args.root), "attack_s": round(took, 1),
-                   **extra, **w.result(), "tulip_alive": tulip.p.poll() is None}
+            for round_ in range(1, args.rounds + 1):
+                with Watch(tulip) as w:
+                    t0 = time.monotonic()
+                    extra = ATTACKS[name](tulip.port, args.seconds)
+                    took = time.monotonic() - t0
+                    time.sleep(1.0)
+                row = {"bench": "tulip-h2-attack", "attack": name, "round": round_, "root": str(args.root),
+                       "attack_s": round(took, 1), "warm_s": args.warm_s, "device": args.device, "model": args.model,
+                       "date": time.strftime("%Y-%m-%d"), **extra, **w.result(), "tulip_alive": tulip.p.poll() is None}
+                print(json.dumps(row), flush=True)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
         finally:
             tulip.stop()
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
     return 0
 
 
