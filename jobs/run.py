@@ -60,9 +60,10 @@ class Progress:
             self.bar.close()
 
 
-def run(cfg: EmbedJobConfig) -> dict:
+def run(cfg: EmbedJobConfig, embedders: list[Embedder] | None = None) -> dict:
     """Run the job; return its summary. Raises JobMismatch / ValueError for bad arguments, RuntimeError when a
-    worker fails."""
+    worker fails. `embedders`: workers already built for `cfg`'s settings (a program running several jobs on
+    one model), used as they are and left open; None: one per `workers(cfg)`, closed at the end."""
     settings = cfg.settings()
     inp = Input(cfg.input, cfg.input_format, cfg.rows_per_part)
     # what the output depends on (not where it runs: a job begun on a CPU may go on on a GPU or a fleet)
@@ -74,7 +75,10 @@ def run(cfg: EmbedJobConfig) -> dict:
     done_rows = sum(m["input_rows"] for m in out.committed.values())
     specs = workers(cfg)
     t0 = time.monotonic()
-    embedders: list = [None] * len(specs)
+    owned = embedders is None
+    if not owned and any(e.settings != settings for e in embedders):
+        raise ValueError("the embedders given were built for other settings")
+    embedders = [None] * len(specs) if owned else list(embedders)
     failure: list[BaseException] = []
 
     def build(k: int) -> None:
@@ -83,7 +87,7 @@ def run(cfg: EmbedJobConfig) -> dict:
         except BaseException as e:
             failure.append(e)
 
-    threads = [threading.Thread(target=build, args=(k,)) for k in range(len(specs))]
+    threads = [threading.Thread(target=build, args=(k,)) for k in range(len(specs)) if owned]
     for t in threads:
         t.start()
     for t in threads:
@@ -137,7 +141,7 @@ def run(cfg: EmbedJobConfig) -> dict:
         for t in threads:
             t.join()
         progress.close()
-        for e in embedders:
+        for e in embedders if owned else ():
             e.close()
     if failure:
         raise RuntimeError(f"the job stopped: {type(failure[0]).__name__}: {failure[0]} (run it again with the "

@@ -1,0 +1,122 @@
+"""`trellis embed`'s throughput (issue 50) beside the engine's own, in one run, on one Embedder.
+
+    python -m benchmarks.embed_job --model default --device cpu --rows 2000 --length 128        # the CPU figure
+    python -m benchmarks.embed_job --model preset:bge-m3 --device cuda --rows 100000 --length 512  # the GPU target
+
+A Parquet file of `--rows` texts of `--length` tokens each (`--distinct` different texts, repeated) is embedded
+`--runs` times by jobs.run.run into a fresh OUTPUT (each run reads, tokenizes, steps, writes and commits every
+part; the model is loaded once, before the first run), then the engine alone steps `--engine-batch` x length
+(default 100 x length, the published bulk shape) as many times as makes `--engine-rows` embeddings: the job's
+emb/s over the engine's is the issue's ">= 95 %" figure. One JSON object per measurement on stdout; all of
+them, with the date and machine, in `--out` (a JSON file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def texts(model_path: Path, n: int, length: int, distinct: int) -> list[str]:
+    from benchmarks.concurrency import text_of
+
+    pool = [text_of(model_path / "tokenizer.json", length, seed=k) for k in range(min(distinct, n))]
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def engine_rate(engine, length: int, batch: int, rows: int) -> float:
+    """Embeddings a second of `engine.step` on `batch` sequences of `length` tokens (after 3 warm-up steps)."""
+    from rose.batch import Batch
+
+    b = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * batch)
+    for _ in range(3):
+        engine.step(b).synchronize()
+    steps = max(1, rows // batch)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step(b).synchronize()
+    return steps * batch / (time.perf_counter() - t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rows", type=int, default=2000)
+    ap.add_argument("--length", type=int, default=128, help="tokens per text, special tokens included")
+    ap.add_argument("--distinct", type=int, default=64, help="different texts among the rows")
+    ap.add_argument("--rows-per-part", type=int, default=1000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--engine-batch", type=int, default=100)
+    ap.add_argument("--engine-rows", type=int, default=0, help="embeddings the engine figure steps (0: --rows)")
+    ap.add_argument("--out", default="", help="write every measurement here (JSON)")
+    args = ap.parse_args(argv)
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from benchmarks.common import environment
+    from jobs.config import EmbedJobConfig
+    from jobs.embed import Embedder
+    from jobs.run import run
+    from trellis.modelref import resolve
+
+    ref = resolve(args.model)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="embed-job-bench-") as tmp:
+        inp = Path(tmp) / "in.parquet"
+        t = time.perf_counter()
+        pq.write_table(pa.table({"id": np.arange(args.rows), "text": texts(ref.path, args.rows, args.length,
+                                                                           args.distinct)}), inp)
+        print(f"# {args.rows} texts of {args.length} tokens written in {time.perf_counter() - t:.1f} s", flush=True)
+        base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--rows-per-part",
+                str(args.rows_per_part), "--progress", "off"]
+        cfg = EmbedJobConfig.from_args([str(inp), str(Path(tmp) / "out-0"), *base])
+        t = time.perf_counter()
+        embedder = Embedder(cfg.settings(), device=args.device, dtype=args.dtype)
+        load_s = time.perf_counter() - t
+        try:
+            for k in range(args.runs):
+                cfg = EmbedJobConfig.from_args([str(inp), str(Path(tmp) / f"out-{k}"), *base])
+                s = run(cfg, [embedder])
+                row = {"bench": "embed_job", "model": args.model, "backend": args.device, "rows": s["rows"],
+                       "length": args.length, "tokens": s["tokens"], "seconds": s["seconds"],
+                       "emb_per_s": round(s["rows"] / s["seconds"], 1), "run": k, "load_s": round(load_s, 2)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            engine = embedder.backend.engine
+            rate = engine_rate(engine, min(args.length, engine.spec.max_seq_len), args.engine_batch,
+                               args.engine_rows or args.rows)
+            row = {"bench": "engine_step", "model": args.model, "backend": args.device,
+                   "shape": f"{args.engine_batch}x{args.length}", "emb_per_s": round(rate, 1),
+                   "dtype": str(engine.dtype).removeprefix("torch."), "attention": engine.attention.name}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            embedder.close()
+    job = [r["emb_per_s"] for r in rows if r["bench"] == "embed_job"]
+    summary = {"bench": "embed_job_summary", "job_emb_per_s_median": float(np.median(job)),
+               "engine_emb_per_s": rows[-1]["emb_per_s"],
+               "job_over_engine": round(float(np.median(job)) / rows[-1]["emb_per_s"], 3)}
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        result = {"date": time.strftime("%Y-%m-%d"), "machine": {**environment(), "platform": platform.platform(),
+                                                                 "torch_threads": torch.get_num_threads(),
+                                                                 "cpu_count": os.cpu_count()},
+                  "args": vars(args), "runs": rows, "summary": summary}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
