@@ -21,13 +21,13 @@ from ivy.accesslog import AccessLog
 from ivy.config import IvyConfig
 from ivy.front import Front
 from ivy.metrics import Metrics
-from ivy.routes import embeddings, scores, service, tei, tokens
+from ivy.routes import cohere, embeddings, scores, service, tei, tokens
 from ivy.routes.common import Context
 from ivy.served import Models
 
 __all__ = ["IvyAPI", "Metrics", "create_app", "create_app_from_env"]
 
-ROUTE_MODULES = (embeddings, scores, tokens, tei, service)
+ROUTE_MODULES = (embeddings, cohere, scores, tokens, tei, service)
 
 
 class IvyAPI(FastAPI):

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from ivy.discovery import parse_target
+from ivy.imagefetch import Allowed
 from trellis.cli import field, parse
 from trellis.logs import FORMATS, check_format
 from trellis.tracing import require as require_tracing
@@ -128,6 +129,18 @@ class IvyConfig:
                                  "answered 503 and closed at once (uvicorn), so idle or slow peers cannot take "
                                  "every file descriptor (the worker's soft RLIMIT_NOFILE is raised to its hard "
                                  "limit at start)")
+    max_images: int = field(256, "most images in one request (a model with an image tower; 400 beyond)")
+    max_image_mb: int = field(10, "largest image accepted, in MiB of its file (base64 decoded, or fetched; 413 beyond)")
+    max_image_pixels: int = field(40_000_000, "most pixels an image may have, width x height as its header states "
+                                  "them before anything is decoded (decompression bombs; 400 beyond); Pillow's own "
+                                  "guard refuses over 2 x 89,478,485 whatever this says")
+    allow_image_urls: tuple[str, ...] = field((), "hosts image inputs may name as http(s) URLs: HOST (any port) or "
+                                              "HOST:PORT, comma-separated or the flag repeated; none: URLs are "
+                                              "refused. A host name must resolve to public addresses only; an IP "
+                                              "address written here is allowed even where private or loopback "
+                                              "(ivy/imagefetch.py)")
+    image_url_timeout_s: float = field(5.0, "an image URL's fetch (connect, headers, body) must end within this many "
+                                       "seconds, else the request is a 400")
     request_timeout_s: float = field(60.0, "deadline for one request's Tulip calls, in seconds")
     read_timeout_s: float = field(30.0, "a request's headers and body must arrive within this many seconds of its "
                                   "first byte (of a new connection's opening), else the connection is closed "
@@ -161,12 +174,13 @@ class IvyConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb", "max_request_tokens",
-                     "max_reply_mb", "max_connections"):
+                     "max_reply_mb", "max_connections", "max_images", "max_image_mb", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.tulip_spin_ms < 0:
             raise ValueError(f"tulip_spin_ms {self.tulip_spin_ms} must be >= 0")
-        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s"):
+        object.__setattr__(self, "image_urls", Allowed.parse(self.allow_image_urls))  # a ValueError quotes a bad entry
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_s", "image_url_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0")
         for key in self.api_keys:  # `--api-keys "$UNSET"` must not turn into a key that an empty bearer matches
@@ -193,4 +207,5 @@ class IvyConfig:
     def from_json(cls, s: str) -> "IvyConfig":
         d = json.loads(s)
         d["tulip"], d["api_keys"] = tuple(d["tulip"]), tuple(d["api_keys"])
+        d["allow_image_urls"] = tuple(d.get("allow_image_urls", ()))
         return cls(**d)

@@ -233,6 +233,50 @@ PRESETS["mxbai-rerank-base-v1"] = {
     "cross_encoder": True, "max_seq_length": 512, **_BERT_SPECIALS}
 
 
+# Two-tower image-text models in the transformers layout as published (config.json, preprocessor_config.json, the
+# tokenizer's limit; no sentence-transformers files): text through the text step, pixels through
+# `Engine.step_images` (normalised as preprocessor_config.json says). The stand-in tokenizer is byte-level.
+# openai/clip-vit-base-patch16: ViT-B/16 at 224 x 224 (196 patches + the class token), a 12-layer causal text tower
+# of width 512, both projected to 512; its config's eos_token_id 2 (pooling at each text's highest id, as
+# transformers does for such configs).
+PRESETS["clip-vit-base-patch16"] = {
+    "config": {"model_type": "clip", "architectures": ["CLIPModel"], "projection_dim": 512,
+               "logit_scale_init_value": 2.6592, "initializer_factor": 1.0,
+               "text_config": {"model_type": "clip_text_model", "vocab_size": 49408, "hidden_size": 512,
+                               "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 8,
+                               "max_position_embeddings": 77, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
+                               "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1, "projection_dim": 512},
+               "vision_config": {"model_type": "clip_vision_model", "hidden_size": 768, "intermediate_size": 3072,
+                                 "num_hidden_layers": 12, "num_attention_heads": 12, "num_channels": 3,
+                                 "image_size": 224, "patch_size": 16, "hidden_act": "quick_gelu",
+                                 "layer_norm_eps": 1e-5, "projection_dim": 512}},
+    "image_processor": {"crop_size": 224, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+                        "feature_extractor_type": "CLIPFeatureExtractor",
+                        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                        "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "size": 224},
+    "max_seq_length": 77, "specials": {"<|startoftext|>": 0, "<|endoftext|>": 1, "<unk>": 2},
+    "wrap": ("<|startoftext|>", "<|endoftext|>"),
+}
+# google/siglip-base-patch16-224: ViT-B/16 at 224 x 224 (196 patches, no class token, the attention-pooling head),
+# a 12-layer bidirectional text tower of width 768 pooled at its last token (64 positions) through its head.
+PRESETS["siglip-base-patch16-224"] = {
+    "config": {"model_type": "siglip", "architectures": ["SiglipModel"], "initializer_factor": 1.0,
+               "text_config": {"model_type": "siglip_text_model", "vocab_size": 32000, "hidden_size": 768,
+                               "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                               "max_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh",
+                               "layer_norm_eps": 1e-6, "pad_token_id": 1},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 768, "intermediate_size": 3072,
+                                 "num_hidden_layers": 12, "num_attention_heads": 12, "num_channels": 3,
+                                 "image_size": 224, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+                                 "layer_norm_eps": 1e-6}},
+    "image_processor": {"do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                        "image_processor_type": "SiglipImageProcessor", "image_std": [0.5, 0.5, 0.5],
+                        "processor_class": "SiglipProcessor", "resample": 3, "rescale_factor": 0.00392156862745098,
+                        "size": {"height": 224, "width": 224}},
+    "max_seq_length": 64, "specials": {"<pad>": 0, "</s>": 1, "<unk>": 2}, "wrap": (None, "</s>"),
+}
+
+
 def cache_dir() -> Path:
     return cache_root() / "presets"
 
@@ -254,6 +298,7 @@ HUB_IDS = {
     "splade-cocondenser": "naver/splade-cocondenser-ensembledistil",
     "gte-reranker-modernbert-base": "Alibaba-NLP/gte-reranker-modernbert-base",
     "mxbai-rerank-base-v1": "mixedbread-ai/mxbai-rerank-base-v1",
+    "clip-vit-base-patch16": "openai/clip-vit-base-patch16", "siglip-base-patch16-224": "google/siglip-base-patch16-224",
 }
 
 
@@ -388,6 +433,10 @@ def _write(name: str, p: dict, d: Path) -> None:
              "mask_token": "<mask>"}, indent=2))
     elif p.get("logit_score"):
         _logit_score_files(p, d)
+    elif p.get("image_processor"):  # a two-tower image-text model: the transformers layout, no pipeline
+        (d / "preprocessor_config.json").write_text(json.dumps(p["image_processor"], indent=2))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"]}, indent=2))
     elif p.get("cross_encoder"):  # the byte-level stand-in (BERT specials); no token type ids, as ModernBERT's
         (d / "tokenizer_config.json").write_text(json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": p["max_seq_length"],

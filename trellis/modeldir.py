@@ -126,7 +126,9 @@ class ModelSpec:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        """The text vocabulary: config.json's vocab_size, or a two-tower model's (CLIP, SigLIP) text_config's."""
+        c = self.config
+        return int(c["vocab_size"] if "vocab_size" in c else (c.get("text_config") or {})["vocab_size"])
 
     @property
     def embedding_dim(self) -> int:
@@ -136,7 +138,7 @@ class ModelSpec:
     @classmethod
     def read(cls, path: Path) -> "ModelSpec":
         modules = _read_json(path / "modules.json")
-        inner = _transformer_dir(path, modules)
+        inner = transformer_dir(path, modules)
         if inner is not None:  # the checkpoint in its module's folder: that is the model directory
             spec = cls.read(inner)
             return dataclasses.replace(spec, **_read_pipeline(path, modules, hidden_width(spec.config)))
@@ -166,10 +168,13 @@ class ModelSpec:
                    **pipeline)
 
 
-def _transformer_dir(path: Path, modules) -> Path | None:
+def transformer_dir(path: Path, modules=None) -> Path | None:
     """The folder of a directory's first module where the transformers checkpoint lives there and not in the
     directory itself: older sentence-transformers saved a CLIP's `CLIPModel` module in `0_CLIPModel/`
-    (sentence-transformers/clip-ViT-B-32); None for every other layout (the checkpoint in the root)."""
+    (sentence-transformers/clip-ViT-B-32); None for every other layout (the checkpoint in the root).
+    `modules`: modules.json as read (read here where not given)."""
+    if modules is None and not (path / "config.json").is_file():
+        modules = _read_json(path / "modules.json")
     if (path / "config.json").is_file() or not isinstance(modules, list) or not modules:
         return None
     first = modules[0] if isinstance(modules[0], dict) else {}

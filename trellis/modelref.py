@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trellis.hub import ModelRefError
+from trellis.modeldir import transformer_dir
 
 DEFAULT_MODEL = "default"
 DEFAULT_SERVED_NAME = "all-MiniLM-L6-v2"
@@ -139,7 +140,7 @@ def resolve(model: str, revision: str = "", *, weights: bool = True) -> ModelRef
             raise ModelRefError(f"unknown preset {model!r} (presets: {', '.join(PRESET + p for p in presets.PRESETS)})")
         return ModelRef(model, "preset", presets.materialize(name), model, random_weights=True)
     if local.is_dir():
-        if not (local / "config.json").is_file():
+        if not (local / "config.json").is_file() and transformer_dir(local) is None:  # (or its CLIPModel folder's)
             raise ModelRefError(f"model directory {model!r} has no config.json")
         return ModelRef(model, "directory", local.resolve(), local.resolve().name)
     if hub is not None:
