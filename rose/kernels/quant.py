@@ -18,9 +18,10 @@ up to a power of two). The same maths in torch (float32) is `rose.layers.fp8`'s 
 `norm_quant_torch`): the engine's path on a CPU (no Triton needed) and the tests' reference.
 
 Triton's interpreter (the CPU tests) converts float32 to e4m3 wrongly (its mantissa carry ORs into
-the exponent instead of adding: 31.7 becomes 16, not 32; ties round up), so there (`ROUND`) the
-kernels first round to e4m3's grid in float32 themselves, which the conversion then keeps exactly; on
-a GPU the hardware conversion rounds to nearest even and the step is compiled out.
+the exponent instead of adding: 31.7 becomes 16, not 32; ties round up) and to bfloat16 by truncation,
+so there (`ROUND`) the kernels first round to the format's grid in float32 themselves (nearest, ties to
+even), which the conversion then keeps exactly; on a GPU the hardware conversion rounds so and the
+step is compiled out.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def _e4m3_grid(v):
     # adding then subtracting 1.5 * 2^23 rounds |v / step| <= 16 to an integer, ties to even (float32's own rounding)
     r = (v / step + 12582912.0) - 12582912.0
     return r * step
+
+
+@triton.jit
+def _rounded(v, ptr, ROUND: tl.constexpr):
+    """v (float32) as stored at ptr: under the interpreter (`ROUND`) a bfloat16 store truncates, so v is
+    first rounded to bfloat16's grid (nearest, ties to even) in float32, as a GPU's conversion rounds."""
+    if ROUND:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            v = bits.to(tl.float32, bitcast=True)
+    return v.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -97,7 +110,7 @@ def _norm_quant_kernel(y_ptr, r_ptr, g_ptr, b_ptr, out_ptr, sum_ptr, q_ptr, s_pt
     if HAS_RES:
         acc += tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if PRE:  # pre-norm: the residual stream goes on, rounded as stored; its norm feeds the next GEMM
-        acc = acc.to(sum_ptr.dtype.element_ty).to(tl.float32)
+        acc = _rounded(acc, sum_ptr, ROUND).to(tl.float32)
         tl.store(sum_ptr + at, acc.to(sum_ptr.dtype.element_ty), mask=mask)
     g = tl.load(g_ptr + cols, mask=in_c, other=0.0).to(tl.float32)[None, :]
     if RMS:
@@ -109,16 +122,16 @@ def _norm_quant_kernel(y_ptr, r_ptr, g_ptr, b_ptr, out_ptr, sum_ptr, q_ptr, s_pt
         if HAS_BETA:
             y += tl.load(b_ptr + cols, mask=in_c, other=0.0).to(tl.float32)[None, :]
     if OUT:
-        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + at, _rounded(y, out_ptr, ROUND), mask=mask)
     if QUANT:
         _quant_store(tl.where(in_c[None, :], y, 0.0), rows, cols, mask, q_ptr, s_ptr, M, N, ROUND)
 
 
 def _tile(n: int, m: int) -> tuple[int, int]:
     """(rows per program, warps): one row per program on a GPU (rows are many where fp8 runs: >= ~1,024),
-    warps by the row's width; the interpreter runs programs one after another, so there 16 rows each."""
+    warps by the row's width; the interpreter runs programs one after another, so there 64 rows each."""
     if interpreted():
-        return 16, 1
+        return 64, 1
     return 1, 4 if n <= 1024 else 8 if n <= 4096 else 16
 
 
