@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         result = {"date": time.strftime("%Y-%m-%d"), "machine": {**environment(), "platform": platform.platform(),
                                                                  "torch_threads": torch.get_num_threads(),
-                                                                 "cpu_count": os.cpu_count()},
+                                                                 "cpu_count": os.cpu_count(),
+                                                                 "load_average": os.getloadavg()},
                   "args": vars(args), "runs": rows, "summary": summary}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
