@@ -2,8 +2,8 @@
 (`errors.parse_body`), and their JSON schemas for FastAPI's OpenAPI document (`schema`).
 
 msgspec's unions may hold only one array type, so `input` is decoded as a string or an array of
-strings / ints / int arrays, and `input_list` (ivy/app.py) checks that an array holds one kind;
-the OpenAPI schema states the four accepted shapes. Booleans are taken as pydantic's lax mode
+strings / ints / int arrays / Jina's items, and `input_list` (ivy/app.py) checks that an array holds
+one kind; the OpenAPI schema states the five accepted shapes. Booleans are taken as pydantic's lax mode
 took them (true/false, 0/1, "yes"/"no", ...; `lax_bool`), every other field strictly.
 Responses are built as plain dicts (or bytes) and encoded once.
 """
@@ -60,10 +60,21 @@ class Body(msgspec.Struct, kw_only=True):
                     raise msgspec.ValidationError(f"{e} - at `$.{name}`") from None
 
 
+class InputItem(msgspec.Struct, kw_only=True):
+    """An item of /v1/embeddings' `input` in Jina's shape: {"text": ...} or {"image": a data URI
+    (data:image/png;base64,...), bare base64, or an http(s) URL where --allow-image-urls names its host}
+    (ivy/routes/images.py)."""
+
+    text: Union[str, None] = None
+    image: Union[str, None] = None
+
+
 class EmbeddingRequest(Body):
     """POST /v1/embeddings, as OpenAI's API plus documented extensions.
 
     Extensions (ignored by OpenAI clients, sent via `extra_body`):
+    input:           also Jina's items, `InputItem`s: {"text": ...} and {"image": ...} (a model with an
+                     image tower), mixed in one array, plain strings among them as texts.
     truncate:        what to do with an input longer than the model's maximum: false (a 400), true or
                      "end" (keep its first tokens), "start" (keep its last tokens: the special tokens
                      at both ends and a prompt are kept), "chunk" (split into maximum-length windows,
@@ -83,9 +94,10 @@ class EmbeddingRequest(Body):
     """
 
     bools: ClassVar = ("return_sparse", "return_colbert")
-    input_kinds: ClassVar[str] = "a string, an array of strings, an array of token ids, or an array of token-id arrays"
+    input_kinds: ClassVar[str] = ("a string, an array of strings, an array of token ids, an array of token-id arrays, "
+                                  "or an array of {\"text\": ...} / {\"image\": ...} items")
 
-    input: Union[str, list[Union[str, int, list[int]]]]
+    input: Union[str, list[Union[str, int, list[int], InputItem]]]
     model: Union[str, None] = None
     encoding_format: Literal["float", "base64", "base64_int8", "base64_binary"] = "float"
     dimensions: Union[int, None] = None
@@ -319,6 +331,12 @@ _EMBEDDING_INPUT = {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "
                               {"type": "array", "items": {"type": "array", "items": _INT}}]}
 
 
+_INPUT_ITEM = {"oneOf": [{"type": "object", "properties": {"text": _STR}, "required": ["text"]},
+                         {"type": "object", "properties": {"image": {**_STR, "description": "a data URI, base64, or "
+                                                                      "an http(s) URL of an allowed host"}},
+                          "required": ["image"]}]}
+
+
 def schema(model: type[Body]) -> dict:
     """The body's JSON schema (inline, for OpenAPI): the accepted shapes, not the decoder's."""
     (ref,), defs = msgspec.json.schema_components([model], ref_template="#/components/schemas/{name}")
@@ -328,7 +346,7 @@ def schema(model: type[Body]) -> dict:
     for name in model.bools:
         props[name] = {"type": "boolean", "default": defaults[name]}
     if model is EmbeddingRequest:
-        props["input"] = _EMBEDDING_INPUT
+        props["input"] = {"anyOf": [*_EMBEDDING_INPUT["anyOf"], {"type": "array", "items": _INPUT_ITEM}]}
         props["truncate"] = {"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATE_MODES)}], "default": False}
     if model is TEIEmbedRequest:
         props["inputs"] = _EMBEDDING_INPUT

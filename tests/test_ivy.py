@@ -199,7 +199,7 @@ def test_body_decoding_takes_lax_booleans_and_ignores_unknown_fields():
 
 def test_openapi_documents_the_raw_body_routes(model_path):
     """The hot routes are answered before FastAPI's stack, but stay in its OpenAPI document with
-    their request schemas (the four accepted `input` shapes, booleans as booleans)."""
+    their request schemas (the five accepted `input` shapes, booleans as booleans)."""
     from ivy.app import create_app
     from ivy.config import IvyConfig
 
@@ -212,7 +212,7 @@ def test_openapi_documents_the_raw_body_routes(model_path):
                                                {"anyOf": [{"type": "boolean"}, {"enum": ["end", "start", "chunk"]}],
                                                 "default": False})
     s = doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert len(s["properties"]["input"]["anyOf"]) == 4
+    assert len(s["properties"]["input"]["anyOf"]) == 5  # the fifth: Jina's {"text"} / {"image"} items
     assert "base64" in s["properties"]["encoding_format"]["enum"]
 
 

@@ -15,6 +15,7 @@ from ivy import errors
 from ivy.errors import APIError
 from ivy.front import Stamp, _no_stamp
 from ivy.routes.common import Context, Routes, tulip_call, verify
+from ivy.routes.images import embed_items, has_items
 from ivy.schemas import EmbeddingRequest
 from trellis.options import ENCODING_FORMATS, OUTPUT_PARAMS, Options
 from trellis.postprocess import pool_windows
@@ -25,6 +26,8 @@ async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
     """An embeddings request's checks, token sequences and Tulip call, whichever route took it:
     (the model, its Info, Tulip's result (chunked windows pooled into one row per input), the
     request's token count)."""
+    if has_items(req.input):  # Jina's {"text"} / {"image"} items (ivy/routes/images.py; its texts come back here)
+        return await embed_items(ctx, req, embed, stamp)
     model = ctx.models.get(req.model)
     model.check_room()
     info = await model.info()

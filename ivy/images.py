@@ -1,0 +1,318 @@
+"""Image inputs for models with an image tower (CLIP, SigLIP): each input's bytes (a data URI, bare
+base64, or an allowed http(s) URL: `ivy.imagefetch`) decoded with Pillow under the limits, then
+preprocessed as the model's image processor (its preprocessor_config.json) preprocesses, up to the
+uint8 pixels an EmbedRequest carries: EXIF orientation applied, RGB (transparency over white),
+resized, centre-cropped; not rescaled or normalised (Tulip does that on the device).
+
+Why by hand and not `transformers`' processor: the gateway installs neither transformers nor torch.
+The steps are transformers' PIL backend's (`CLIPImageProcessorPil` / `SiglipImageProcessorPil`:
+`convert_to_rgb`, `get_resize_output_image_size`, `resize` through PIL for uint8 input, numpy
+`center_crop`), so the pixels are equal to its, byte for byte (tests/test_images_ivy.py). With
+torchvision installed, transformers' default backend resizes with torchvision instead (not PIL):
+not what this module reproduces.
+
+Decoding runs in a thread pool (Pillow releases the GIL while it decodes and resizes), off the event
+loop; a request has at most `WORKERS` images in the pool at once, so one request of many images does
+not hold every other request's images behind all of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from ivy.errors import APIError
+
+log = logging.getLogger("ivy.images")
+
+# The formats Ivy opens: Image.open would otherwise try every plugin Pillow has (EPS hands the bytes to
+# Ghostscript, others are rarely hardened); a file of another format is a 400.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+_POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="ivy-image")
+
+# transformers' class defaults where a preprocessor_config.json leaves a field out, by image_processor_type
+# without its Fast / Pil suffix (transformers 5: CLIPImageProcessorPil, SiglipImageProcessorPil)
+_CLIP = {"do_resize": True, "size": {"shortest_edge": 224}, "resample": 3, "do_center_crop": True,
+         "crop_size": {"height": 224, "width": 224}, "do_convert_rgb": True}
+_SIGLIP = {"do_resize": True, "size": {"height": 224, "width": 224}, "resample": 3, "do_center_crop": False,
+           "do_convert_rgb": True}
+PROCESSORS = {"CLIPImageProcessor": _CLIP, "CLIPFeatureExtractor": _CLIP, "SiglipImageProcessor": _SIGLIP}
+RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}  # PIL's numbers
+
+
+def _size(v, what: str) -> tuple[int, int] | int:
+    """A processor's size field: (height, width), or an int for a shortest edge."""
+    if isinstance(v, int):
+        return v  # transformers' get_size_dict(int, default_to_square=False): the shortest edge
+    if isinstance(v, dict):
+        if set(v) == {"shortest_edge"}:
+            return int(v["shortest_edge"])
+        if set(v) == {"height", "width"}:
+            return int(v["height"]), int(v["width"])
+    raise ValueError(f"{what} {v!r}: this gateway implements {{height, width}} and {{shortest_edge}}")
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """A model's image preprocessing up to the uint8 pixels (see the module docstring).
+
+    resize:     (height, width) to resize to, or an int: the shortest edge to resize to (the aspect ratio
+                kept, the long edge int(size * long / short)); None: no resize.
+    resample:   PIL's filter number (3: bicubic).
+    crop:       (height, width) of the centre crop (zero-padded where the image is smaller), None: none.
+    side:       the side of the square pixels it makes (Info's image_size must be the same).
+    tokens:     patch tokens per image (the tower's sequence): what the balancer budgets an image as.
+    """
+
+    resize: tuple[int, int] | int | None
+    resample: int
+    crop: tuple[int, int] | None
+    side: int
+    tokens: int
+
+    @classmethod
+    def read(cls, path: Path) -> "Preprocessor | None":
+        """The preprocessing of the model directory `path` (its preprocessor_config.json, at the top or in a
+        sentence-transformers module's folder), None where it has none (a text model). A processor type or
+        field this module does not implement is a ValueError saying which."""
+        found = _find(path)
+        if found is None:
+            return None
+        cfg = json.loads(found.read_text())
+        kind = str(cfg.get("image_processor_type") or cfg.get("feature_extractor_type") or "")
+        base = kind.removesuffix("Fast").removesuffix("Pil")
+        if base not in PROCESSORS:
+            raise ValueError(f"{found}: image_processor_type {kind!r} is not one this gateway implements "
+                             f"({', '.join(sorted(PROCESSORS))})")
+        cfg = {**PROCESSORS[base], **{k: v for k, v in cfg.items() if v is not None}}
+        resize = _size(cfg["size"], f"{found}: size") if cfg["do_resize"] else None
+        crop = None
+        if cfg["do_center_crop"]:
+            crop = _size(cfg["crop_size"], f"{found}: crop_size")
+            crop = (crop, crop) if isinstance(crop, int) else crop  # get_size_dict(int): a square
+        out = crop or resize
+        if not isinstance(out, tuple) or out[0] != out[1] or out[0] < 1:
+            raise ValueError(f"{found}: the pixels it makes are not a fixed square (size {cfg['size']}, crop "
+                             f"{cfg.get('crop_size') if cfg['do_center_crop'] else None})")
+        resample = int(cfg["resample"])
+        if resample not in RESAMPLE:
+            raise ValueError(f"{found}: resample {resample} is not one of PIL's filters {sorted(RESAMPLE)}")
+        return cls(resize, resample, crop, out[0], _patch_tokens(path, out[0]))
+
+    def __call__(self, img: Image.Image) -> np.ndarray:
+        """An RGB image (`to_rgb`'s) -> uint8 [side, side, 3], as transformers' PIL backend makes it."""
+        if self.resize is not None:
+            w, h = img.size
+            if isinstance(self.resize, int):  # get_resize_output_image_size(default_to_square=False)
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = self.resize, int(self.resize * long / short)
+                new_h, new_w = (new_long, new_short) if w <= h else (new_short, new_long)
+            else:
+                new_h, new_w = self.resize
+            img = img.resize((new_w, new_h), resample=Image.Resampling(self.resample))
+        a = np.asarray(img)
+        if self.crop is not None:
+            a = center_crop(a, *self.crop)
+        return a
+
+
+def center_crop(a: np.ndarray, ch: int, cw: int) -> np.ndarray:
+    """transformers' image_transforms.center_crop on [H, W, C]: the centre (offsets rounded down), zero
+    padding first (offsets rounded up) where the image is smaller than the crop."""
+    h, w = a.shape[:2]
+    top, left = (h - ch) // 2, (w - cw) // 2
+    if top >= 0 and left >= 0:
+        return a[top: top + ch, left: left + cw]
+    nh, nw = max(ch, h), max(cw, w)
+    padded = np.zeros((nh, nw, *a.shape[2:]), a.dtype)
+    pt, pl = -(-(nh - h) // 2), -(-(nw - w) // 2)
+    padded[pt: pt + h, pl: pl + w] = a
+    top, left = top + pt, left + pl
+    return padded[max(0, top): min(nh, top + ch), max(0, left): min(nw, left + cw)]
+
+
+def _find(path: Path) -> Path | None:
+    if (path / "preprocessor_config.json").is_file():
+        return path / "preprocessor_config.json"
+    try:  # sentence-transformers' CLIP layout: the processor in a module's folder
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for m in modules if isinstance(modules, list) else ():
+        p = path / str(m.get("path", "")) / "preprocessor_config.json" if isinstance(m, dict) else None
+        if p is not None and p.is_file():
+            return p
+    return None
+
+
+def _patch_tokens(path: Path, side: int) -> int:
+    """The vision tower's tokens per image, (side / patch_size)^2 (+1 for CLIP's class token), from config.json
+    (patch 16 where it names none): only the balancer's budget reads it."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    vision = cfg.get("vision_config") or {}
+    patch = int(vision.get("patch_size") or 16)
+    return (side // patch) ** 2 + (cfg.get("model_type") == "clip")
+
+
+_PREPROCESSORS: dict[Path, Preprocessor | None | ValueError] = {}
+
+
+def preprocessor(path: Path) -> Preprocessor | None:
+    """`Preprocessor.read(path)`, read once per directory; an unreadable one is logged once and raises
+    its ValueError at every use."""
+    p = _PREPROCESSORS.get(path)
+    if path not in _PREPROCESSORS:
+        try:
+            p = Preprocessor.read(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p = e if isinstance(e, ValueError) else ValueError(f"{path}: preprocessor_config.json: {e}")
+            log.error("%s", p)
+        _PREPROCESSORS[path] = p
+    if isinstance(p, ValueError):
+        raise p
+    return p
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """transformers' image_transforms.convert_to_rgb: transparency (an alpha band, or a palette's or
+    grey image's transparent colour) composited over white, everything else converted as PIL converts
+    (CMYK, L, P, 16-bit grey clipped)."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        img = img.convert("RGBA")
+        white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, img).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one image may be: its bytes (413 beyond), its pixels as its header states them before any is
+    decoded (400 beyond: a decompression bomb)."""
+
+    max_bytes: int
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What Cohere's reply says of each image: its size as decoded, format, bits per pixel."""
+
+    width: int
+    height: int
+    format: str
+    bit_depth: int
+
+
+_BITS = {"1": 1, "L": 8, "P": 8, "RGB": 24, "RGBA": 32, "CMYK": 32, "YCbCr": 24, "LA": 16, "PA": 16, "I;16": 16,
+         "I": 32, "F": 32}
+
+
+def b64_bytes(text: str, label: str, limits: Limits) -> bytes:
+    """A data URI's or bare base64's bytes; more than limits.max_bytes (counted before decoding) is a 413."""
+    data = text
+    if text.startswith("data:"):
+        head, sep, data = text.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise APIError(400, f"{label}: a data URI must be base64 (data:image/png;base64,...)", "input")
+    data = data.strip()
+    if len(data) // 4 * 3 > limits.max_bytes + 2:
+        raise _too_big(label, len(data) // 4 * 3, limits)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{label}: not an image: neither a data URI, base64 nor an http(s) URL", "input") from None
+
+
+def _too_big(label: str, n: int, limits: Limits) -> APIError:
+    return APIError(413, f"{label}: the image has {n} bytes, more than this server's limit of {limits.max_bytes} "
+                    "(--max-image-mb)", "input", "image_too_large")
+
+
+def decode(data: bytes, label: str, limits: Limits) -> Image.Image:
+    """Untrusted bytes -> a loaded image, EXIF orientation applied (ImageOps.exif_transpose, as transformers'
+    load_image). Whatever Pillow raises on them is the input's fault: a 400 naming `label`."""
+    if len(data) > limits.max_bytes:
+        raise _too_big(label, len(data), limits)
+    try:
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+        w, h = img.size
+        if w * h > limits.max_pixels:  # from the header: nothing decoded yet
+            raise APIError(400, f"{label}: the image is {w} x {h} pixels, more than this server's limit of "
+                           f"{limits.max_pixels} (--max-image-pixels)", "input", "image_too_large")
+        img.load()
+        return ImageOps.exif_transpose(img, in_place=True) or img
+    except APIError:
+        raise
+    except Image.DecompressionBombError as e:  # Pillow's own guard (2x Image.MAX_IMAGE_PIXELS)
+        raise APIError(400, f"{label}: the image has too many pixels: {e}", "input", "image_too_large") from None
+    except MemoryError:
+        raise APIError(413, f"{label}: the image does not fit in memory", "input", "image_too_large") from None
+    except Exception as e:  # noqa: BLE001 (Pillow raises OSError, SyntaxError, ValueError, struct.error, ...)
+        what = "not a PNG, JPEG, WebP or GIF image" if isinstance(e, Image.UnidentifiedImageError) else str(e) or type(e).__name__
+        raise APIError(400, f"{label}: not a decodable image: {what}", "input", "invalid_image") from None
+
+
+def pixels_of(data: bytes, label: str, limits: Limits, prep: Preprocessor) -> tuple[np.ndarray, Meta]:
+    """One image's bytes -> its uint8 [side, side, 3] pixels and what it was (in a worker thread)."""
+    img = decode(data, label, limits)
+    meta = Meta(img.width, img.height, (img.format or "").lower(), _BITS.get(img.mode, 8 * len(img.getbands())))
+    try:
+        a = prep(to_rgb(img))
+    except MemoryError:
+        raise APIError(413, f"{label}: the image does not fit in memory", "input", "image_too_large") from None
+    except Exception as e:  # noqa: BLE001 (a mode PIL cannot convert to RGB)
+        raise APIError(400, f"{label}: not a decodable image: {e}", "input", "invalid_image") from None
+    return a, meta
+
+
+async def load_all(sources: list[str], labels: list[str], limits: Limits, prep: Preprocessor, fetch
+                   ) -> tuple[np.ndarray, list[Meta]]:
+    """Every source's pixels as one uint8 [n, side, side, 3] array, and each image's Meta. `fetch(source,
+    label)` is awaited for an http(s) URL (its bytes, `ivy.imagefetch`); base64 decoding, Pillow and the
+    preprocessing run in the pool, at most WORKERS of this request's images at a time. The first error
+    cancels the rest of the request's images."""
+    n = len(sources)
+    out = np.empty((n, prep.side, prep.side, 3), np.uint8)
+    metas: list[Meta | None] = [None] * n
+    loop = asyncio.get_running_loop()
+    todo = iter(range(n))
+
+    def work(i: int, data: bytes | None) -> None:
+        if data is None:
+            data = b64_bytes(sources[i], labels[i], limits)
+        a, metas[i] = pixels_of(data, labels[i], limits, prep)
+        if a.shape != out.shape[1:]:
+            raise APIError(503, f"the model's preprocessing made {a.shape} pixels, not {out.shape[1:]}")
+        out[i] = a
+
+    async def lane() -> None:
+        for i in todo:
+            s = sources[i]
+            data = await fetch(s, labels[i]) if s.startswith(("http://", "https://")) else None
+            await loop.run_in_executor(_POOL, work, i, data)
+
+    tasks = [asyncio.ensure_future(lane()) for _ in range(min(WORKERS, n))]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+    return out, metas
