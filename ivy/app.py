@@ -18,6 +18,8 @@ from fastapi import FastAPI
 
 from ivy import errors
 from ivy.accesslog import AccessLog
+from ivy.batches import BatchService
+from ivy.batches import routes as batch_routes
 from ivy.config import IvyConfig
 from ivy.front import Front
 from ivy.metrics import Metrics
@@ -56,11 +58,13 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         models.start()  # gRPC channels must be made on the server's event loop
+        batches.start()  # the batch runner (with --batch-dir), on the same loop
         if tracing is not None:
             tracing.instrument(models)
         gc.collect()
         gc.freeze()  # start-up objects live for the whole process: keep them out of collections
         yield
+        await batches.close()
         await models.close()
         if tracing is not None:
             tracing.shutdown()
@@ -75,8 +79,13 @@ def create_app(cfg: IvyConfig) -> FastAPI:
         app.include_router(r.router)
         fast.update(r.fast)
         paths += [route.path for route in r.router.routes]
+    batches = BatchService(ctx, fast)  # /v1/files, /v1/batches: a job's lines run through `fast`'s handlers
+    r = batch_routes.routes(batches)
+    app.include_router(r.router)
+    paths += [route.path for route in r.router.routes]
     app.front = app.entry = Front(functools.partial(FastAPI.__call__, app), fast, paths, cfg.max_request_mb << 20,
                                   metrics.requests, cfg.api_keys)
+    app.front.body_limits = batches.body_limits()
     if tracing is not None:
         app.entry = tracing.asgi(app.entry, app.front.route)
     if cfg.access_log and cfg.log_format == "json":

@@ -159,6 +159,15 @@ class IvyConfig:
     otlp_endpoint: str = field("", "send OpenTelemetry traces (spans of each HTTP request, its tokenization and "
                                "each chunk's Tulip call) to this OTLP/gRPC collector, e.g. http://otel-collector:4317; "
                                "needs pip install 'trellis[tracing]'; empty: no tracing (ivy.tracing)")
+    batch_dir: str = field("", "directory of the OpenAI Batch API's files and jobs (a SQLite database in WAL mode "
+                           "and the files; on a local filesystem, shared by this Ivy's workers): /v1/files and "
+                           "/v1/batches are served, jobs run at batch priority and resume after a restart "
+                           "(ivy.batches); empty: those routes answer 404 'the Batch API is not enabled'")
+    max_batch_file_mb: int = field(200, "largest file POST /v1/files takes, in MiB (413 beyond; streamed to disk)")
+    max_batch_lines: int = field(50000, "most requests (lines) one batch input file may hold (more: the batch fails "
+                                 "validation, too_many_lines)")
+    batch_concurrency: int = field(8, "a batch's requests run at once by the worker running it, each as one "
+                                   "HTTP request to its endpoint would")
 
     def __post_init__(self):
         if not self.tulip and not self.model_config:
@@ -174,7 +183,8 @@ class IvyConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
         for name in ("workers", "max_chunk_tokens", "max_inputs", "max_request_mb", "max_request_tokens",
-                     "max_reply_mb", "max_connections", "max_images", "max_image_mb", "max_image_pixels"):
+                     "max_reply_mb", "max_connections", "max_images", "max_image_mb", "max_image_pixels",
+                     "max_batch_file_mb", "max_batch_lines", "batch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
         if self.tulip_spin_ms < 0:

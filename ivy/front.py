@@ -172,6 +172,7 @@ class Front:
     def __init__(self, inner, fast: dict[str, Handler], routes: Iterable[str], max_body: int, counter,
                  api_keys: tuple[str, ...] = ()):
         self.inner, self.fast, self.max_body, self.counter = inner, fast, max_body, counter
+        self.body_limits: dict[str, int] = {}  # a path's own body limit where not max_body's (ivy.batches' uploads)
         routes = set(routes)
         self.routes = {r for r in routes if "{" not in r}
         self.templates = [compile_path(r)[:2] for r in sorted(routes - self.routes)]  # (regex, "/v1/models/{model_id}")
@@ -217,9 +218,10 @@ class Front:
         if not self.authorized(scope):
             return await self.reply(send, route, 401, error_body(
                 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"), rid)
+        limit = self.body_limits.get(path, self.max_body) if self.body_limits else self.max_body
         for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
-                return await self.reply(send, route, 413, self.too_large(int(v)), rid)
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                return await self.reply(send, route, 413, self.too_large(int(v), limit), rid)
         handler = self.fast.get(path) if scope["method"] == "POST" else None
         if handler is None:
             async def counting_send(message):
@@ -276,8 +278,8 @@ class Front:
             stamp("send")
             self.stages.keep(rec)
 
-    def too_large(self, n: int) -> bytes:
-        return error_body(413, f"request body of {n} bytes exceeds the limit of {self.max_body} bytes")
+    def too_large(self, n: int, limit: int | None = None) -> bytes:
+        return error_body(413, f"request body of {n} bytes exceeds the limit of {limit or self.max_body} bytes")
 
     async def reply(self, send, route: str, status: int, payload: bytes, rid: str = "", model: str = "") -> None:
         headers = [*JSON_HEADERS, (b"content-length", str(len(payload)).encode())]
