@@ -148,7 +148,7 @@ class ImageTower:
     def step(self, pixels: torch.Tensor) -> LazyTensor:
         self.check(pixels)
         if self.graphs is not None and pixels.device.type == "cpu":
-            lazy = self.graphs.step(pixels.contiguous())
+            lazy = self.graphs.step(pixels)  # (staged by one copy, strided or not)
             if lazy is not None:
                 return lazy
         n = pixels.shape[0]
@@ -176,6 +176,8 @@ class ImageGraphs:
         self._cu: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # bucket -> static cu_seqlens (device, host)
         self._hits: dict[GraphKey, int] = {}
         self._graphs: dict[GraphKey, tuple] = {}  # key -> (launch, output)
+        if tower.device.type == "cuda":  # the buffers' zero fill (this thread's stream) done before the engine's
+            torch.cuda.current_stream(tower.device).synchronize()  # stream reads them
 
     def key(self, n: int) -> GraphKey | None:
         if n > self.max_images:
