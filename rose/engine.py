@@ -261,7 +261,8 @@ class Engine:
         processor does; S = `image_size`) -> float32 [N, embedding_dim], L2-normalised, in the text embeddings'
         space. Rescaled and normalised on the device with the directory's preprocessor_config.json. On CUDA a
         batch replays its image-count bucket's graph (`rose.images`); bigger batches and any on CPU run eagerly.
-        ValueError: no image tower, or pixels of another dtype or shape."""
+        As with `step`, a graphed result's page-locked memory is reused `ring` image steps later: copy what you
+        keep. ValueError: no image tower, or pixels of another dtype or shape."""
         if self.images is None:
             raise ValueError(f"{self.spec.model_type} has no image tower: it embeds text only")
         return self.images.step(pixels)
