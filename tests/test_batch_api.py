@@ -86,7 +86,8 @@ def test_embeddings_batch_end_to_end(client, stack):
     error file, each alone; the lines reach Tulip as batch-priority work."""
     texts = [[f"tulip number {i}", "roses in the garden"] for i in range(12)]
     lines = [line(f"req-{i}", {"input": t}) for i, t in enumerate(texts)]
-    lines += ["this line is not json", line("no-input", {"inputs": "x"}), line("no-model", {"input": "x", "model": "nope"})]
+    lines += ["this line is not json", line("no-input", {"inputs": "x"}),
+              line("no-model", {"input": "x", "model": "nope"})]
     batch_seconds = lambda: metric(httpx.get(stack[1]).text,  # noqa: E731
                                    "tulip_priority_queue_seconds_count", priority="batch")
     before = batch_seconds()

@@ -92,6 +92,8 @@ class Runner:
                 continue
             self.job = job["id"]
             self.cancelled.clear()
+            log.info("batch %s (%s, %d of %d requests done): run by worker %d", job["id"], job["status"],
+                     job["completed"] + job["failed"], job["total"], os.getpid())
             try:
                 await self._run(job)
             except LeaseLost:
@@ -149,11 +151,11 @@ class Runner:
                         job = row  # lines left (not expected): another pass
                         continue
                     job = await st.run(st.set_status, bid, self.owner, "in_progress", ended)
-                elif status == "cancelling":
-                    await st.run(st.finish, bid, self.owner, "cancelled")
-                    return
-                elif status == "finalizing":
-                    await st.run(st.finish, bid, self.owner, "completed")
+                elif status in ("cancelling", "finalizing"):
+                    end = "cancelled" if status == "cancelling" else "completed"
+                    job = await st.run(st.finish, bid, self.owner, end)
+                    log.info("batch %s %s: %d requests answered, %d failed", bid, job["status"], job["completed"],
+                             job["failed"])
                     return
                 else:
                     return
