@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rose.backends import QUANTIZATIONS
 from rose.batch import Batch
 from rose.extras import Extra
 from rose.graphs import GraphConfig, GraphRunner
@@ -67,6 +68,14 @@ class EngineConfig:
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
                small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
                GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
+    quantization: "none", or "fp8": the encoder blocks' four GEMMs in float8 e4m3 (`rose.layers.fp8`:
+               weights quantised at load per output channel and kept beside the bf16 ones, activations
+               per row by the kernels that produce them) for steps of at least `fp8_min_tokens` tokens
+               that do not take the small step; attention and norms stay bf16. BERT / XLM-RoBERTa (and
+               the families on BertModel's blocks) and Qwen3; bfloat16 only ("auto" dtype is bfloat16
+               then, on a CPU too); on CUDA a GPU of compute capability 8.9 or more (Ada, Hopper).
+    fp8_min_tokens: with quantization "fp8", the smallest step (tokens; a graph's token bucket) that
+               runs it (`python -m benchmarks.fp8`'s row sweep measures where fp8 starts to win per GPU).
     """
 
     model: str = "default"
@@ -79,8 +88,16 @@ class EngineConfig:
     compile: bool = False
     attention_table: str = ""
     kernel_tokens: int = 512
+    quantization: str = "none"
+    fp8_min_tokens: int = 1024
 
     def __post_init__(self):
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if self.fp8_min_tokens < 1:
+            raise ValueError(f"fp8_min_tokens {self.fp8_min_tokens} must be >= 1")
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"quantization fp8 runs in bfloat16: dtype {self.dtype!r} (choose auto or bfloat16)")
         if self.kernel_tokens < 0:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -100,7 +117,7 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return torch.bfloat16 if device.type == "cuda" or self.quantization == "fp8" else torch.float32
         return DTYPES[self.dtype]
 
 
@@ -156,6 +173,7 @@ class Engine:
         # a family's own pooled rows (CLIP: the end-of-text token) and its head after pooling (CLIP, SigLIP)
         self._pool_rows = getattr(self.model, "pool_rows", None)
         self._project = getattr(self.model, "project", None)
+        self.fp8_tokens = self._use_fp8() if cfg.quantization == "fp8" else 0
         if cfg.compile:
             compile_blocks(self.model.blocks)
         # SPLADE: the output's nonzero entries are its sparse output, taken on the host (Tulip)
@@ -180,7 +198,8 @@ class Engine:
             f", cross-encoder: {self.num_labels} labels, {self.activation}" if self.num_labels else "",
             self.device, self.dtype, self.attention.name, self.spec.pooling,
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
-            f"<= {self.kernels} tokens" if self.kernels else "off", cfg.compile,
+            (f"<= {self.kernels} tokens" if self.kernels else "off") +
+            (f", fp8 GEMMs >= {self.fp8_tokens} tokens" if self.fp8_tokens else ""), cfg.compile,
             cfg.graphs if self.runner is not None else "off",
         )
 
@@ -278,6 +297,19 @@ class Engine:
             log.info("engine: Triton is not installed; small steps keep torch's path")
             return 0
         return self.model.use_kernels(self.cfg.kernel_tokens)
+
+    def _use_fp8(self) -> int:
+        """Quantise the blocks' GEMM weights (`rose.layers.fp8`); the smallest step that runs them."""
+        if not hasattr(self.model, "use_fp8"):
+            raise ValueError(f"quantization fp8: {self.spec.model_type} has no fp8 path (BERT / XLM-RoBERTa "
+                             "blocks and Qwen3 have)")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"quantization fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(self.device)} has none")
+        added = self.model.use_fp8(self.cfg.fp8_min_tokens)
+        log.info("engine: fp8 weights %.1f MB beside the bf16 ones, for steps of >= %d tokens", added / 1e6,
+                 self.cfg.fp8_min_tokens)
+        return self.cfg.fp8_min_tokens
 
     @property
     def embedding_dim(self) -> int:
