@@ -194,7 +194,8 @@ class ScoreRequest(Body):
     their embeddings (text_1 with the model's query prompt, text_2 with its document prompt).
 
     text_1 a string (or a one-item array) is scored against every text_2 (1:N); arrays of equal
-    length are scored pairwise (N:N).
+    length are scored pairwise (N:N). text_2 may hold Jina's {"text"} / {"image"} items (a model with an
+    image tower: texts against images by cosine, ivy/routes/images.py).
     truncate:   cut texts (a pair: longest side first) longer than the model's maximum instead of 400.
     raw_scores: a cross-encoder's raw logits instead of its activated scores (as /v1/rerank).
     weights:    BGE-M3's hybrid of dense, sparse and ColBERT scores (as /v1/rerank, `ScoreWeights`).
@@ -204,7 +205,7 @@ class ScoreRequest(Body):
     bools: ClassVar = ("truncate", "raw_scores")
 
     text_1: Union[str, list[str]]
-    text_2: Union[str, list[str]]
+    text_2: Union[str, list[Union[str, InputItem]]]
     model: Union[str, None] = None
     truncate: LaxBool = False
     raw_scores: LaxBool = False

@@ -381,6 +381,22 @@ def test_cohere_v2_embed_with_the_cohere_client(stack):
     assert e.status_code == 400 and "one text or one image per input" in e.json()["error"]["message"]
 
 
+def test_score_a_text_against_images_and_texts(stack):
+    """/v1/score with Jina's items in text_2: each item's cosine to text_1, as the same items' /v1/embeddings
+    rows give it; a text-only model refuses the images."""
+    url, _, _, _ = stack
+    items = [{"image": data_uri(CAT)}, {"text": "a dog"}, {"image": data_uri(encode(noise(20, 30, seed=8), "JPEG"))}]
+    r = post(url, "/v1/score", {"model": "clip", "text_1": "a photo of a cat", "text_2": items})
+    assert r.status_code == 200, r.text
+    got = [d["score"] for d in r.json()["data"]]
+    q = np.array(post(url, "/v1/embeddings", {"model": "clip", "input": "a photo of a cat"}).json()["data"][0]["embedding"])
+    rows = np.array([d["embedding"] for d in post(url, "/v1/embeddings", {"model": "clip", "input": items}).json()["data"]])
+    want = rows @ q / np.linalg.norm(rows, axis=1) / np.linalg.norm(q)
+    assert np.allclose(got, want, atol=1e-6)
+    r = post(url, "/v1/score", {"model": "text", "text_1": "a", "text_2": items})
+    assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
+
+
 def test_image_errors_are_4xx_naming_the_input_and_ivy_stays_up(stack):
     url, recs, hport, ivy = stack
     good = {"image": data_uri(CAT)}

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+import uuid
 from dataclasses import dataclass, field, fields
 from dataclasses import replace as dc_replace
 
 import msgspec
 import numpy as np
+import orjson
 
 from ivy import imagefetch
 from ivy.errors import APIError, input_kind_error
@@ -186,3 +189,48 @@ async def embed_items(ctx: Context, req: EmbeddingRequest, embed, stamp: Stamp =
     stamp("checks")
     out = await embed_mixed(ctx, model, info, len(inp), texts, images, req, embed, options, "input", stamp)
     return model, info, out.result, out.text_tokens + out.image_tokens
+
+
+async def image_scores(ctx: Context, req, stamp: Stamp = _no_stamp) -> bytes:
+    """vLLM's /v1/score with Jina's items in text_2 (`ScoreRequest`): the cosine of each text_2 item's embedding
+    (a text with the model's document prompt, or an image) to text_1's (one text for all: 1:N; one per item:
+    N:N, with the query prompt), as the text-only route scores a bi-encoder's texts."""
+    model = ctx.models.get(req.model)
+    model.check_room()
+    info = await model.info()
+    if req.weights is not None or req.raw_scores:
+        raise APIError(400, "'weights' and 'raw_scores' score texts; this request has images",
+                       "weights" if req.weights is not None else "raw_scores")
+    t1 = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    t2 = req.text_2
+    if not t1 or any(not t for t in t1):
+        raise APIError(400, "'text_1' must hold non-empty texts", "text_1")
+    if len(t1) not in (1, len(t2)):
+        raise APIError(400, f"'text_1' has {len(t1)} texts and 'text_2' has {len(t2)}: send one text_1 to score "
+                       "against every text_2 (1:N), or as many as text_2 to score pairwise (N:N)", "text_1")
+    ctx.check_count(len(t1) + len(t2), "text_2")
+    texts, images = [], []
+    for i, x in enumerate(t2):
+        if type(x) is InputItem and (x.text is None) == (x.image is None):
+            raise APIError(400, f"text_2[{i}]: an item holds one of 'text' or 'image'", "text_2")
+        if type(x) is str or x.text is not None:
+            texts.append((i, x if type(x) is str else x.text))
+        else:
+            images.append((i, x.image))
+    options = Options()
+    q_req = EmbeddingRequest(input=[], model=req.model, truncate=req.truncate, input_type="query",
+                             priority=req.priority)
+    d_req = msgspec.structs.replace(q_req, input_type="document")
+    from ivy.routes.embeddings import embed  # (imported here: that module imports this one)
+
+    q, d = await all_or_none([
+        embed_mixed(ctx, model, info, len(t1), list(enumerate(t1)), [], q_req, embed, options, "text_1", stamp),
+        embed_mixed(ctx, model, info, len(t2), texts, images, d_req, embed, options, "text_2", stamp)])
+    unit = [v.astype(np.float64) / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+            for v in (q.result.vectors, d.result.vectors)]
+    scores = (unit[1] * unit[0]).sum(1)  # one text_1 row broadcasts over text_2
+    tokens = q.text_tokens + d.text_tokens + d.image_tokens
+    return orjson.dumps({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": model.name,
+                         "data": [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
