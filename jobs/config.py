@@ -115,6 +115,11 @@ class EmbedJobConfig:
                      "/v1/embeddings with X-Trellis-Priority: batch (dense float vectors)")
     api_key: str = field("", "with --url: the bearer token Ivy asks for")
     served_model: str = field("", "with --url: the model name the Ivy serves it as (default: Ivy's default model)")
+    ray: str = field("", "run on Ray: 'local' (--ray alone: a Ray instance started for the job), 'auto' (the "
+                     "cluster this host is a node of), ray://HOST:PORT (Ray Client) or HOST:PORT; each part one "
+                     "call of an actor holding an Embedder (jobs.ray; pip install 'trellis[ray]')")
+    ray_actors: int = field(0, "with --ray: actors, one Embedder each (0: one per GPU of the cluster, one GPU each; "
+                            "1 on a cluster without GPUs, its CPUs shared equally)")
     rows_per_part: int = field(10000, "input rows per output part (the unit that is committed and resumed)")
     max_rows_per_s: float = field(0.0, "throttle the job to at most this many rows a second (a shared fleet's "
                                   "quota); 0: as fast as it goes")
@@ -127,8 +132,12 @@ class EmbedJobConfig:
             object.__setattr__(self, name, _split(getattr(self, name)))
         if not self.input or not self.output:
             raise ValueError("give INPUT and OUTPUT: trellis embed INPUT OUTPUT --model MODEL")
-        if sum(map(bool, (self.devices, self.tulip, self.url))) > 1:
-            raise ValueError("run in one place: --devices, --tulip or --url")
+        if sum(map(bool, (self.devices, self.tulip, self.url, self.ray))) > 1:
+            raise ValueError("run in one place: --devices, --tulip, --url or --ray")
+        if self.ray and self.ray not in ("local", "auto") and not (self.ray.startswith("ray://") or ":" in self.ray):
+            raise ValueError(f"ray {self.ray!r} is not local, auto, ray://HOST:PORT or HOST:PORT")
+        if self.ray_actors < 0 or (self.ray_actors and not self.ray):
+            raise ValueError(f"ray_actors {self.ray_actors}: a count >= 1 (0: one per GPU), with --ray")
         if self.rows_per_part < 1:
             raise ValueError(f"rows_per_part {self.rows_per_part} must be >= 1")
         if self.max_batch_tokens < 0 or self.max_rows_per_s < 0:
@@ -143,10 +152,14 @@ class EmbedJobConfig:
 
     @classmethod
     def from_args(cls, argv: list[str]) -> "EmbedJobConfig":
-        """INPUT and OUTPUT as the first two arguments (or --input / --output), the rest flags."""
+        """INPUT and OUTPUT as the first two arguments (or --input / --output), the rest flags; `--ray` with no
+        address is `--ray local`."""
         argv = list(argv)
         lead = []
         while argv and not argv[0].startswith("-") and len(lead) < 2:
             lead.append(argv.pop(0))
+        for k in reversed(range(len(argv))):  # `--ray` alone (last, or before another flag): a local instance
+            if argv[k] == "--ray" and (k + 1 == len(argv) or argv[k + 1].startswith("-")):
+                argv.insert(k + 1, "local")
         return parse(cls, [*(x for k, v in zip(("--input", "--output"), lead) for x in (k, v)), *argv],
                      "TRELLIS_EMBED")
