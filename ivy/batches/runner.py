@@ -37,7 +37,7 @@ COMMIT_LINES = 64  # ... or until this many are finished
 STATUS_S = 0.5  # a running job's status (a cancel from another worker) is read this often
 READ_LINES = 256  # input lines read per trip off the loop
 RETRY = (429, 503)  # a line answered so (every replica busy or none reachable) is tried again ...
-RETRY_S = (0.5, 1, 2, 4, 8, 15)  # ... after these waits, then its error is recorded
+RETRY_S = (0.5, 1, 2, 4, 8, 15, 30, 30, 60)  # ... after these waits (~2.5 min: a Tulip restart), then its error is kept
 
 
 def line_json(req_id: str, custom_id: str | None, status: int | None, request_id: str, body: bytes | None,
