@@ -77,7 +77,7 @@ class TimedEvent:
 class NullEngine:
     """The engine interface with no model: rows of zeros, ready `device_ms` after the step."""
 
-    num_labels, activation = 0, ""  # an embedding model, not a cross-encoder
+    num_labels, activation, image_size = 0, "", 0  # an embedding model of text, not a cross-encoder
 
     def __init__(self, device_ms: float, dim: int = 1024):
         import torch

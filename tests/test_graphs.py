@@ -234,7 +234,7 @@ def test_token_level_outputs_through_graphs(tmp_path):
     torch.testing.assert_close(dense, ref[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no \\['bogus'\\] output"):
         e.step(batch, frozenset({"bogus"}))
-    from tulip.loop import warm_up
+    from tulip.warmup import warm_up
 
     warm_up(e, ("2x16+sparse+colbert", "1x8"))  # Tulip's --warmup runs the steps with those outputs
     with pytest.raises(ValueError, match="no \\['colbert'\\] output"):
@@ -350,12 +350,12 @@ def test_cudaops_copies_go_to_the_driver_only_where_a_byte_copy_is_torchs_copy()
 
 
 def test_shape_classes_cover_every_class_a_step_can_fall_in():
-    """tulip.loop.warm_up compiles the kernels of these classes on CUDA: every (sequences, length) pair
+    """tulip.warmup.warm_up compiles the kernels of these classes on CUDA: every (sequences, length) pair
     `rose.kernels.shape_class` can give a step of at most the budget must be among them."""
     from rose.kernels import shape_class
-    from tulip.loop import shape_classes
+    from tulip.warmup import shape_classes
 
-    from tulip.loop import class_batches
+    from tulip.warmup import class_batches
 
     classes = set(shape_classes(8192, 16384))
     for n, length in [(1, 1), (1, 128), (3, 500), (2, 8192), (1, 7936), (200, 64), (31, 512), (5, 3000),

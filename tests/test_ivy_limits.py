@@ -148,7 +148,7 @@ class _SlowCpu:
     sequence's first token id. `ran`: the tokens of each step it ran."""
 
     device = torch.device("cpu")
-    embedding_dim, dtype, extra_outputs, sparse_rows = 4, torch.float32, (), False
+    embedding_dim, dtype, extra_outputs, sparse_rows, image_size = 4, torch.float32, (), False, 0
     spec = types.SimpleNamespace(max_seq_len=256, vocab_size=1000, pooling="mean", normalize=False,
                                  special_token_ids=(), quantized_outputs=False)
 

@@ -40,6 +40,7 @@ class FakeGpuEngine:
                                           special_token_ids=(), quantized_outputs=False)
         self.extra_outputs = ()
         self.sparse_rows = False
+        self.image_size = 0  # text only
 
     def step(self, batch, extras=frozenset()):
         now = time.monotonic()

@@ -95,7 +95,17 @@ class EmbedOptions(Options):
 
     def request(self, seqs) -> tulip_pb2.EmbedRequest:
         ids, lengths = pack(seqs)
-        req = tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths)
+        return self._fill(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths))
+
+    def image_request(self, pixels: np.ndarray) -> tulip_pb2.EmbedRequest:
+        """An image request: `pixels` uint8 [n, S, S, 3] (RGB, resized and cropped as the model's image
+        processor does; S the model's Info.image_size), sent as they are (Tulip rescales and normalises)."""
+        pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+        if pixels.ndim != 4 or pixels.shape[3] != 3 or pixels.shape[1] != pixels.shape[2]:
+            raise ValueError(f"pixels must be uint8 [n, S, S, 3], not {list(pixels.shape)}")
+        return self._fill(tulip_pb2.EmbedRequest(pixels=pixels.tobytes(), images=pixels.shape[0]))
+
+    def _fill(self, req: tulip_pb2.EmbedRequest) -> tulip_pb2.EmbedRequest:
         if self is _DEFAULT:
             return req
         req.request_id = self.request_id
@@ -363,10 +373,24 @@ class TulipClient:
         return await self.call(seqs, EmbedOptions(dimensions, encoding, tuple(outputs), pool_from, segment_starts,
                                                   raw_scores, request_id, deadline, priority=priority))
 
+    async def embed_images(self, pixels: np.ndarray, dimensions: int = 0, timeout: float | None = None,
+                           encoding: int = tulip_pb2.ENCODING_FLOAT32, request_id: str = "",
+                           priority: int = tulip_pb2.PRIORITY_ONLINE) -> np.ndarray:
+        """Embed pictures with a model that has an image tower (CLIP, SigLIP: Info.image_size S > 0): `pixels`
+        uint8 [n, S, S, 3], RGB, resized and cropped as its image processor does (ivy.images makes them);
+        the vectors share the text embeddings' space."""
+        deadline = time.monotonic() + timeout if timeout is not None else 0.0
+        opts = EmbedOptions(dimensions, encoding, request_id=request_id, deadline=deadline, priority=priority)
+        return (await self.send(opts.image_request(pixels), opts)).vectors
+
     async def call(self, seqs, opts: EmbedOptions) -> EmbedResult:
         """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object), within
         what is left of its deadline."""
-        req = opts.request(seqs)
+        return await self.send(opts.request(seqs), opts)
+
+    async def send(self, req: tulip_pb2.EmbedRequest, opts: EmbedOptions) -> EmbedResult:
+        """Send one EmbedRequest built from `opts` (`EmbedOptions.request` / `image_request`) on the stream or
+        a unary call, within what is left of its deadline."""
         timeout = opts.timeout()
         self.outstanding += 1
         try:

@@ -24,7 +24,7 @@ from rose.batch import Batch
 from rose.engine import Engine
 from rose.extras import Extra, colbert_vectors, lexical_weights, vocab_weights
 from trellis.spin import Spinner
-from tulip.config import TulipConfig, warmup_shapes
+from tulip.config import TulipConfig
 from tulip.metrics import TulipMetrics
 from tulip.scheduler import ONLINE, Entry, Scheduler
 from tulip.stages import BATCH, COPY, DELIVER, LAUNCH, SCHEDULE, WAIT, StageRecorder
@@ -47,16 +47,19 @@ class Request(Entry):
     completes or fails. `deadline` (monotonic, 0: none) drops its still-queued sequences.
     `trace`: its tulip.tracing.RequestTrace where tracing is on (None: not traced).
     `priority`: its scheduling class (tulip.scheduler ONLINE, the default, or BATCH: the EmbedRequest's).
+    `pixels`: an image request's pictures (uint8 [n, S, S, 3], the engine's `image_size` S), whose `lengths` are
+    each image's token cost (`Engine.image_tokens`) and `ids` None; None for text.
     """
 
     __slots__ = ("ids", "extras", "on_done", "pool_from", "segments", "offsets", "rows", "sparse", "colbert", "pending",
-                 "queued_at", "deadline", "timer", "future", "stamps", "tag", "trace")
+                 "queued_at", "deadline", "timer", "future", "stamps", "tag", "trace", "pixels")
 
     def __init__(self, ids: np.ndarray, lengths: Sequence[int], extras: frozenset = _NO_EXTRAS,
                  on_done: Callable[["Request", "np.ndarray | None", "Exception | None"], None] | None = None,
                  pool_from: Sequence[int] | None = None, segments: Sequence[int] | None = None,
-                 priority: int = ONLINE):
+                 priority: int = ONLINE, pixels: np.ndarray | None = None):
         super().__init__(lengths, priority)
+        self.pixels = pixels
         n = len(self.lengths)
         self.ids, self.extras, self.on_done, self.pool_from, self.segments = ids, extras, on_done, pool_from, segments
         self.pending = n
@@ -86,64 +89,6 @@ def _resolve(req: Request, rows, error) -> None:
     fut = req.future
     if not fut.done():
         fut.set_exception(error) if error is not None else fut.set_result(rows)
-
-
-KERNEL_WARM_TOKENS = 16384  # the shape classes warm_up compiles on CUDA go up to this many tokens a step
-
-
-def shape_classes(max_len: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Every (sequences, length) class a step of at most `max_tokens` tokens can fall in
-    (`rose.kernels.shape_class`: both rounded up to powers of two, lengths from 64 to the model's longest),
-    longest first. A class's sequences may be one token each but its longest: N up to `max_tokens`."""
-    lengths, length = [], 64
-    while length < max_len:
-        lengths.append(length)
-        length *= 2
-    lengths.append(max_len)
-    out = []
-    for length in reversed(lengths):
-        n = 1
-        while length + n // 2 <= max(max_tokens, max_len):  # its fewest tokens: n // 2 + 1 sequences
-            out.append((n, length))
-            n *= 2
-    return out
-
-
-def class_batches(n: int, length: int, max_tokens: int) -> list[Batch]:
-    """Steps of shape class (n, length): n sequences of `length` tokens where they fit the budget, and the
-    class's fewest tokens: one sequence of `length` and n // 2 of one token (a token count no multiple of
-    16: Triton compiles integer arguments divisible by 16 apart)."""
-    seqs = [np.full(length, 5, dtype=np.int64)] + [np.full(1, 5, dtype=np.int64)] * (n // 2)
-    out = [Batch.from_sequences(seqs)]
-    if n > 1 and n * length <= max_tokens:
-        out.append(Batch.from_sequences([seqs[0]] * n))
-    return out
-
-
-def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
-    """On CUDA, first run one eager step of every shape class (`shape_classes`): the kernels a class
-    launches (ROSE's Triton attention takes its tile from the class, and Triton compiles each variant on
-    its first launch) are compiled before serving, not in front of the first caller whose request has
-    that shape. Before this, ten 16,000-token `truncate: "chunk"` requests on an H100 (bge-m3's 8,192-token
-    class, its first time) cost an independent caller 1,930 ms; the same attack again, compiled: 306-369 ms
-    (benchmarks/attacks/ivy.py). Triton's on-disk cache makes a restart's compile cheap.
-    Then run each --warmup shape (`warmup_shapes`: N sequences of L tokens, with the outputs after "+")
-    three times: eager, capture, replay. A model without an asked output raises ValueError."""
-    if engine.device.type == "cuda":
-        t0 = time.perf_counter()
-        classes = shape_classes(engine.spec.max_seq_len, KERNEL_WARM_TOKENS)
-        for n, length in classes:
-            for batch in class_batches(n, length, KERNEL_WARM_TOKENS):
-                engine.step(batch).synchronize()
-        log.info("compiled the kernels of %d shape classes in %.1f s", len(classes), time.perf_counter() - t0)
-    for n, length, extras in warmup_shapes(specs):
-        length = min(length, engine.spec.max_seq_len)
-        batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            engine.step(batch, extras).synchronize()
-        log.info("warmed up %dx%d%s in %.0f ms", n, length, "".join(f"+{e}" for e in sorted(extras)),
-                 (time.perf_counter() - t0) * 1e3)
 
 
 def _deliver(req: Request, rows, error) -> None:
@@ -233,6 +178,18 @@ def _run_step(engine: Engine, batch: Batch, extras: frozenset):
     return engine.step(batch, extras).synchronize()
 
 
+def _pixels_of(slots) -> torch.Tensor:
+    """The uint8 [N, S, S, 3] pictures of these (image request, image index) slots, in order."""
+    if len(slots) == 1:
+        r, i = slots[0]
+        return torch.from_numpy(r.pixels[i:i + 1])
+    return torch.from_numpy(np.stack([r.pixels[i] for r, i in slots]))
+
+
+def _run_images(engine: Engine, pixels: torch.Tensor):
+    return engine.step_images(pixels).synchronize()
+
+
 class _StepThread:
     """A CPU step running in the step thread, with LazyTensor's ready / synchronize / await."""
 
@@ -279,8 +236,13 @@ class EngineLoop:
         self.cfg = cfg
         self.metrics = metrics or TulipMetrics()
         self.scheduler = Scheduler(cfg.max_batch_tokens)
-        self.metrics.queue_tokens.set_function(lambda: self.scheduler.queued_tokens)
-        self.metrics.queue_requests.set_function(lambda: len(self.scheduler))
+        # a model with an image tower (CLIP, SigLIP): image requests queue apart, since a step is text or
+        # images; their sequences are images, budgeted at the tower's tokens each (Engine.image_tokens)
+        self.images = Scheduler(cfg.max_batch_tokens) if engine.image_size else None
+        self._image_turn = False  # both kinds waiting: text and image steps take turns
+        self.metrics.queue_tokens.set_function(self._queued_tokens)
+        self.metrics.queue_requests.set_function(
+            lambda: len(self.scheduler) + (len(self.images) if self.images is not None else 0))
         self.metrics.by_class(self.scheduler)
         self._inflight: deque[_Step] = deque()
         # On CPU the forward runs in the step; keep it off the event loop.
@@ -323,9 +285,15 @@ class EngineLoop:
         if self._executor:
             self._executor.shutdown(wait=False)
 
+    def _queued_tokens(self) -> int:
+        return self.scheduler.queued_tokens + (self.images.queued_tokens if self.images is not None else 0)
+
+    def _queue_of(self, req: Request) -> Scheduler:
+        return self.scheduler if req.pixels is None else self.images
+
     def cancel(self, req: Request) -> None:
         """The caller is gone: drop what is still queued of `req`; its computed rows are discarded."""
-        self.scheduler.drop(req)
+        self._queue_of(req).drop(req)
         req.cancelled = True
         if req.timer is not None:
             req.timer.cancel()
@@ -335,14 +303,15 @@ class EngineLoop:
     def submit_nowait(self, req: Request) -> None:
         """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
         when the queue is full. Launches a step at once if a slot is free."""
-        if self.scheduler.queued_tokens + req.num_tokens > self.cfg.max_queued_tokens:
-            error = OverflowError(f"queue full: {self.scheduler.queued_tokens} tokens waiting, this request adds "
+        queued = self.scheduler.queued_tokens if self.images is None else self._queued_tokens()
+        if queued + req.num_tokens > self.cfg.max_queued_tokens:
+            error = OverflowError(f"queue full: {queued} tokens waiting, this request adds "
                                   f"{req.num_tokens}, limit {self.cfg.max_queued_tokens}")
             if req.trace is not None:
                 req.trace.end(error)
             raise error
         req.queued_at = time.monotonic()
-        self.scheduler.add(req)
+        (self.scheduler if req.pixels is None else self.images).add(req)
         if req.stamps is not None:
             req.stamps[SCHEDULE] = perf_counter_ns()
         if req.deadline:
@@ -351,7 +320,7 @@ class EngineLoop:
 
     def _expire(self, req: Request) -> None:
         """A deadline passed: a request still (partly) queued is answered now; one fully running completes."""
-        if not req.cancelled and self.scheduler.drop(req):
+        if not req.cancelled and self._queue_of(req).drop(req):
             _deliver(req, None, TimeoutError("deadline passed while the request was queued"))
 
     async def submit(self, req: Request) -> np.ndarray:
@@ -379,31 +348,49 @@ class EngineLoop:
         m.step_seconds.observe(done - step.launched)
 
     def _pump(self) -> None:
-        """Launch FCFS batches while a step slot is free."""
-        sched = self.scheduler
-        while (len(self._inflight) < self._max_inflight and len(sched)
-               and (not self._inflight or sched.queued_tokens >= self._overlap_tokens)):
-            slots = sched.next_batch()
+        """Launch FCFS batches while a step slot is free (a model with an image tower: a step is text or
+        images, and while both wait they take turns)."""
+        sched, images = self.scheduler, self.images
+        while len(self._inflight) < self._max_inflight:
+            if (images is not None and len(images) and (self._image_turn or not len(sched))
+                    and (not self._inflight or images.queued_tokens >= self._overlap_tokens)):
+                picked = images
+            elif len(sched) and (not self._inflight or sched.queued_tokens >= self._overlap_tokens):
+                picked = sched
+            else:
+                break
+            slots = picked.next_batch()
             if not slots:
                 break
             launched = time.monotonic()
             try:
-                batch, extras = _batch_of(slots)
-                if self.stages is not None:
-                    _stamp(slots, BATCH)
-                if self._executor is None:
-                    lazy = self.engine.step(batch, extras)
-                elif batch.num_tokens > CPU_PIECE_TOKENS and len(slots) > 1 and not extras:
-                    lazy = _StepThread(self._executor.submit(_run_pieces, self.engine, slots))
+                if picked is sched:
+                    batch, extras = _batch_of(slots)
+                    tokens = batch.num_tokens
+                    if self.stages is not None:
+                        _stamp(slots, BATCH)
+                    if self._executor is None:
+                        lazy = self.engine.step(batch, extras)
+                    elif tokens > CPU_PIECE_TOKENS and len(slots) > 1 and not extras:
+                        lazy = _StepThread(self._executor.submit(_run_pieces, self.engine, slots))
+                    else:
+                        lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+                    self._image_turn = True
                 else:
-                    lazy = _StepThread(self._executor.submit(_run_step, self.engine, batch, extras))
+                    pixels = _pixels_of(slots)
+                    tokens = sum(r.lengths[i] for r, i in slots)
+                    if self.stages is not None:
+                        _stamp(slots, BATCH)
+                    lazy = self.engine.step_images(pixels) if self._executor is None else \
+                        _StepThread(self._executor.submit(_run_images, self.engine, pixels))
+                    self._image_turn = False
                 if self.stages is not None:
                     _stamp(slots, LAUNCH)
             except Exception as e:  # an engine failure fails this batch only
                 log.exception("engine step failed for %d sequences", len(slots))
                 self._fail(slots, e)
                 continue
-            self._inflight.append(step := _Step(slots, lazy, launched, batch.num_tokens))
+            self._inflight.append(step := _Step(slots, lazy, launched, tokens))
             if self.tracing is not None:
                 self.tracing.launched(step)
         if self._inflight and not self._watching:

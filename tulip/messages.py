@@ -45,6 +45,25 @@ def parse_request(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply
     return ids, lens, pool_from, segments
 
 
+def parse_images(req: tulip_pb2.EmbedRequest, info: tulip_pb2.InfoReply, tokens: int) -> tuple[int, tuple[int, ...]]:
+    """Check an image request (`pixels`, `images`) against the served model: (images, each image's token cost
+    `tokens` as the scheduler's lengths); raise ValueError with a caller-facing message."""
+    side, n, size = info.image_size, req.images, len(req.pixels)
+    if not side:
+        raise ValueError(f"model {info.model} embeds text only: it takes no images (Info's image_size is 0)")
+    if req.lengths or req.token_ids:
+        raise ValueError("a request carries token ids (text) or pixels (images), not both")
+    if n < 1 or size != n * side * side * 3:
+        raise ValueError(f"pixels holds {size} bytes; {n} images of {side} x {side} RGB uint8 take {n * side * side * 3}"
+                         if n else "pixels without `images` (the number of pictures in it)")
+    if any(o != tulip_pb2.OUTPUT_DENSE for o in req.outputs) or req.pool_from or req.segment_starts or req.raw_scores:
+        raise ValueError("images have one output, the dense vector: no sparse / ColBERT outputs, pool_from, "
+                         "segment_starts or raw_scores")
+    lens = (tokens,) * n
+    verify(Options.from_proto(req), info, lens)
+    return n, lens
+
+
 # The EmbedRequest's `priority` values Tulip schedules (tulip.scheduler's ONLINE / BATCH are these numbers)
 PRIORITIES = frozenset(tulip_pb2.Priority.values())
 

@@ -26,7 +26,8 @@ from rose.engine import Engine, EngineConfig
 from trellis.modelref import resolve
 from tulip.config import TulipConfig
 from tulip.h2server import Server
-from tulip.loop import EngineLoop, warm_up
+from tulip.loop import EngineLoop
+from tulip.warmup import warm_up
 from tulip.messages import parse_request, plain_reply, serialize_reply
 from tulip.metrics import TulipMetrics
 from tulip.servicer import SERVICE_NAME, RpcFailure, TulipServicer, add_tulip

@@ -21,6 +21,7 @@ from trellis.tulip.v1 import tulip_pb2
 from tulip.h2server import Direct
 from tulip.loop import EngineLoop, Request
 from tulip.messages import (EXTRAS, F32, NO_EXTRAS, PRIORITIES, Undecodable, bad_priority, decode_request,
+                            parse_images,
                             parse_request, plain_reply, serialize_reply)
 from tulip.stages import RESUME, VALIDATE
 
@@ -70,6 +71,7 @@ class TulipServicer:
             attention=e.attention.name,
             encodings=[tulip_pb2.ENCODING_FLOAT32] + (
                 [tulip_pb2.ENCODING_INT8, tulip_pb2.ENCODING_BINARY] if e.spec.quantized_outputs else []),
+            image_size=e.image_size,
         )
 
         # The online case (one sequence of plain ids, nothing else asked) is checked in one test
@@ -145,10 +147,13 @@ class TulipServicer:
         lens = request.lengths
         if len(lens) == 1:  # the online case: one plain sequence (no option set) passes every check below in one test
             n, raw = lens[0], request.token_ids
-            if 0 < n <= self._plain_max and len(raw) == n << 2 and no_options(request):
+            if 0 < n <= self._plain_max and len(raw) == n << 2 and no_options(request) and not (
+                    request.images or request.pixels):  # (~0.09 us: an image field beside ids is refused below)
                 ids = np.frombuffer(raw, dtype="<u4")  # unsigned: a negative id is huge
                 if _MAX(ids) < self._vocab:
                     return Request(ids.view("<i4"), (n,), NO_EXTRAS, on_done, None, None, priority)
+        if request.images or request.pixels:
+            return self._images(request, on_done, priority)
         try:
             ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
@@ -166,6 +171,24 @@ class TulipServicer:
                              "text (sentence-transformers include_prompt: true); send no pool_from")
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
         return Request(ids, lengths, extras, on_done, pool_from, segments, priority)
+
+    def _images(self, request: tulip_pb2.EmbedRequest, on_done, priority: int) -> Request:
+        """An image request (`pixels`, `images`) checked against the model's image tower; its images are
+        budgeted at the tower's tokens each (patches and class token: `Engine.image_tokens`)."""
+        engine, cfg = self.loop.engine, self.loop.cfg
+        try:
+            n, lens = parse_images(request, self.info, engine.image_tokens)
+        except ValueError as e:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if sum(lens) > cfg.max_queued_tokens:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"{n} images cost {sum(lens)} tokens, over this server's "
+                             f"whole queue of {cfg.max_queued_tokens} (--max-queued-tokens); split the request")
+        if (size := self._reply_bytes(request, n, sum(lens))) > (cfg.max_message_mb << 20) - 4096:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the reply would be {size / 2**20:.1f} MiB, over this "
+                             f"server's message limit of {cfg.max_message_mb} MiB (--max-message-mb); split the request")
+        side = self.info.image_size
+        pixels = np.frombuffer(request.pixels, dtype=np.uint8).reshape(n, side, side, 3)
+        return Request(None, lens, NO_EXTRAS, on_done, None, None, priority, pixels=pixels)
 
     def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
         """An upper bound of the reply's size, known before any work."""
