@@ -17,7 +17,9 @@ torch (`quant_rows_torch`, `norm_quant_torch`: also the tests' reference), so th
 too (slowly), which is how its fidelity is measured without a GPU (benchmarks/fp8_fidelity.py).
 Families: `post_norm_forward` (BERT, XLM-RoBERTa, RoBERTa, CamemBERT, ELECTRA: BertModel's blocks),
 `pre_norm_forward` (Qwen3, pplx-embed's Qwen3), each through the `Fp8Blocks` mixin.
-ROSE_FP8_FAST_ACCUM=1 makes `_scaled_mm` accumulate in its fast mode (a knob for measurements).
+Knobs for measurements: ROSE_FP8_FAST_ACCUM=1 makes `_scaled_mm` accumulate in its fast mode;
+ROSE_FP8_OPS (comma-separated of qkv, out, up, down) runs only those GEMMs in fp8, the others in bf16
+from the same kernels' bf16 outputs (what each GEMM costs in fidelity and gains in speed).
 """
 
 from __future__ import annotations
@@ -96,6 +98,28 @@ def _fast_accum() -> bool:
     return os.environ.get("ROSE_FP8_FAST_ACCUM", "0") == "1"
 
 
+OPS = frozenset({"qkv", "out", "up", "down"})
+
+
+def fp8_ops() -> frozenset:
+    """The GEMMs that run in fp8: all four, or those ROSE_FP8_OPS names (a knob for measurements)."""
+    env = os.environ.get("ROSE_FP8_OPS")
+    return frozenset(env.split(",")) & OPS if env else OPS
+
+
+class _Gemms:
+    """A block's four GEMMs: fp8 from (q, scale), or, for one ROSE_FP8_OPS leaves out, bf16 from the bf16 input."""
+
+    def __init__(self, fp8: dict, linears: dict | None, ops: frozenset):
+        self.fp8, self.linears, self.ops = fp8, linears, ops
+
+    def __call__(self, name: str, q, scale, x=None):
+        if name in self.ops:
+            return self.fp8[name](q, scale)
+        lin = self.linears[name]
+        return F.linear(x, lin.weight, lin.bias)
+
+
 @dataclass(frozen=True)
 class Fp8Linear:
     """A linear layer's fp8 twin: e4m3 weight [N, K], float32 scales [1, N], the layer's own bias (bf16, shared)."""
@@ -162,20 +186,22 @@ def post_norm_forward(model, x: torch.Tensor, meta, attn, rows: torch.Tensor | N
     quant_rows, norm_quant = _ops(x)
     xq, xs = quant_rows(x)  # the embeddings' LayerNorm is not ours to fuse here: one small pass
     layers = model.blocks
-    n = len(layers)
+    n, ops = len(layers), fp8_ops()
     for i, (layer, w) in enumerate(zip(layers, model.fp8_layers)):
         sa, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
+        gemm = _Gemms(w, model.fp8_linears(layer) if ops != OPS else None, ops)
         T, h = x.shape
-        q, k, v = w["qkv"](xq, xs).view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
+        q, k, v = gemm("qkv", xq, xs, x).view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
         a, x = keep_rows(rows if i == n - 1 else None, attn(q, k, v, meta).reshape(T, h), x)
         aq, as_ = quant_rows(a)
         ln = so.LayerNorm
-        _, x, xq, xs = norm_quant(w["out"](aq, as_), x, ln.weight, ln.bias, ln.eps)
+        _, x, xq, xs = norm_quant(gemm("out", aq, as_, a), x, ln.weight, ln.bias, ln.eps)
         act = _bert_act(inter.act)
-        u = w["up"](xq, xs)
+        u = gemm("up", xq, xs, x)
         uq, us = quant_rows(u, act) if act else quant_rows(inter.act(u).contiguous())
+        f = inter.act(u) if "down" not in ops else None
         ln = out.LayerNorm
-        _, x, xq, xs = norm_quant(w["down"](uq, us), x, ln.weight, ln.bias, ln.eps, quant=i < n - 1)
+        _, x, xq, xs = norm_quant(gemm("down", uq, us, f), x, ln.weight, ln.bias, ln.eps, quant=i < n - 1)
     return x
 
 
@@ -188,13 +214,15 @@ def pre_norm_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, me
     cos_sin = model.rotary.lookup(positions, x.dtype)
     quant_rows, norm_quant = _ops(x)
     layers = model.layers
-    n = len(layers)
+    n, ops = len(layers), fp8_ops()
+    bf16 = ops != OPS  # a GEMM in bf16 (ROSE_FP8_OPS) reads the norms' bf16 outputs too
     norm = layers[0].input_layernorm
-    _, _, hq, hs = norm_quant(x, None, norm.weight, None, norm.eps, rms=True, out=False)
+    _, h, hq, hs = norm_quant(x, None, norm.weight, None, norm.eps, rms=True, out=bf16)
     for i, (layer, w, window) in enumerate(zip(layers, model.fp8_layers, model.windows)):
         sa = layer.self_attn
+        gemm = _Gemms(w, model.fp8_linears(layer) if bf16 else None, ops)
         T = x.shape[0]
-        q, k, v = w["qkv"](hq, hs).split([sa.h * sa.d, sa.hk * sa.d, sa.hk * sa.d], dim=-1)
+        q, k, v = gemm("qkv", hq, hs, h).split([sa.h * sa.d, sa.hk * sa.d, sa.hk * sa.d], dim=-1)
         q, k = q.view(T, sa.h, sa.d), k.view(T, sa.hk, sa.d)
         if sa.qk_norm:
             q, k = sa.q_norm(q), sa.k_norm(k)
@@ -203,10 +231,13 @@ def pre_norm_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, me
         a, x = keep_rows(rows if i == n - 1 else None, a, x)
         aq, as_ = quant_rows(a)
         post = layer.post_attention_layernorm
-        x, _, hq, hs = norm_quant(w["out"](aq, as_), x, post.weight, None, post.eps, rms=True, pre=True, out=False)
-        mq, ms = quant_rows(w["up"](hq, hs), "swiglu")
+        x, h, hq, hs = norm_quant(gemm("out", aq, as_, a), x, post.weight, None, post.eps, rms=True, pre=True,
+                                  out=bf16)
+        g = gemm("up", hq, hs, h)
+        mq, ms = quant_rows(g, "swiglu")
+        m = activation(g, "swiglu").to(g.dtype) if "down" not in ops else None
         last = i == n - 1
         norm = model.norm if last else layers[i + 1].input_layernorm
-        x, out, hq, hs = norm_quant(w["down"](mq, ms), x, norm.weight, None, norm.eps, rms=True, pre=True,
-                                    out=last, quant=not last)
-    return out
+        x, h, hq, hs = norm_quant(gemm("down", mq, ms, m), x, norm.weight, None, norm.eps, rms=True, pre=True,
+                                  out=last or bf16, quant=not last)
+    return h
