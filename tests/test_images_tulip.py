@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizerFast
 
-from tests.conftest import Proc, free_port
+from tests.conftest import Proc, free_port, http_status
+from tests.imagecases import data_uri, encode
 from tests.test_models_clip import EOS, SIZE, TEXT, VISION, images, processed, vocab_files
 from trellis.client import TulipClient
 from trellis.options import Options, OptionError
@@ -40,12 +42,12 @@ def clip_tulip(tmp_path_factory):
     proc = Proc(["-m", "tulip", "--model", str(d), "--port", str(port), "--device", "cpu", "--max-batch-tokens", "40",
                  "--max-queued-tokens", "4000"], root)
     proc.wait_for(lambda: "TULIP_READY" in proc.output())
-    yield f"127.0.0.1:{port}", ref, processor
+    yield f"127.0.0.1:{port}", ref, processor, d
     proc.stop()
 
 
 def test_images_and_texts_equal_transformers(clip_tulip):
-    target, ref, processor = clip_tulip
+    target, ref, processor, _ = clip_tulip
     values, pixels = processed(processor, images())
     texts = [[0, 5, 7, 9, EOS], [0, 3, EOS, 4, EOS], [0, 12, 30, 2, EOS]]
 
@@ -72,7 +74,7 @@ def test_images_and_texts_equal_transformers(clip_tulip):
 
 def test_bad_image_requests_are_invalid_argument_and_the_server_keeps_serving(clip_tulip):
     """Through grpcio's own client, the proto as any language's client would send it."""
-    target, _, _ = clip_tulip
+    target, _, _, _ = clip_tulip
     good = np.zeros((1, SIZE, SIZE, 3), np.uint8).tobytes()
     bad = {
         "pixels of another size": tulip_pb2.EmbedRequest(pixels=good[:-3], images=1),
@@ -101,3 +103,35 @@ def test_a_text_only_model_refuses_images():
         parse_images(tulip_pb2.EmbedRequest(pixels=b"\0" * 12, images=1,
                                             encoding=tulip_pb2.ENCODING_INT8), info, 17)
     assert Options.from_proto(tulip_pb2.EmbedRequest(pixels=b"\0" * 12, images=1)).is_default()
+
+
+def test_ivy_to_tulip_images_and_texts_in_one_space(clip_tulip, tmp_path):
+    """The whole path: a real Ivy before the real Tulip; Jina's items mixed (a PNG and a JPEG as data URIs, a
+    text): each image's vector is transformers' `get_image_features` of what its processor makes of the same
+    file, the text's `get_text_features` of the ids Ivy's tokenizer makes, rows in input order."""
+    target, ref, processor, d = clip_tulip
+    pictures = images(3)[:2]
+    files = [encode(pictures[0], "PNG"), encode(pictures[1], "JPEG", quality=90)]
+    port = free_port()
+    ivy = Proc(["-m", "ivy", "--model", str(d), "--tulip", target, "--port", str(port)], tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ivy.wait_for(lambda: http_status(url + "/ready") == 200, timeout=60)
+        body = {"input": [{"image": data_uri(files[0], "png")}, {"text": "abc"}, {"image": data_uri(files[1], "jpeg")}]}
+        r = httpx.post(url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        got = np.array([row["embedding"] for row in r.json()["data"]])
+        ids = httpx.post(url + "/v1/tokenize", json={"input": "abc"}, timeout=30).json()
+    finally:
+        ivy.stop()
+    from PIL import Image
+    import io
+
+    decoded = [Image.open(io.BytesIO(f)).convert("RGB") for f in files]
+    values = processor(images=decoded, return_tensors="pt")["pixel_values"]
+    tokens = ids["data"][0]["tokens"] if "data" in ids else ids["tokens"]
+    with torch.no_grad():
+        want_img = F.normalize(ref.get_image_features(pixel_values=values).pooler_output, dim=-1).numpy()
+        want_txt = F.normalize(ref.get_text_features(input_ids=torch.tensor([tokens])).pooler_output, dim=-1).numpy()
+    np.testing.assert_allclose(got[[0, 2]], want_img, atol=1e-4)
+    np.testing.assert_allclose(got[1], want_txt[0], atol=1e-4)

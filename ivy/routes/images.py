@@ -40,10 +40,7 @@ class ImageOptions(EmbedOptions):
         return dc_replace(super().part(a, b, k), pixels=self.pixels[a:b])
 
     def request(self, seqs) -> tulip_pb2.EmbedRequest:
-        req = super().request(())  # the options, request id and priority as any request's; no token ids
-        req.pixels = np.ascontiguousarray(self.pixels).tobytes()
-        req.images = len(self.pixels)
-        return req
+        return self.image_request(self.pixels)  # the options, request id and priority as any request's
 
 
 def placeholders(n: int, tokens: int) -> list[np.ndarray]:
@@ -191,10 +188,11 @@ async def embed_items(ctx: Context, req: EmbeddingRequest, embed, stamp: Stamp =
     return model, info, out.result, out.text_tokens + out.image_tokens
 
 
-async def image_scores(ctx: Context, req, stamp: Stamp = _no_stamp) -> bytes:
+async def image_scores(ctx: Context, req, embed, stamp: Stamp = _no_stamp) -> bytes:
     """vLLM's /v1/score with Jina's items in text_2 (`ScoreRequest`): the cosine of each text_2 item's embedding
     (a text with the model's document prompt, or an image) to text_1's (one text for all: 1:N; one per item:
-    N:N, with the query prompt), as the text-only route scores a bi-encoder's texts."""
+    N:N, with the query prompt), as the text-only route scores a bi-encoder's texts. `embed`: the texts' route
+    (ivy.routes.embeddings.embed, which imports this module: passed in, not imported)."""
     model = ctx.models.get(req.model)
     model.check_room()
     info = await model.info()
@@ -221,8 +219,6 @@ async def image_scores(ctx: Context, req, stamp: Stamp = _no_stamp) -> bytes:
     q_req = EmbeddingRequest(input=[], model=req.model, truncate=req.truncate, input_type="query",
                              priority=req.priority)
     d_req = msgspec.structs.replace(q_req, input_type="document")
-    from ivy.routes.embeddings import embed  # (imported here: that module imports this one)
-
     q, d = await all_or_none([
         embed_mixed(ctx, model, info, len(t1), list(enumerate(t1)), [], q_req, embed, options, "text_1", stamp),
         embed_mixed(ctx, model, info, len(t2), texts, images, d_req, embed, options, "text_2", stamp)])

@@ -16,6 +16,7 @@ from ivy import errors
 from ivy.errors import APIError
 from ivy.front import Stamp
 from ivy.routes.common import Context, Routes, tulip_call, verify
+from ivy.routes.embeddings import embed
 from ivy.routes.images import has_items, image_scores
 from ivy.schemas import RerankRequest, ScoreRequest, ScoreWeights
 from ivy.served import ServedModel
@@ -201,7 +202,7 @@ def routes(ctx: Context) -> Routes:
         """vLLM's score API: 1:N (text_1 one text) or N:N (pairwise) relevance scores."""
         req = errors.parse_body(ScoreRequest, body)
         if has_items(req.text_2):  # Jina's {"text"} / {"image"} items: texts against images (ivy/routes/images.py)
-            return await image_scores(ctx, req, stamp)
+            return await image_scores(ctx, req, embed, stamp)
         weights = hybrid_weights(req.weights)
         model = models.get(req.model)
         model.check_room()
