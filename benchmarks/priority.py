@@ -1,6 +1,6 @@
 """Online latency while a bulk job shares the Tulip (issue 50): the two priority classes measured.
 
-    python -m benchmarks.priority --model default --device cpu [--bulk 8] [--seqs 4] [--length 128]
+    python -m benchmarks.priority --model default --device cpu --max-batch-tokens 512 [--bulk 8] [--seqs 4] [--length 128]
     python -m benchmarks.priority --tulip 127.0.0.1:50051       (a running Tulip)
 
 Three phases on one Tulip: `idle` (online probes alone), `job-batch` (a job keeps `--bulk` requests of
@@ -42,7 +42,8 @@ async def phase(target: str, job_priority: int | None, args, vocab: int) -> dict
             done += len(seqs)
 
     async with TulipClient(target) as job, TulipClient(target) as online:
-        await online.embed(list(probe))  # the probe's stream open
+        for _ in range(3):  # the probe's stream open, its graph captured
+            await online.embed(list(probe))
         workers = [asyncio.ensure_future(worker(job, s)) for s in job_seqs] if job_priority is not None else []
         await asyncio.sleep(args.settle_s)  # the job's queue filled
         d0, t0 = done, time.perf_counter()
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tulip", default="", help="a running Tulip (HOST:PORT); none: start one with --model")
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-batch-tokens", type=int, default=512, help="the started Tulip's step budget")
+    ap.add_argument("--max-batch-tokens", type=int, default=0, help="the started Tulip's step budget (0: its own)")
     ap.add_argument("--bulk", type=int, default=8, help="the job's requests outstanding")
     ap.add_argument("--seqs", type=int, default=4, help="sequences per job request")
     ap.add_argument("--length", type=int, default=128, help="tokens per job sequence")
@@ -78,8 +79,9 @@ def main(argv=None) -> None:
     if not target:
         port = free_port()
         log = Path(tempfile.mkdtemp(prefix="priority-")) / "tulip.log"
+        budget = ["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []
         proc = spawn_until_ready(["tulip", "--model", args.model, "--device", args.device, "--port", str(port),
-                                  "--max-batch-tokens", str(args.max_batch_tokens)], "TULIP_READY", log)
+                                  *budget], "TULIP_READY", log)
         target = f"127.0.0.1:{port}"
     rec = Recorder(args.out, "priority")
     try:
