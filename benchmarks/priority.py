@@ -73,33 +73,38 @@ def main(argv=None) -> None:
     ap.add_argument("--gap-ms", type=float, default=20.0, help="pause between probes")
     ap.add_argument("--settle-s", type=float, default=1.0, help="job time before the probes start")
     ap.add_argument("--out", type=Path, default=None, help="a directory for priority.jsonl")
+    ap.add_argument("--batch-step-tokens", type=int, nargs="*", default=[0],
+                    help="the started Tulip's --batch-step-tokens, one Tulip (idle and job-batch phases) per value")
+    ap.add_argument("--phases", default="idle,job-batch,job-online", help="which phases to run, in order")
     args = ap.parse_args(argv)
-    proc = None
-    target = args.tulip
-    if not target:
+    if args.tulip:
+        return run(args, args.tulip, 0)
+    for cap in args.batch_step_tokens:
         port = free_port()
         log = Path(tempfile.mkdtemp(prefix="priority-")) / "tulip.log"
         budget = ["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []
         proc = spawn_until_ready(["tulip", "--model", args.model, "--device", args.device, "--port", str(port),
-                                  *budget], "TULIP_READY", log)
-        target = f"127.0.0.1:{port}"
-    rec = Recorder(args.out, "priority")
-    try:
-        async def info():
-            async with TulipClient(target) as c:
-                return await c.info()
-
-        i = asyncio.run(info())
-        for name, prio in (("idle", None), ("job-batch", tulip_pb2.PRIORITY_BATCH),
-                           ("job-online", tulip_pb2.PRIORITY_ONLINE)):
-            row = asyncio.run(phase(target, prio, args, i.vocab_size))
-            rec.emit(bench="priority", phase=name, model=i.model, device=i.device, backend=i.attention,
-                     max_batch_tokens=i.max_batch_tokens, job=f"{args.bulk}x{args.seqs}x{args.length}",
-                     online_length=args.online_length, **row)
-    finally:
-        if proc is not None:
+                                  "--batch-step-tokens", str(cap), *budget], "TULIP_READY", log)
+        try:
+            run(args, f"127.0.0.1:{port}", cap)
+        finally:
             stop(proc)
 
+
+def run(args, target: str, cap: int) -> None:
+    rec = Recorder(args.out, "priority")
+
+    async def info():
+        async with TulipClient(target) as c:
+            return await c.info()
+
+    i = asyncio.run(info())
+    classes = {"idle": None, "job-batch": tulip_pb2.PRIORITY_BATCH, "job-online": tulip_pb2.PRIORITY_ONLINE}
+    for name in args.phases.split(","):
+        row = asyncio.run(phase(target, classes[name], args, i.vocab_size))
+        rec.emit(bench="priority", phase=name, model=i.model, device=i.device, backend=i.attention,
+                 max_batch_tokens=i.max_batch_tokens, batch_step_tokens=cap,
+                 job=f"{args.bulk}x{args.seqs}x{args.length}", online_length=args.online_length, **row)
 
 if __name__ == "__main__":
     main()

@@ -235,7 +235,7 @@ class EngineLoop:
         self.engine = engine
         self.cfg = cfg
         self.metrics = metrics or TulipMetrics()
-        self.scheduler = Scheduler(cfg.max_batch_tokens)
+        self.scheduler = Scheduler(cfg.max_batch_tokens, batch_step_tokens=cfg.batch_step_tokens)
         # a model with an image tower (CLIP, SigLIP): image requests queue apart, since a step is text or
         # images; their sequences are images, budgeted at the tower's tokens each (Engine.image_tokens)
         self.images = Scheduler(cfg.max_batch_tokens) if engine.image_size else None

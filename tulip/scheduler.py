@@ -52,8 +52,11 @@ class Scheduler:
     the batch class's share): `drop()` takes an entry's unbatched tokens off at once (the entry itself
     leaves its queue when it reaches the front)."""
 
-    def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16):
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16, batch_step_tokens: int = 0):
         self.max_batch_tokens = max_batch_tokens
+        # the most batch-class tokens one step takes (0: the whole budget): a step of batch work runs while online
+        # requests arrive, and they wait for it; one batch sequence longer than this still goes alone
+        self.batch_step_tokens = batch_step_tokens or max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._queue: deque[Entry] = deque()  # online
         self._batch: deque[Entry] = deque()
@@ -125,8 +128,11 @@ class Scheduler:
         return slots
 
     def _fill(self, slots: list, tokens: int) -> None:
-        """Append batch-class sequences, FCFS, to `slots` (holding `tokens`) while they fit."""
+        """Append batch-class sequences, FCFS, to `slots` (holding `tokens`) while they fit the budget and
+        `batch_step_tokens` (at least one sequence where it fits the budget)."""
         budget = self.max_batch_tokens
+        cap = tokens + self.batch_step_tokens
+        first = True
         q = self._batch
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
@@ -137,8 +143,9 @@ class Scheduler:
                 continue
             i = entry.next
             n = entry.lengths[i]
-            if tokens + n > budget:
+            if tokens + n > budget or (tokens + n > cap and not first):
                 break
+            first = False
             slots.append((entry, i))
             tokens += n
             self.queued_tokens -= n
