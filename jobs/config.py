@@ -119,7 +119,9 @@ class EmbedJobConfig:
                      "cluster this host is a node of), ray://HOST:PORT (Ray Client) or HOST:PORT; each part one "
                      "call of an actor holding an Embedder (jobs.ray; pip install 'trellis[ray]')")
     ray_actors: int = field(0, "with --ray: actors, one Embedder each (0: one per GPU of the cluster, one GPU each; "
-                            "1 on a cluster without GPUs, its CPUs shared equally)")
+                            "1 on a cluster without GPUs)")
+    ray_cpus: float = field(0.0, "with --ray: CPUs each actor asks Ray for (0: 1 beside a GPU, else an equal share "
+                            "of the cluster's CPUs)")
     rows_per_part: int = field(10000, "input rows per output part (the unit that is committed and resumed)")
     max_rows_per_s: float = field(0.0, "throttle the job to at most this many rows a second (a shared fleet's "
                                   "quota); 0: as fast as it goes")
@@ -136,8 +138,8 @@ class EmbedJobConfig:
             raise ValueError("run in one place: --devices, --tulip, --url or --ray")
         if self.ray and self.ray not in ("local", "auto") and not (self.ray.startswith("ray://") or ":" in self.ray):
             raise ValueError(f"ray {self.ray!r} is not local, auto, ray://HOST:PORT or HOST:PORT")
-        if self.ray_actors < 0 or (self.ray_actors and not self.ray):
-            raise ValueError(f"ray_actors {self.ray_actors}: a count >= 1 (0: one per GPU), with --ray")
+        if self.ray_actors < 0 or self.ray_cpus < 0 or ((self.ray_actors or self.ray_cpus) and not self.ray):
+            raise ValueError(f"ray_actors {self.ray_actors}, ray_cpus {self.ray_cpus}: counts >= 0, with --ray")
         if self.rows_per_part < 1:
             raise ValueError(f"rows_per_part {self.rows_per_part} must be >= 1")
         if self.max_batch_tokens < 0 or self.max_rows_per_s < 0:

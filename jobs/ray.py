@@ -2,15 +2,16 @@
 `Embedder` (the in-process path's unit of work: built once per actor, called once per part). Ray is an optional
 extra: `pip install 'trellis[ray]'`.
 
-What Ray is given, and why: the driver (this process) reads the input with `jobs.dataset.Input` (the same parts,
-cut the same way as in-process), skips the parts OUTPUT has committed, and sends every other part to one actor as
-one call (up to `INFLIGHT_PER_ACTOR` calls queued per actor, so an actor never waits for its next part); the
-actor returns the part's rows and bad rows, and the driver commits them through `jobs.dataset.Output`. So the part
-files, `_done/` markers, `_job.json` and `_errors.jsonl` are the in-process path's, a job begun one way goes on
-the other, and resume stays exact: the unit Ray computes is the unit that is committed. Ray Data's
-read_* + map_batches is not what the CLI runs, because its blocks are not the job's parts (a datasource cuts and
-coalesces rows by block size, and the core's JSONL reader turns a bad line into an error row, which
-`read_json` cannot), so a restart could not tell which input rows are done; and a driver-side commit keeps
+What Ray is given, and why: `jobs.run.run` itself runs the job. Its worker threads call `ActorEmbedder`s (an
+actor seen as an Embedder) instead of Embedders, so the driver (this process) reads the input with
+`jobs.dataset.Input` (the same parts, cut the same way), skips the committed parts, sends each other part to one
+actor as one call, and commits what comes back through `jobs.dataset.Output`, throttle, progress, summary and
+errors included: one code path. Two threads call each actor (`INFLIGHT_PER_ACTOR`), so its next part is shipped
+while it embeds this one. The part files, `_done/` markers, `_job.json` and `_errors.jsonl` are the in-process
+path's, a job begun one way goes on the other, and resume stays exact: the unit Ray computes is the unit that
+is committed. Ray Data's read_* + map_batches is not what the CLI runs: its blocks are not the job's parts (a
+datasource cuts and coalesces rows by block size, and the core's JSONL reader turns a bad line into an error row,
+which `read_json` cannot), so a restart could not tell which input rows are done; and a driver-side commit keeps
 OUTPUT one local directory written by one process, whatever node computed a part. For a Ray Data pipeline of
 one's own (read, filter, embed, write anywhere; no resume), `EmbedBatches` is the same Embedder as a
 `map_batches` class.
@@ -18,10 +19,12 @@ one's own (read, filter, embed, write anywhere; no resume), `EmbedBatches` is th
 ADDRESS: "local" (`--ray` alone: a Ray instance started on this host for the job and stopped after it), "auto"
 (the cluster this host is a node of), "ray://HOST:PORT" (Ray Client) or "HOST:PORT" (a cluster's GCS). Actors
 (`--ray-actors`, 0: one per GPU of the cluster, or one on a cluster without GPUs): one GPU each where the cluster
-has GPUs and --device is not cpu, else an equal share of the CPUs. An actor lost with its process or node is
-restarted and its queued parts sent again (`max_restarts`, `max_task_retries`); the driver commits each part
-once. The cluster's nodes need the same trellis installed (`pip install 'trellis[ray]'`, e.g. in their image)
-and reach the model as this host does (a Hub id is downloaded into each node's cache once).
+has GPUs and --device is not cpu, else an equal share of its CPUs (`--ray-cpus`: an actor's CPUs). An actor
+lost with its process or node is restarted and its queued parts sent again (`max_restarts`, `max_task_retries`);
+the driver commits each part once. The cluster's nodes need the same trellis installed (`pip install
+'trellis[ray]'`, e.g. in their image) and reach the model as this host does (a Hub id is downloaded into each
+node's cache once). The driver holds OUTPUT: with ray://, that is the client's disk. The actors' start (model
+loads included) is logged, and is not in the summary's `load_seconds`.
 """
 
 from __future__ import annotations
@@ -35,13 +38,11 @@ from typing import Any
 import pyarrow as pa
 
 from jobs.config import EmbedJobConfig, EmbedSettings
-from jobs.dataset import Input, Output
-from jobs.embed import Embedder, as_table, split_errors
-from jobs.run import Progress, job_record
+from jobs.embed import Embedder, as_table
 
 log = logging.getLogger("jobs.ray")
 
-INFLIGHT_PER_ACTOR = 2  # one part running, one shipped and waiting: the actor never idles for the driver
+INFLIGHT_PER_ACTOR = 2  # worker threads per actor: one part running, the next shipped and queued behind it
 RESTARTS = 2  # an actor that dies (its process, its node) is restarted this often, its calls retried
 EXTRA = "pip install 'trellis[ray]'"
 
@@ -76,24 +77,28 @@ def connect(address: str) -> bool:
 
 
 class EmbedWorker:
-    """One actor's state: one Embedder, built when the actor starts; `embed` is one part."""
+    """One actor's state: one Embedder, built when the actor starts; `embed` is one part. A constructor's error
+    is kept and raised by `ready` (an actor whose constructor raised answers every call with ActorDiedError,
+    which would hide a bad setting's ValueError, exit 2 in-process)."""
 
     def __init__(self, settings: EmbedSettings, worker: dict, threads: int):
-        if threads:  # Ray sets OMP_NUM_THREADS to the actor's CPUs; torch may have read it before: say it again
-            import torch
+        self.embedder, self.error = None, None
+        try:
+            if threads:  # Ray sets OMP_NUM_THREADS to the actor's CPUs; torch may have read it before: say it again
+                import torch
 
-            torch.set_num_threads(threads)
-        self.embedder = Embedder(settings, **worker)
+                torch.set_num_threads(threads)
+            self.embedder = Embedder(settings, **worker)
+        except Exception as e:  # noqa: BLE001 (raised again by ready(), the driver's first call)
+            self.error = e
 
     def ready(self) -> str:
+        if self.error is not None:
+            raise self.error
         return f"{os.uname().nodename}:{os.getpid()}"
 
-    def embed(self, table: pa.Table, first_row: int) -> tuple[pa.Table, list[dict], int, float]:
-        """A part's rows -> (the rows to write, the bad rows, tokens embedded, seconds)."""
-        t = time.monotonic()
-        good, errors = split_errors(self.embedder(table, first_row))
-        tokens = sum(x for x in good.column("tokens").to_pylist() if x is not None)
-        return good, errors, tokens, time.monotonic() - t
+    def embed(self, table: pa.Table, first_row: int) -> pa.Table:
+        return self.embedder(table, first_row)
 
 
 def plan(cfg: EmbedJobConfig) -> tuple[int, dict, str, int]:
@@ -106,13 +111,33 @@ def plan(cfg: EmbedJobConfig) -> tuple[int, dict, str, int]:
         if n > gpus:
             log.warning("%d actors of one GPU each on a cluster of %d GPUs: %d wait for GPUs to join", n, gpus,
                         n - gpus)
-        return n, {"num_gpus": 1, "num_cpus": 1}, "cuda", 0
+        return n, {"num_gpus": 1, "num_cpus": cfg.ray_cpus or 1}, "cuda", 0
     n = cfg.ray_actors or 1
     largest = max((int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=cpus)
-    per = max(1, min(cpus // n, largest))
+    per = cfg.ray_cpus or max(1, min(cpus // n, largest))
     if n * per > cpus:
-        log.warning("%d actors of %d CPUs each on a cluster of %d CPUs: some wait for CPUs", n, per, cpus)
-    return n, {"num_cpus": per}, "cpu", per
+        log.warning("%d actors of %g CPUs each on a cluster of %d CPUs: some wait for CPUs", n, per, cpus)
+    return n, {"num_cpus": per}, "cpu", max(1, round(per))
+
+
+def wait_ready(actors: list) -> list[str]:
+    """Wait for every actor's model (a constructor's error is raised here), saying every 30 s how many Ray has
+    not placed or loaded yet (an actor waits, silently in Ray, for the CPUs or GPU it asks for)."""
+    ray = import_ray()
+    refs = [a.ready.remote() for a in actors]
+    t0 = time.monotonic()
+    while True:
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=30)
+        if not waiting:
+            try:
+                return ray.get(refs)
+            except ray.exceptions.RayTaskError as e:  # a setting the model cannot honour: the in-process message
+                if isinstance(e.cause, ValueError):
+                    raise ValueError(str(e.cause)) from None
+                raise
+        log.warning("%d of %d Ray actors not ready after %.0f s (waiting for resources, or loading the model); "
+                    "the cluster has %s free", len(waiting), len(refs), time.monotonic() - t0,
+                    ray.available_resources())
 
 
 def start_actors(cfg: EmbedJobConfig) -> list:
@@ -124,82 +149,55 @@ def start_actors(cfg: EmbedJobConfig) -> list:
     return [cls.remote(cfg.settings(), worker, threads) for _ in range(n)]
 
 
-def run(cfg: EmbedJobConfig, actors: list | None = None) -> dict:
-    """Run the job on Ray; return its summary (jobs.run.run's keys, and `ray`, `actors`). Raises RayMissing /
-    JobMismatch / ValueError for bad arguments, RuntimeError when a part failed. `actors`: EmbedWorker actors
-    already started for `cfg`'s settings (a program running several jobs on one model), used and left running;
-    None: `start_actors(cfg)` after joining Ray (`connect`), killed at the end."""
-    ray = import_ray()  # first: without Ray, nothing is read or written
-    settings = cfg.settings()
-    inp = Input(cfg.input, cfg.input_format, cfg.rows_per_part)
-    out = Output(cfg.output, job_record(cfg, inp))
-    done = out.done
-    total = inp.rows()
-    done_rows = sum(m["input_rows"] for m in out.committed.values())
-    owned = actors is None
-    started = connect(cfg.ray) if owned else False
-    progress = None
-    pending: dict = {}  # ObjectRef -> (part, actor index)
-    failure: list[BaseException] = []
-    try:
-        t0 = time.monotonic()
-        if owned:
-            actors = start_actors(cfg)
-        where = ray.get([a.ready.remote() for a in actors])  # every model loaded (a constructor's error: here)
-        load_s = time.monotonic() - t0
-        log.info("Ray actors ready in %.1f s: %s", load_s, ", ".join(where))
-        show = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
-        progress = Progress(total, done_rows, show)
-        free = [INFLIGHT_PER_ACTOR] * len(actors)
+class ActorEmbedder:
+    """An EmbedWorker actor seen as an Embedder by jobs.run's worker threads: `embedder(table, first_row)` is one
+    call of the actor (the thread waits for it); `close` leaves the actor to whoever started it."""
 
-        def collect() -> None:
-            """Wait for one call to finish; commit its part (or keep its error)."""
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            part, k = pending.pop(ref)
-            free[k] += 1
-            try:
-                good, errors, tokens, seconds = ray.get(ref)
-            except Exception as e:  # the Embedder's error (RayTaskError) or an actor lost past its restarts
-                log.error("part %d failed: %s", part.index, e)
-                failure.append(e)
-                return
-            progress.add(out.commit(part, good, errors, tokens, seconds))
+    def __init__(self, actor, settings: EmbedSettings):
+        self.actor, self.settings = actor, settings
 
-        sent = 0
-        for part in inp.parts([settings.text_column, settings.id_column]):
-            if failure:
-                break
-            if part.index in done:
-                continue
-            if cfg.max_rows_per_s:  # the in-process path's throttle
-                time.sleep(max(0.0, sent / cfg.max_rows_per_s - (time.monotonic() - progress.start)))
-            while max(free) == 0:
-                collect()
-            k = free.index(max(free))  # the actor with the fewest parts queued
-            pending[actors[k].embed.remote(part.table, part.first_row)] = (part, k)
-            free[k] -= 1
-            sent += part.table.num_rows
-        while pending:
-            collect()
-    finally:
-        if progress is not None:
-            progress.close()
-        if owned:
-            for a in actors or ():
-                ray.kill(a)
-        if started:
+    def __call__(self, table: pa.Table, first_row: int = 0) -> pa.Table:
+        return import_ray().get(self.actor.embed.remote(table, first_row))
+
+    def close(self) -> None:
+        pass
+
+
+def embedders(actors: list, settings: EmbedSettings) -> list[ActorEmbedder]:
+    """jobs.run.run's workers for these actors: INFLIGHT_PER_ACTOR each (one part running, the next queued)."""
+    return [ActorEmbedder(a, settings) for _ in range(INFLIGHT_PER_ACTOR) for a in actors]
+
+
+class RayWorkers:
+    """`with RayWorkers(cfg) as w: jobs.run.run(cfg, w.embedders)`: Ray joined or started (`connect`), the job's
+    actors started and their models loaded; on leaving, the actors killed and a Ray this began stopped."""
+
+    def __init__(self, cfg: EmbedJobConfig):
+        self.cfg, self.actors, self.started = cfg, [], False
+        self.embedders: list[ActorEmbedder] = []
+
+    def __enter__(self) -> "RayWorkers":
+        self.started = connect(self.cfg.ray)
+        try:
+            t0 = time.monotonic()
+            self.actors = start_actors(self.cfg)
+            where = wait_ready(self.actors)
+        except BaseException:
+            self.__exit__()
+            raise
+        print(f"trellis embed: Ray ({self.cfg.ray}): {len(where)} actors ready in {time.monotonic() - t0:.1f} s "
+              f"({', '.join(where)})", file=sys.stderr)
+        self.embedders = embedders(self.actors, self.cfg.settings())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ray = import_ray()
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self.started:
             ray.shutdown()
-    if failure:
-        raise RuntimeError(f"the job stopped: {type(failure[0]).__name__}: {failure[0]} (run it again with the "
-                           "same arguments to continue)")
-    seconds = time.monotonic() - progress.start
-    summary = {"rows": progress.rows, "written": progress.written, "errors": progress.errors,
-               "tokens": progress.tokens, "seconds": round(seconds, 3),
-               "rows_per_s": round(progress.rows / seconds, 1) if seconds > 0 else 0.0,
-               "parts": progress.parts, "parts_resumed": len(done), "total_rows": done_rows + progress.rows,
-               "load_seconds": round(load_s, 3), "output": cfg.output, "ray": cfg.ray, "actors": len(actors)}
-    out.finish(summary)
-    return summary
+            self.started = False
 
 
 class EmbedBatches:

@@ -1,8 +1,8 @@
 """`trellis embed INPUT OUTPUT --model MODEL` (`python -m jobs`): the input's parts through one `Embedder` per
-worker (a device, a Tulip, or an Ivy; with --ray, a Ray actor: jobs.ray), each part committed to OUTPUT as it
-completes; a restart with the same arguments skips the committed parts. Progress on stderr (a tqdm bar where
-stderr is a terminal), one summary line at the end, and with --json one JSON object on stdout. Exit status: 0
-done, 1 a worker failed, 2 bad arguments or an OUTPUT holding another job."""
+worker (a device, a Tulip, or an Ivy; with --ray, a Ray actor holding one: jobs.ray), each part committed to
+OUTPUT as it completes; a restart with the same arguments skips the committed parts. Progress on stderr (a tqdm
+bar where stderr is a terminal), one summary line at the end, and with --json one JSON object on stdout. Exit
+status: 0 done, 1 a worker failed, 2 bad arguments or an OUTPUT holding another job."""
 
 from __future__ import annotations
 
@@ -60,20 +60,21 @@ class Progress:
             self.bar.close()
 
 
-def job_record(cfg: EmbedJobConfig, inp: Input) -> dict:
-    """OUTPUT/_job.json: what the output depends on, not where it runs (a job begun on a CPU may go on on a GPU,
-    a fleet or Ray: jobs.ray commits through the same record)."""
-    return json.loads(json.dumps({**cfg.settings().to_json(), "input": cfg.input, "files": inp.fingerprint(),
-                                  "rows_per_part": cfg.rows_per_part}))
-
-
 def run(cfg: EmbedJobConfig, embedders: list[Embedder] | None = None) -> dict:
     """Run the job; return its summary. Raises JobMismatch / ValueError for bad arguments, RuntimeError when a
     worker fails. `embedders`: workers already built for `cfg`'s settings (a program running several jobs on
     one model), used as they are and left open; None: one per `workers(cfg)`, closed at the end."""
+    if cfg.ray and embedders is None:  # Ray actors, one Embedder each, called by this loop's threads (jobs.ray)
+        from jobs.ray import RayWorkers
+
+        with RayWorkers(cfg) as ray_workers:
+            return run(cfg, ray_workers.embedders)
     settings = cfg.settings()
     inp = Input(cfg.input, cfg.input_format, cfg.rows_per_part)
-    out = Output(cfg.output, job_record(cfg, inp))
+    # what the output depends on (not where it runs: a job begun on a CPU may go on on a GPU or a fleet)
+    job = json.loads(json.dumps({**settings.to_json(), "input": cfg.input, "files": inp.fingerprint(),
+                                 "rows_per_part": cfg.rows_per_part}))
+    out = Output(cfg.output, job)
     done = out.done
     total = inp.rows()
     done_rows = sum(m["input_rows"] for m in out.committed.values())
@@ -164,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EmbedJobConfig.from_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if cfg.ray:  # Ray actors, each an Embedder as a worker thread here (jobs.ray); Ray imported there only
-            from jobs.ray import run as run_on_ray
-
-            summary = run_on_ray(cfg)
-        else:
-            summary = run(cfg)
+        summary = run(cfg)
     except (JobMismatch, ValueError, FileNotFoundError) as e:
         print(f"trellis embed: error: {e}", file=sys.stderr)
         return 2
