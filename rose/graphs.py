@@ -210,7 +210,7 @@ class CudaOps:
         """Make the runner's stream the calling thread's current one (once per thread), so that every
         step's copies, plans and replay are on that one stream without a stream switch per step. The
         thread's own eager work after a step is queued behind it, as before. Measured on an H200 host
-        (`benchmarks/results/small_step/host/`): a `torch.cuda.stream` block cost 17 us per step,
+        (`benchmarks/results/2026-12-02_h200_small-step-host/`): a `torch.cuda.stream` block cost 17 us per step,
         `torch.cuda.current_stream()` alone 9.5 (it builds a Stream object), so the current stream's
         id is read from torch's C binding where it has one (the call current_stream makes).
         `set_stream` also makes the stream's device current; the check is by stream and device, so

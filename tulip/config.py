@@ -32,7 +32,7 @@ class TulipConfig:
                            choices=("auto", *BACKENDS))
     attention_table: str = field("", "with --attention auto: JSON table from `python -m benchmarks.kernels` choosing "
                                  "the backend per batch shape, or a directory of them (e.g. benchmarks/results/"
-                                 "attention_sweep: the one for the model's head shape, a causal model's "
+                                 "2026-12-02_h200_attention-sweep: the one for the model's head shape, a causal model's "
                                  "*_causal.json; without one, the built-in choice)")
     graphs: str = field("lazy", "CUDA graphs per (sequences, tokens) bucket: captured on the second hit, "
                         "on the first (eager-all), or never", choices=("lazy", "eager-all", "off"))

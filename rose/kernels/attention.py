@@ -1,6 +1,6 @@
 """Attention for ragged sequences in Triton: one program per (query block, sequence, head), the
 whole key range of its sequence streamed through registers (online softmax). Made for short
-sequences; an H200 sweep (2026-12-02, `results/attention_sweep/`) found it ahead of torch's varlen at
+sequences; an H200 sweep (2026-12-02, `benchmarks/results/2026-12-02_h200_attention-sweep/`) found it ahead of torch's varlen at
 every length to 8,192 tokens too, so it is the built-in choice for bidirectional models.
 
 Made for the small-batch step, where FlashAttention's kernels spend ~6 us on a single 128-token
@@ -148,7 +148,7 @@ def _tile_override() -> Tile | None:
 def tile(max_seqlen: int, head_dim: int, seqs: int, heads: int) -> Tile:
     """The launch tile for `seqs` sequences of up to `max_seqlen` tokens and `heads` query heads (its
     grid: query blocks of 64 x sequences x heads, of the shape's class: `shape_class`), measured by
-    `benchmarks.small_step --tiles` on an H200 (results/small_step/README.md): 128 keys per iteration
+    `benchmarks.small_step --tiles` on an H200 (benchmarks/results/2026-12-01_h200_small-step-tiles/README.md): 128 keys per iteration
     while the grid is under two waves, 64 beyond; 64 query rows, or 32 for heads over 64 wide on
     sequences up to 256. BGE-M3 (16 x 64): 1 x 128 3.3 us (was 4.3), 1 x 512 9.3 (11.4), 5 x 512 23.2
     (unchanged); pplx-embed-1-0.6b (16 x 128): 4.5 (6.2), 10.9 (17.7), 30.3 (36.4). Fewer keys per

@@ -188,7 +188,7 @@ def tiles(m: int, n: int, k: int, split: int = 1) -> Config:
 SMS = 132  # an H200's SMs: the programs a split aims to fill
 
 # Measured choices for the small-batch step (`python -m benchmarks.small_step`, H200, bf16, a CUDA
-# graph of 24 layers' weights, PDL on; benchmarks/results/small_step_bge-m3.jsonl): for a layer's
+# graph of 24 layers' weights, PDL on; benchmarks/results/2026-12-01_h200_small-step/small_step_bge-m3.jsonl.gz): for a layer's
 # (N, K) at up to M rows, (tile config, K split, TMA) of the fastest Triton variant. Shapes not
 # listed take `tiles` / `split_for`.
 TUNED: dict[tuple[int, int, int], tuple[Config, int, bool]] = {

@@ -13,7 +13,7 @@ padding, no cross-sequence attention). Backends:
 - `flashinfer-fa2`, `flashinfer-fa3`: FlashInfer ragged prefill, planned per step.
 - `triton`: ROSE's own kernel (`rose.kernels.attention`): one program per query block, sequence
             and head; GQA without repeating kv heads. Made for short sequences, it also won every
-            cell of the 2026-12-02 H200 sweep to 8,192 tokens (`results/attention_sweep/`).
+            cell of the 2026-12-02 H200 sweep to 8,192 tokens (`benchmarks/results/2026-12-02_h200_attention-sweep/`).
 
 Two per-layer extras some families need: an additive score bias (`AttentionMetadata.bias`, MPNet's
 relative position bias: `sdpa`, `padded` and `triton` take one, `takes_bias`) and sliding windows (Mistral, Gemma3,

@@ -115,7 +115,7 @@ def load_table(path: Path, heads: tuple[int, int, int], causal: bool, make_backe
 # The choice without a swept table (attention "auto" on CUDA in half precision): the H200 sweep's tables
 # for the head shapes ROSE's presets use, shipped beside this file (`attention_tables/`, written by
 # `python -m benchmarks.kernels` on 2026-12-03 with FlashAttention 4 4.0.0b40 installed; the run is in
-# benchmarks/results/attention_sweep/). Bidirectional, bge-m3's heads (16 x 64): ROSE's Triton kernel
+# benchmarks/results/2026-12-02_h200_attention-sweep/). Bidirectional, bge-m3's heads (16 x 64): ROSE's Triton kernel
 # to 512 tokens (and one sequence of 1,024), FlashAttention 4 beyond (1 x 4096: 1.32x, which took the
 # engine's step from 9.23 to 8.05 ms); pplx-embed's (16 query / 8 kv x 128): FA4 everywhere but one
 # sequence of 128 tokens (1 x 4096: 1.60x; the step from 16.96 to 13.91 ms). Each cell keeps every
