@@ -9,6 +9,12 @@ part; the model is loaded once, before the first run), then the engine alone ste
 (default 100 x length, the published bulk shape) as many times as makes `--engine-rows` embeddings: the job's
 emb/s over the engine's is the issue's ">= 95 %" figure. One JSON object per measurement on stdout; all of
 them, with the date and machine, in `--out` (a JSON file).
+
+With --ray, each in-process run is followed by one on Ray for each actor group (`--ray-actors 1,2`: one actor,
+then two; on a GPU host, 1: one GPU), on the same input through the same jobs.run.run (jobs.ray: an Embedder in
+each actor), the actors' start-up left out as the in-process Embedder's load is (the issue's ">= 90 %" figure):
+
+    python -m benchmarks.embed_job --model default --device cpu --rows 2000 --length 32 --ray --ray-actors 1,2
 """
 
 from __future__ import annotations
@@ -45,6 +51,37 @@ def engine_rate(engine, length: int, batch: int, rows: int) -> float:
     return steps * batch / (time.perf_counter() - t)
 
 
+def start_ray(args, groups: list[int], cpus: int, inp: Path, tmp: str, base: list[str]) -> list[dict]:
+    """Each group's actors started and loaded (jobs.ray, as `trellis embed --ray` starts them), kept for every
+    run. On CPU a group of n actors asks for cpus // n CPUs each; a local instance gets the CPUs of all the groups
+    (logical: the groups take turns, one busy at a time)."""
+    import ray
+    import torch
+
+    from jobs.config import EmbedJobConfig
+    from jobs.ray import embedders, start_actors, wait_ready
+
+    gpu = args.device != "cpu" and torch.cuda.is_available()
+    if args.ray == "local":
+        ray.init(num_cpus=cpus if gpu else sum(n * max(1, cpus // n) for n in groups), include_dashboard=False,
+                 logging_level="WARNING")
+    else:
+        ray.init(address=args.ray, logging_level="WARNING")
+    out = []
+    for n in groups:
+        extra = [] if gpu else ["--ray-cpus", str(max(1, cpus // n))]
+        cfg = EmbedJobConfig.from_args([str(inp), str(Path(tmp) / "x"), *base, "--ray", args.ray,
+                                        "--ray-actors", str(n), *extra])
+        t = time.perf_counter()
+        actors = start_actors(cfg)
+        wait_ready(actors)
+        out.append({"actors": n, "actors_handles": actors, "embedders": embedders(actors, cfg.settings()),
+                    "load_s": round(time.perf_counter() - t, 2),
+                    "resources": {"num_gpus": 1} if gpu else {"num_cpus": max(1, cpus // n)}})
+        print(f"# Ray: {n} actors ready in {out[-1]['load_s']} s", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -57,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--engine-batch", type=int, default=100)
     ap.add_argument("--engine-rows", type=int, default=0, help="embeddings the engine figure steps (0: --rows)")
+    ap.add_argument("--ray", nargs="?", const="local", default="",
+                    help="also run the job on Ray (trellis embed --ray ADDRESS; alone: a local instance of as many "
+                         "logical CPUs as the actor groups ask for), each run beside the in-process one")
+    ap.add_argument("--ray-actors", default="1,2", help="with --ray: actor groups, e.g. 1,2: one actor of all "
+                    "the CPUs, then two of half each (on GPUs: one GPU an actor)")
     ap.add_argument("--out", default="", help="write every measurement here (JSON)")
     args = ap.parse_args(argv)
 
@@ -69,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.embed import Embedder
     from jobs.run import run
     from trellis.modelref import resolve
+
+    groups = [int(n) for n in args.ray_actors.split(",") if n.strip()] if args.ray else []
+    cpus = os.cpu_count() or 1
 
     ref = resolve(args.model)
     rows = []
@@ -84,15 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         embedder = Embedder(cfg.settings(), device=args.device, dtype=args.dtype)
         load_s = time.perf_counter() - t
+        ray_groups = start_ray(args, groups, cpus, inp, tmp, base) if groups else []
         try:
-            for k in range(args.runs):
+            for k in range(args.runs):  # in-process, then each Ray group, in turn: the same load for each
                 cfg = EmbedJobConfig.from_args([str(inp), str(Path(tmp) / f"out-{k}"), *base])
                 s = run(cfg, [embedder])
                 row = {"bench": "embed_job", "model": args.model, "backend": args.device, "rows": s["rows"],
                        "length": args.length, "tokens": s["tokens"], "seconds": s["seconds"],
-                       "emb_per_s": round(s["rows"] / s["seconds"], 1), "run": k, "load_s": round(load_s, 2)}
+                       "emb_per_s": round(s["rows"] / s["seconds"], 1), "run": k, "load_s": round(load_s, 2),
+                       "load_average_1m": os.getloadavg()[0]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                for g in ray_groups:
+                    cfg = EmbedJobConfig.from_args([str(inp), str(Path(tmp) / f"ray{g['actors']}-{k}"), *base,
+                                                    "--ray", args.ray])
+                    s = run(cfg, g["embedders"])
+                    row = {"bench": "embed_job_ray", "model": args.model, "backend": args.device, "rows": s["rows"],
+                           "length": args.length, "tokens": s["tokens"], "seconds": s["seconds"],
+                           "emb_per_s": round(s["rows"] / s["seconds"], 1), "run": k, "ray": args.ray,
+                           "actors": g["actors"], "actor_resources": g["resources"], "load_s": g["load_s"],
+                           "load_average_1m": os.getloadavg()[0]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             engine = embedder.backend.engine
             rate = engine_rate(engine, min(args.length, engine.spec.max_seq_len), args.engine_batch,
                                args.engine_rows or args.rows)
@@ -103,10 +161,21 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
         finally:
             embedder.close()
+            if ray_groups:
+                import ray
+
+                for g in ray_groups:
+                    for a in g["actors_handles"]:
+                        ray.kill(a)
+                ray.shutdown()
     job = [r["emb_per_s"] for r in rows if r["bench"] == "embed_job"]
     summary = {"bench": "embed_job_summary", "job_emb_per_s_median": float(np.median(job)),
                "engine_emb_per_s": rows[-1]["emb_per_s"],
                "job_over_engine": round(float(np.median(job)) / rows[-1]["emb_per_s"], 3)}
+    for n in groups:
+        on_ray = [r["emb_per_s"] for r in rows if r["bench"] == "embed_job_ray" and r["actors"] == n]
+        summary[f"ray_{n}_actors_emb_per_s_median"] = float(np.median(on_ray))
+        summary[f"ray_{n}_actors_over_in_process"] = round(float(np.median(on_ray)) / float(np.median(job)), 3)
     print(json.dumps(summary), flush=True)
     if args.out:
         result = {"date": time.strftime("%Y-%m-%d"), "machine": {**environment(), "platform": platform.platform(),
