@@ -84,13 +84,13 @@ class Preprocessor:
 
     @classmethod
     def read(cls, path: Path) -> "Preprocessor | None":
-        """The preprocessing of the model directory `path` (its preprocessor_config.json, at the top or in a
-        sentence-transformers module's folder), None where it has none (a text model). A processor type or
-        field this module does not implement is a ValueError saying which."""
+        """The preprocessing of the model directory `path` (its preprocessor_config.json, else processor_config.json's
+        `image_processor`, at the top or in a sentence-transformers module's folder), None where it has none (a
+        text model). A processor type or field this module does not implement is a ValueError saying which."""
         found = _find(path)
         if found is None:
             return None
-        cfg = json.loads(found.read_text())
+        found, cfg = found
         kind = str(cfg.get("image_processor_type") or cfg.get("feature_extractor_type") or "")
         base = kind.removesuffix("Fast").removesuffix("Pil")
         if base not in PROCESSORS:
@@ -143,17 +143,23 @@ def center_crop(a: np.ndarray, ch: int, cw: int) -> np.ndarray:
     return padded[max(0, top): min(nh, top + ch), max(0, left): min(nw, left + cw)]
 
 
-def _find(path: Path) -> Path | None:
-    if (path / "preprocessor_config.json").is_file():
-        return path / "preprocessor_config.json"
+def _find(path: Path) -> tuple[Path, dict] | None:
+    """(the file, the image processor's settings): preprocessor_config.json (transformers' layout), else
+    processor_config.json's `image_processor` (what transformers 5 and sentence-transformers 6 save, as
+    rose.images reads it), in `path` or a sentence-transformers module's folder."""
     try:  # sentence-transformers' CLIP layout: the processor in a module's folder
         modules = json.loads((path / "modules.json").read_text())
     except (OSError, ValueError):
-        return None
-    for m in modules if isinstance(modules, list) else ():
-        p = path / str(m.get("path", "")) / "preprocessor_config.json" if isinstance(m, dict) else None
-        if p is not None and p.is_file():
-            return p
+        modules = []
+    folders = [path] + [path / str(m.get("path", "")) for m in modules if isinstance(m, dict)] \
+        if isinstance(modules, list) else [path]
+    for folder in folders:
+        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+            if (folder / name).is_file():
+                cfg = json.loads((folder / name).read_text())
+                cfg = cfg.get(key) if key and isinstance(cfg, dict) else cfg
+                if isinstance(cfg, dict):
+                    return folder / name, cfg
     return None
 
 
@@ -306,13 +312,19 @@ async def load_all(sources: list[str], labels: list[str], limits: Limits, prep: 
             data = await fetch(s, labels[i]) if s.startswith(("http://", "https://")) else None
             await loop.run_in_executor(_POOL, work, i, data)
 
-    tasks = [asyncio.ensure_future(lane()) for _ in range(min(WORKERS, n))]
+    await all_or_none([lane() for _ in range(min(WORKERS, n))])
+    return out, metas
+
+
+async def all_or_none(coros: list) -> list:
+    """Each coroutine's result, run at once; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         for t in tasks:
             t.cancel()
     for t in tasks:
         if t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()
-    return out, metas
+    return [t.result() for t in tasks]

@@ -244,6 +244,34 @@ def _refused(call: str, code: int) -> None:
     log.warning("graphs: %s returned CUDA error %d; torch's own call runs instead", call, code)
 
 
+def first_sights(owner, key, fwd: Callable[[], torch.Tensor], mode: str, captured: Callable[[float], None]):
+    """A step whose `key` has no graph yet, for a graph owner (GraphRunner, rose.images.ImageGraphs: `_hits`,
+    `_graphs`, `stats`, `ops`): run `fwd` eagerly, or capture it and replay the capture, as `mode` says ("lazy":
+    capture on the key's second sight; "eager-all": on its first, after one eager run to warm kernel selection
+    and workspaces); `captured(ms)` is told the capture's time. Returns the step's output."""
+    hits = owner._hits.get(key, 0)
+    owner._hits[key] = hits + 1
+    stats = owner.stats
+    if hits == 0:
+        stats.keys += 1
+    if not (mode == "eager-all" or (mode == "lazy" and hits >= 1)):
+        stats.eager += 1
+        return fwd()
+    if hits == 0:
+        fwd()
+    t0 = time.perf_counter()
+    g, out = owner.ops.capture(fwd)
+    ms = (time.perf_counter() - t0) * 1e3
+    stats.captures += 1
+    stats.capture_ms += ms
+    stats.capture_ms_by_key[key] = ms
+    owner._graphs[key] = (owner.ops.launcher(g), out)  # the launcher holds g (its replay), so g lives
+    captured(ms)
+    g.replay()
+    stats.replays += 1
+    return out
+
+
 class GraphRunner:
     def __init__(self, forward: Forward, prepare: Prepare, dim: int, device: torch.device, cfg: GraphConfig,
                  ops=None, forward_extras: ForwardExtras | None = None, segments: bool = False):
@@ -356,28 +384,9 @@ class GraphRunner:
             launch()
             self.stats.replays += 1
             return out
-        hits = self._hits.get(key, 0)
-        self._hits[key] = hits + 1
-        if hits == 0:
-            self.stats.keys += 1
-        capture = self.cfg.mode == "eager-all" or (self.cfg.mode == "lazy" and hits >= 1)
-        if not capture:
-            self.stats.eager += 1
-            return fwd()
-        if hits == 0:
-            fwd()  # eager-all: warm up (kernel selection, workspaces) before capturing
-        t0 = time.perf_counter()
-        g, out = self.ops.capture(fwd)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.stats.captures += 1
-        self.stats.capture_ms += ms
-        self.stats.capture_ms_by_key[key] = ms
-        self._graphs[key] = (self.ops.launcher(g), out)  # the launcher holds g (its replay), so g lives
-        log.info("graph captured for %d seqs x %d tokens (max length %d)%s in %.1f ms", nb, tb, lb,
-                 f" with {'+'.join(sorted(key.extras))}" if key.extras else "", ms)
-        g.replay()
-        self.stats.replays += 1
-        return out
+        return first_sights(self, key, fwd, self.cfg.mode, lambda ms: log.info(
+            "graph captured for %d seqs x %d tokens (max length %d)%s in %.1f ms", nb, tb, lb,
+            f" with {'+'.join(sorted(key.extras))}" if key.extras else "", ms))
 
     def _token_host(self, i: int, out: torch.Tensor, slot: int, n: int) -> torch.Tensor:
         """A page-locked landing place for the first `n` rows of token-level output `out` (ring slot)."""

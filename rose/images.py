@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rose.graphs import GraphKey, GraphRunner
+from rose.graphs import GraphKey, GraphRunner, first_sights
 from rose.layers.pooling import normalize
 from rose.layers.vit import image_meta
 from rose.lazy import LazyTensor
@@ -204,26 +203,8 @@ class ImageGraphs:
             graph[0]()
             self.stats.replays += 1
             return graph[1]
-        hits = self._hits.get(key, 0)
-        self._hits[key] = hits + 1
-        if hits == 0:
-            self.stats.keys += 1
-        if not (self.mode == "eager-all" or (self.mode == "lazy" and hits >= 1)):
-            self.stats.eager += 1
-            return fwd()
-        if hits == 0:
-            fwd()  # eager-all: warm up before capturing
-        t0 = time.perf_counter()
-        g, out = self.ops.capture(fwd)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.stats.captures += 1
-        self.stats.capture_ms += ms
-        self.stats.capture_ms_by_key[key] = ms
-        self._graphs[key] = (self.ops.launcher(g), out)
-        log.info("graph captured for %d images (%d tokens each) in %.1f ms", nb, key.max_len, ms)
-        g.replay()
-        self.stats.replays += 1
-        return out
+        return first_sights(self, key, fwd, self.mode, lambda ms: log.info(
+            "graph captured for %d images (%d tokens each) in %.1f ms", nb, key.max_len, ms))
 
     def step(self, pixels: torch.Tensor) -> LazyTensor | None:
         """uint8 [N, S, S, 3] host pixels through their bucket's graph; None past the largest bucket."""

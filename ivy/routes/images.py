@@ -5,7 +5,6 @@ pixels (`ivy.images`; a second Tulip request, `ImageOptions`); the rows come bac
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -19,7 +18,7 @@ import orjson
 from ivy import imagefetch
 from ivy.errors import APIError, input_kind_error
 from ivy.front import Stamp, _no_stamp
-from ivy.images import Limits, Meta, Preprocessor, load_all, preprocessor
+from ivy.images import Limits, Meta, Preprocessor, all_or_none, load_all, preprocessor
 from ivy.routes.common import Context, tulip_call, verify
 from ivy.schemas import EmbeddingRequest, InputItem
 from ivy.served import ServedModel
@@ -89,20 +88,6 @@ async def embed_images(ctx: Context, model: ServedModel, info: tulip_pb2.InfoRep
     tokens = len(sources) * prep.tokens
     ctx.metrics.tokens.labels(model.name).inc(tokens)
     return result, tokens, metas
-
-
-async def all_or_none(coros: list) -> list:
-    """Each coroutine's result, run at once; the first failure cancels the others and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()
-    return [t.result() for t in tasks]
 
 
 def has_items(inp) -> bool:
