@@ -37,12 +37,13 @@ class ServedModel:
         # its tokenizer and configs (a Hub id: the weights left out; the parent process fetched them once and
         # pinned the commit, ivy.__main__); the same files its Tulips serve
         self.ref = resolve(mc.model, mc.revision, weights=False)
-        self.path = self.ref.path
-        self.spec = ModelSpec.read(self.path)
+        self.spec = ModelSpec.read(self.ref.path)
+        # the transformers checkpoint's folder (its tokenizer, config.json, image processor): the reference's own
+        # directory, or where sentence-transformers' older CLIP layout keeps it (0_CLIPModel/; ModelSpec.read)
+        self.path = self.spec.path
         self.name = mc.name or self.ref.name
-        self.tokenizer = TextTokenizer(self.path, self.spec.max_seq_len, cfg.tokenize_offload_chars,
-                                       chat_template=self.spec.chat_template, message_format=self.spec.message_format,
-                                       max_request_tokens=cfg.max_request_tokens)
+        self.tokenizer = TextTokenizer.for_model(self.spec, cfg.tokenize_offload_chars,
+                                                 max_request_tokens=cfg.max_request_tokens)
         self.templates = Templates(self.spec.prompts, Path(mc.prompts_file) if mc.prompts_file else None,
                                    self.spec.default_prompt_name)
         # sentence-transformers' include_prompt: false (last-token pooling is not affected by it)

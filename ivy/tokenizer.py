@@ -18,6 +18,7 @@ from ivy.errors import APIError
 from ivy.tokenizer_long import SEGMENT_CHARS, CutRule, cut_rule, scan, segments, segments_agree
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 from ivy.wraps import fixed_pair_wrap, fixed_wrap, longest_first
+from trellis.modeldir import ModelSpec
 
 log = logging.getLogger("ivy.tokenizer")
 YIELD_CHARS = 8192  # the fast encoder holds the GIL: a large batch yields to the event loop this often
@@ -91,13 +92,20 @@ class TextTokenizer:
 
     `backend`: "auto" (ivy.native where it applies and is token-exact, else tokenizers), "native"
     or "tokenizers". `chat_template` (with its `message_format`): a cross-encoder's pairs are rendered
-    by it (`ivy.chat`) instead of going through the pair template."""
+    by it (`ivy.chat`) instead of going through the pair template. `pad_to`, `pad_id`, `pad_left`: a
+    text's ids padded as ModelSpec says (SigLIP: to its full width, as its processor pads with
+    padding="max_length"; 0: never)."""
 
     def __init__(self, model_path: Path, max_len: int, offload_chars: int, backend: str = "auto",
-                 chat_template: str = "", message_format: str = "flat", max_request_tokens: int = MAX_REQUEST_TOKENS):
+                 chat_template: str = "", message_format: str = "flat", max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 pad_to: int = 0, pad_id: int = -1, pad_left: bool = False):
         path = Path(model_path) / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"{model_path} has no tokenizer.json")
+        if pad_to and pad_id < 0:
+            raise ValueError(f"{model_path}: this model's texts are padded to {pad_to} tokens (as its processor pads "
+                             "them), but neither its tokenizer nor its config.json names a pad token")
+        self.pad_to, self.pad_id, self.pad_left = pad_to, pad_id, pad_left
         if backend not in BACKENDS:
             raise ValueError(f"tokenizer backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
         self.exact = Tokenizer.from_file(str(path))
@@ -142,6 +150,15 @@ class TextTokenizer:
             self.chat = ChatPairs(chat_template, message_format, self.exact, max_len, special_tokens(Path(model_path)))
         # bounded: instructions are caller text
         self._prompt_length = functools.lru_cache(maxsize=1024)(self._count_prompt)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, offload_chars: int, **kw) -> "TextTokenizer":
+        """The tokenizer of the model directory `spec` was read from (ModelSpec.read): its tokenizer.json where
+        the transformers checkpoint lives (sentence-transformers' older CLIP layout: 0_CLIPModel/), its maximum,
+        its chat template and its padding. `kw`: backend, max_request_tokens."""
+        return cls(spec.path, spec.max_seq_len, offload_chars, chat_template=spec.chat_template,
+                   message_format=spec.message_format, pad_to=spec.pad_to, pad_id=spec.pad_id, pad_left=spec.pad_left,
+                   **kw)
 
     @functools.cached_property
     def pair_boundary(self) -> bool:
@@ -308,8 +325,22 @@ class TextTokenizer:
         head, tail = np.asarray(prefix, np.int32), np.asarray(suffix, np.int32)
         if mode == "start":
             keep = keep if keep < room else 0  # a prompt longer than the room is not kept whole
-            return [np.concatenate([head, content[:keep], content[len(content) - (room - keep):], tail])]
-        return [np.concatenate([head, content[i: i + room], tail]) for i in range(0, len(content), room)]
+            return self.padded([np.concatenate([head, content[:keep], content[len(content) - (room - keep):], tail])])
+        return self.padded([np.concatenate([head, content[i: i + room], tail]) for i in range(0, len(content), room)])
+
+    def padded(self, seqs: list[np.ndarray]) -> list[np.ndarray]:
+        """Each sequence shorter than `pad_to` padded to it with `pad_id` (before it where `pad_left`): SigLIP's
+        text tower was trained on texts of its full width and reads every position unmasked, pooling the
+        last, so a text is what its processor makes with padding="max_length" (ModelSpec.pad_to)."""
+        if not self.pad_to:
+            return seqs
+        out = []
+        for s in seqs:
+            if len(s) < self.pad_to:
+                pad = np.full(self.pad_to - len(s), self.pad_id, np.int32)
+                s = np.concatenate([pad, s] if self.pad_left else [s, pad])
+            out.append(s)
+        return out
 
     def token(self, token_id: int) -> str:
         return self.exact.id_to_token(token_id) or ""
@@ -458,4 +489,4 @@ class TextTokenizer:
                         "shorten it or send \"truncate\": true",
                         param, "context_length_exceeded",
                     )
-        return seqs
+        return self.padded(seqs)

@@ -130,8 +130,7 @@ class Embedder:
             self.colbert_dim = self.backend.engine.heads.colbert_dim
         # `tokenizers` (not Ivy's native encoder): its batches run on every core with the GIL released, while
         # this process's engine loop and the next slice's reading go on; no request-size cap (a job is large)
-        self.tokenizer = TextTokenizer(ref.path, spec.max_seq_len, 1 << 62, backend="tokenizers",
-                                       max_request_tokens=1 << 62)
+        self.tokenizer = TextTokenizer.for_model(spec, 1 << 62, backend="tokenizers", max_request_tokens=1 << 62)
         templates = Templates(spec.prompts, None, spec.default_prompt_name)
         try:
             self.prefix = templates.prefix(s.input_type or None, s.instruction or None, s.prompt_name or None)

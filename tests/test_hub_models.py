@@ -247,3 +247,34 @@ def test_download_fetches_the_serving_files_once_then_works_offline(tmp_path):
         out, err = resolver({**env, "HF_HUB_OFFLINE": "1"}, "trellis-test/model").communicate(timeout=120)
         assert json.loads(out) == [path, revision, name], err
         assert sum(h.requests.values()) == before  # offline: the cache alone
+
+
+def test_the_older_clip_layout_resolves_by_hub_id(tmp_path):
+    """sentence-transformers' older CLIP layout (sentence-transformers/clip-ViT-B-32's: no config.json at the top,
+    the checkpoint, tokenizer and processor config in 0_CLIPModel/, modules.json naming it) resolves by Hub id:
+    a Tulip's fetch takes that folder's serving files (its safetensors, not the pickle beside them), Ivy's
+    (weights=False) the same without the weights; a revision that publishes only the pickle is refused before
+    anything is downloaded."""
+    c1, c2 = (hashlib.sha1(s).hexdigest() for s in (b"clip-0", b"clip-0-pickle"))
+    modules = [{"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}]
+    files = {"modules.json": json.dumps(modules).encode(), "config_sentence_transformers.json": b"{}\n",
+             "README.md": b"# clip\n", ".gitattributes": b"*.bin filter=lfs\n"}
+    for f in ("config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json",
+              "vocab.json", "merges.txt", "special_tokens_map.json", "preprocessor_config.json"):
+        files[f"0_CLIPModel/{f}"] = f"{f}: content\n".encode() * (512 if f.endswith((".safetensors", ".bin")) else 1)
+    pickle_only = {k: v for k, v in files.items() if k != "0_CLIPModel/model.safetensors"}
+    repo = "trellis-test/clip-0"
+    with FakeHub({repo: Repo({c1: files, c2: pickle_only}, {"main": c1, "pickle": c2})}) as h:
+        env = {"HF_ENDPOINT": h.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0",
+               "TRANSFORMERS_OFFLINE": "0"}
+        procs = [resolver(env, repo), resolver({**env, "HF_HOME": str(tmp_path / "ivy")}, repo, weights=False),
+                 resolver({**env, "HF_HOME": str(tmp_path / "old")}, repo + "@pickle")]
+        (tulip, _), (ivy, _), (_, err) = (p.communicate(timeout=120) for p in procs)
+        assert [p.returncode for p in procs] == [0, 0, 1], err
+        folder = ("config.json", "merges.txt", "model.safetensors", "preprocessor_config.json",
+                  "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json")
+        want = ["0_CLIPModel/" + f for f in folder] + ["config_sentence_transformers.json", "modules.json"]
+        assert sorted(tree(Path(json.loads(tulip)[0]))) == want
+        assert sorted(tree(Path(json.loads(ivy)[0]))) == [f for f in want if not f.endswith(".safetensors")]
+        assert "publishes no *.safetensors weights" in err and "0_CLIPModel/pytorch_model.bin" in err, err
+        assert not any(m == "GET" and k == "resolve" and f.endswith(".bin") for m, k, _, f in h.requests)

@@ -93,7 +93,7 @@ def save_tokenizer(path: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64, "pad_token": "[PAD]"}))
 
 
 def write_model(path: Path, kind: str) -> Path:

@@ -6,6 +6,7 @@ normalised on the device, equal to the image processor's float output; sentence-
 its own `encode`; strict loading; the image graphs' state machine on CPU (CUDA calls faked); the presets'
 shapes against transformers' models built from their config.json."""
 
+import asyncio
 import json
 import shutil
 
@@ -37,6 +38,20 @@ VISION = dict(hidden_size=48, intermediate_size=50, num_hidden_layers=2, num_att
 EOS = 1  # the tiny tokenizer's <|endoftext|>
 # token ids: ends with EOS, EOS in the middle (the first counts), no EOS (CLIP: the first token), one token
 SEQS = [[0, 5, 7, 9, EOS], [0, 3, EOS, 4, EOS], [0, 4, 4, 4, 4, 60, 6], [0, 12, 98, 30, 2, 17, 40, 8, EOS], [EOS]]
+
+
+def siglip_tokenizer(d, positions: int, **kw) -> None:
+    """A tiny Gemma-style BPE tokenizer saved in `d` as the fixed-resolution SigLIP 2 checkpoints publish theirs
+    (transformers' convert_siglip2_to_hf.py: a Gemma tokenizer, no BOS, EOS appended, padding_side "right",
+    model_input_names ["input_ids"]: the processor returns no attention mask), model_max_length the text
+    positions; `kw` overrides (padding_side)."""
+    from transformers import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "\u2581": 5,
+             **{c: 6 + i for i, c in enumerate("abcdefghij")}, "\u2581a": 16, "\u2581b": 17}
+    GemmaTokenizer(vocab=vocab, merges=[("\u2581", "a"), ("\u2581", "b")], add_bos_token=False, add_eos_token=True,
+                   model_input_names=["input_ids"], model_max_length=positions,
+                   **{"padding_side": "right", **kw}).save_pretrained(d)
 
 
 def vocab_files(d):
@@ -79,6 +94,7 @@ def dirs(tmp_path_factory):
     d = root / "siglip"
     ref.save_pretrained(d)
     SiglipImageProcessor(size={"height": SIZE, "width": SIZE}).save_pretrained(d)
+    siglip_tokenizer(d, TEXT["max_position_embeddings"])
     out["siglip"] = d, ref
     st = SentenceTransformer(modules=[STCLIPModel(str(root / "clip"))], device="cpu")
     st.save(str(root / "st_clip"))
@@ -137,6 +153,62 @@ def test_clip_pools_the_end_of_text_token_as_transformers_does(engines):
     rows = clip.eos_rows(ids, batch.cu_seqlens, batch.seq_ids, EOS).tolist()
     assert rows == [4, 7, 10, 25, 26]  # [0 5 7 9 E] [0 3 E 4 E] [0 4 4 4 4 60 6] (none: its first) [0 .. E] [E]
     assert clip.eos_rows(ids, batch.cu_seqlens, batch.seq_ids, 2).tolist() == [3, 8, 15, 19, 26]  # highest ids
+
+
+# texts of the tiny Gemma-style tokenizer: short ones, one of 37 tokens (the positions: 40)
+SIGLIP_TEXTS = ["abc", "a bad cab jig", "j", "bad " * 9]
+
+
+@pytest.mark.parametrize("case", ["published", "class default", "tokenizer.json"])
+def test_siglip_texts_are_padded_as_its_processor_pads(dirs, engines, tmp_path, case):
+    """Ivy's tokenizer pads a SigLIP text as `processor(text=..., padding="max_length")` does, from the model's own
+    files: "published" (tokenizer_config.json's padding_side right, as SigLIP 2's converter saves it), "class
+    default" (no padding_side saved: GemmaTokenizer's class default, left), "tokenizer.json" (a generic tokenizer
+    class naming no pad token or side: the padding tokenizer.json saved, its pad token and direction). The
+    processor returns no attention mask (model_input_names), and the engine's vectors of those ids are
+    get_text_features' of them; unpadded, they are not (the last position is another token)."""
+    from transformers import AutoProcessor
+
+    from ivy.tokenizer import TextTokenizer
+
+    src, ref = dirs["siglip"]
+    d = tmp_path / "siglip"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    if case == "class default":
+        del cfg["padding_side"]
+    elif case == "tokenizer.json":
+        del cfg["padding_side"], cfg["pad_token"]
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tok = json.loads((d / "tokenizer.json").read_text())
+        tok["padding"] = {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": None, "pad_id": 3,
+                          "pad_type_id": 0, "pad_token": "<unk>"}
+        (d / "tokenizer.json").write_text(json.dumps(tok))
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.read(d)
+    assert (spec.pad_to, spec.max_seq_len, spec.pad_left) == (40, 40, case != "published")
+    ids = asyncio.run(TextTokenizer.for_model(spec, 1 << 20).encode(SIGLIP_TEXTS, False))
+    inputs = AutoProcessor.from_pretrained(d)(text=SIGLIP_TEXTS, padding="max_length")
+    assert list(inputs) == ["input_ids"]  # no attention mask: get_text_features reads the pads
+    assert [s.tolist() for s in ids] == inputs["input_ids"]
+    assert {s[0 if spec.pad_left else -1] for s in inputs["input_ids"][:3]} == {3 if case == "tokenizer.json" else 0}
+    out = engines["siglip"].step(Batch.from_sequences([s.tolist() for s in ids])).synchronize()
+    with torch.no_grad():
+        want = F.normalize(ref.get_text_features(input_ids=torch.tensor(inputs["input_ids"])).pooler_output, dim=-1)
+        bare = torch.cat([ref.get_text_features(input_ids=torch.tensor([t])).pooler_output
+                          for t in AutoProcessor.from_pretrained(d)(text=SIGLIP_TEXTS)["input_ids"]])
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=0)
+    assert F.cosine_similarity(F.normalize(bare, dim=-1), want).min() < 0.99
+
+
+def test_only_siglip_pads(dirs):
+    """CLIP pools its end-of-text token (pads would not change it): not padded; the 0_CLIPModel/ layout's prompts
+    are its root's config_sentence_transformers.json's."""
+    for name in ("clip", "st_clip", "st_clip_0"):
+        assert ModelSpec.read(dirs[name][0]).pad_to == 0
+    d = dirs["st_clip_0"][0]
+    root = json.loads((d / "config_sentence_transformers.json").read_text())
+    assert ModelSpec.read(d).prompts == root["prompts"]
 
 
 @pytest.mark.parametrize("name", ["clip", "siglip"])
@@ -224,9 +296,16 @@ def test_image_processing_settings(tmp_path):
 
 
 def test_tower_defaults_are_transformers(dirs):
+    import transformers
+
+    from trellis.modeldir import LEFT_PADDING_CLASSES, PADDED_TEXT
+
     for ours, theirs in ((clip.TEXT_DEFAULTS, CLIPTextConfig()), (clip.VISION_DEFAULTS, CLIPVisionConfig()),
                          (siglip.TEXT_DEFAULTS, SiglipTextConfig()), (siglip.VISION_DEFAULTS, SiglipVisionConfig())):
         assert ours == {k: getattr(theirs, k) for k in ours}, type(theirs).__name__
+    assert PADDED_TEXT == {"siglip": SiglipTextConfig().max_position_embeddings}
+    classes = [getattr(transformers, n, None) for n in sorted(LEFT_PADDING_CLASSES)]
+    assert all(c is None or c.padding_side == "left" for c in classes) and transformers.GemmaTokenizer in classes
 
 
 def test_image_graphs_state_machine_on_cpu(engines):

@@ -8,10 +8,13 @@ settings hold: `HF_TOKEN` (or the token `hf auth login` saved) for gated and pri
 (a mirror), `HF_HUB_OFFLINE=1` (no network: the cache only; a branch name is read from `refs/`).
 
 Only what serving reads is fetched (`serving_files`): config.json, the safetensors weights (not
-`pytorch_model.bin`, ONNX, OpenVINO, TF or Flax copies), the tokenizer's files, the sentence-transformers
-pipeline (modules.json and its module directories, a module's `pytorch_model.bin` only where it has no
-safetensors), BGE-M3's sparse / ColBERT heads; `weights=False` (Ivy: the tokenizer and configs) leaves the
-model's weights out. A revision that is a commit already in the cache makes no network call at all: what a
+`pytorch_model.bin`, ONNX, OpenVINO, TF or Flax copies), the tokenizer's files, an image tower's processor
+config, the sentence-transformers pipeline (modules.json and its module directories, a module's
+`pytorch_model.bin` only where it has no safetensors), BGE-M3's sparse / ColBERT heads; `weights=False` (Ivy:
+the tokenizer and configs) leaves the model's weights out. Where the transformers checkpoint is not at the top
+but in the first module's folder (sentence-transformers' older CLIP layout, `0_CLIPModel/`:
+`trellis.modeldir.transformer_subdir`, the rule a directory is read by, applied to the listing and modules.json)
+that folder is read as the top is. A revision that is a commit already in the cache makes no network call at all: what a
 launcher hands its children (`trellis.modelref.pin`), so the Tulips of one host never download in parallel;
 processes that resolve on their own (containers sharing a cache volume) take a lock per repository, so one
 downloads while the others wait and then find the files.
@@ -25,10 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
 import re
 from pathlib import Path
+
+from trellis.modeldir import transformer_dir, transformer_subdir
 
 log = logging.getLogger("trellis.hub")
 
@@ -43,21 +49,24 @@ TOP_FILES = frozenset((
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
     "chat_template.jinja", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+    "preprocessor_config.json", "processor_config.json",
 ))
 HEADS = ("sparse_linear.pt", "colbert_linear.pt")  # BGE-M3's extra heads (rose.layers.heads), weights
 # sentence-transformers saves module i of class C under "{i}_{C}/" (1_Pooling, 2_Dense, 1_SpladePooling, ...)
 _MODULE_DIR = re.compile(r"\d+_[A-Za-z]\w*")
 
 
-def serving_files(files, weights: bool = True) -> list[str]:
-    """The repository paths among `files` that serving reads (see the module docstring), sorted."""
+def serving_files(files, weights: bool = True, root: str = "") -> list[str]:
+    """The repository paths among `files` that serving reads (see the module docstring), sorted. `root`: the
+    folder holding the transformers checkpoint where it is not the top (`checkpoint_folder`)."""
     names = set(files)
     out = []
     for f in sorted(names):
         top, sep, rest = f.partition("/")
-        if not sep:
-            if f in TOP_FILES or weights and (f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
-                                              or f in HEADS):
+        if not sep or root and top == root and "/" not in rest:  # the checkpoint's own files
+            name = rest if sep else f
+            if name in TOP_FILES or weights and (name.endswith(".safetensors")
+                                                 or name.endswith(".safetensors.index.json") or name in HEADS):
                 out.append(f)
         elif _MODULE_DIR.fullmatch(top) and "/" not in rest:  # a module's own files (Dense weights are small)
             if rest.endswith(".json") or rest == "model.safetensors" or (
@@ -66,12 +75,18 @@ def serving_files(files, weights: bool = True) -> list[str]:
     return out
 
 
-def _weights_check(model: str, at: str, files: list[str], listed) -> None:
-    """Serving needs config.json and (for the engine) top-level safetensors: say so before downloading."""
-    if "config.json" not in files:
+def _weights_check(model: str, at: str, files: list[str], listed, root: str = "") -> None:
+    """Serving needs config.json and (for the engine) safetensors beside it (at the top, or in `root`): say so
+    before downloading."""
+    prefix = f"{root}/" if root else ""
+
+    def beside(f: str) -> bool:
+        return f.startswith(prefix) and "/" not in f[len(prefix):]
+
+    if f"{prefix}config.json" not in files:
         raise ModelRefError(f"model {model!r} has no config.json at {at}: not a transformers model repository")
-    if not any("/" not in f and f.endswith(".safetensors") for f in files):
-        other = sorted(f for f in listed if "/" not in f and f.endswith((".bin", ".pt", ".h5", ".msgpack", ".onnx")))
+    if not any(beside(f) and f.endswith(".safetensors") for f in files):
+        other = sorted(f for f in listed if beside(f) and f.endswith((".bin", ".pt", ".h5", ".msgpack", ".onnx")))
         raise ModelRefError(f"model {model!r} publishes no *.safetensors weights at {at} (found: "
                             f"{', '.join(other) or 'none'}); Trellis loads safetensors only: choose a revision that "
                             "has them (ORG/NAME@REVISION), or convert it and serve the directory")
@@ -187,19 +202,29 @@ def fetch(model: str, repo_id: str, revision: str = "", weights: bool = True) ->
             except Exception as e:
                 if not _network(e):
                     raise _hub_error(model, e, endpoint, revision or "main") from None
-        files = serving_files(listed, weights) if listed is not None else None
+        root = ""
+        if listed is not None:
+            try:
+                root = checkpoint_folder(repo_id, commit, listed, offline)
+            except ValueError as e:  # modules.json names a module serving does not know
+                raise ModelRefError(f"model {model!r} at {at}: {e}") from None
+            except Exception as e:
+                raise _hub_error(model, e, endpoint, revision or "main") from None
+        files = serving_files(listed, weights, root) if listed is not None else None
         if files is not None and weights:
-            _weights_check(model, at, files, listed)
+            _weights_check(model, at, files, listed, root)
         patterns = [glob.escape(f) for f in files] if files is not None else None
         try:  # what the cache holds, without a network call
             path = snapshot_download(repo_id, revision=rev, allow_patterns=patterns, local_files_only=True)
         except LocalEntryNotFoundError:
             path = None
+        if path is not None and files is not None and not all((Path(path) / f).is_file() for f in files):
+            path = None  # a snapshot folder holding part of them (modules.json, fetched first; Ivy's files alone)
         if path is None:
             if offline or listed is None:
                 raise _not_cached(model, revision, cache, offline, None, commit)
             try:
-                _check_access(repo_id, commit, endpoint)
+                _check_access(repo_id, commit, endpoint, f"{root}/config.json" if root else "config.json")
                 log.info("fetching %s at %s from %s into %s (%d files; only what serving reads)", repo_id, at,
                          endpoint, cache, len(files))
                 path = snapshot_download(repo_id, revision=rev, allow_patterns=patterns)
@@ -207,21 +232,37 @@ def fetch(model: str, repo_id: str, revision: str = "", weights: bool = True) ->
                 raise _hub_error(model, e, endpoint, revision or "main") from None
     path = Path(path)
     have = [str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()]
+    inner = transformer_dir(path)
+    root = inner.name if inner is not None else ""
     if weights:  # a hand-made or partial cache without a tree listing: check what serving needs
-        _weights_check(model, f"{at} in the cache ({path})", have, have)
-    elif "config.json" not in have:
+        _weights_check(model, f"{at} in the cache ({path})", have, have, root)
+    elif (f"{root}/config.json" if root else "config.json") not in have:
         raise ModelRefError(f"model {model!r} has no config.json at {at} ({path})")
     if REGEX_COMMIT_HASH.fullmatch(path.name) is None:  # pragma: no cover - huggingface_hub's layout
         raise ModelRefError(f"model {model!r}: unexpected cache folder {path}")
     return path, commit
 
 
-def _check_access(repo_id: str, commit: str, endpoint: str) -> None:
-    """A HEAD on config.json: a gated or private repository's files answer 401 / 403 here, before any
-    progress bar is drawn (its listing may well be public)."""
+def _check_access(repo_id: str, commit: str, endpoint: str, config: str) -> None:
+    """A HEAD on config.json (its path `config`): a gated or private repository's files answer 401 / 403 here,
+    before any progress bar is drawn (its listing may well be public)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
-    get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=commit, endpoint=endpoint))
+    get_hf_file_metadata(hf_hub_url(repo_id, config, revision=commit, endpoint=endpoint))
+
+
+def checkpoint_folder(repo_id: str, commit: str, listed: list[str], offline: bool) -> str:
+    """"" or the folder of a repository's transformers checkpoint where it is not at the top (sentence-
+    transformers' older CLIP layout: `trellis.modeldir.transformer_subdir`'s rule over the listing), reading
+    modules.json (fetched first where needed: a few hundred bytes) only when the top has no config.json."""
+    names = set(listed)
+    if "config.json" in names or "modules.json" not in names:
+        return ""
+    from huggingface_hub import hf_hub_download
+
+    modules = json.loads(Path(hf_hub_download(repo_id, "modules.json", revision=commit,
+                                              local_files_only=offline)).read_text())
+    return transformer_subdir(modules, names.__contains__)
 
 
 def _not_cached(model: str, revision: str, cache: str, offline: bool, cause, commit: str = "") -> ModelRefError:

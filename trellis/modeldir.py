@@ -61,6 +61,17 @@ _STAGES = ("Transformer", "LogitScore", "Pooling", "Dense", "Normalize", "Quanti
 # sentence-transformers' SparseEncoder (SPLADE) modules and its CLIPModel (a CLIP's two towers, as transformers
 # saved them), read as the stage they hold.
 _ALIASES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling", "CLIPModel": "Transformer"}
+# Model types whose text tower reads every position of its input with no attention mask and pools the last one
+# (transformers' SiglipTextTransformer: `last_hidden_state[:, -1]`; the fixed-resolution SigLIP 2 checkpoints are
+# saved as "siglip" too), trained on texts padded to the full width: their texts are padded as their processor
+# pads them with padding="max_length", as the model cards call it and as transformers' zero-shot-image-
+# classification pipeline pads every model whose model_type holds "siglip". The value: transformers' default
+# text positions (SiglipTextConfig.max_position_embeddings), where config.json's text_config names none.
+PADDED_TEXT = {"siglip": 64}
+# transformers' tokenizer classes whose class default `padding_side` is "left" (what a tokenizer_config.json naming
+# no padding_side gets); every other class pads on the right (PreTrainedTokenizerBase's default)
+LEFT_PADDING_CLASSES = frozenset(f"{c}Tokenizer{fast}" for c in ("Gemma", "Llama", "CodeLlama", "Cohere", "Siglip2",
+                                                                "XLNet") for fast in ("", "Fast"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,13 @@ class ModelSpec:
                  tokenizer's pair template. From chat_template.jinja, else tokenizer_config.json.
     message_format: how that template reads a message's content: "flat" (a string) or "structured"
                  (`[{"type": "text", "text": ...}]`), as sentence-transformers saved or infers it.
+    pad_to:      a text's tokens are padded to this many (0: never): the model's processor pads to its
+                 maximum (`PADDED_TEXT`: SigLIP), and max_seq_len is then at most its text positions.
+    pad_id:      the token it pads with: the tokenizer's pad token (tokenizer_config.json, else
+                 special_tokens_map.json, else tokenizer.json's padding), else text_config's pad_token_id;
+                 -1 where none is named (a gateway serving its texts refuses to start).
+    pad_left:    pad before the text (the tokenizer's padding_side "left": tokenizer_config.json, else
+                 tokenizer.json's padding, else its class's default, `LEFT_PADDING_CLASSES`) instead of after.
     """
 
     path: Path
@@ -119,6 +137,9 @@ class ModelSpec:
     logit_tokens: tuple[int, ...] = ()
     chat_template: str = ""
     message_format: str = "flat"
+    pad_to: int = 0
+    pad_id: int = -1
+    pad_left: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -139,9 +160,12 @@ class ModelSpec:
     def read(cls, path: Path) -> "ModelSpec":
         modules = _read_json(path / "modules.json")
         inner = transformer_dir(path, modules)
-        if inner is not None:  # the checkpoint in its module's folder: that is the model directory
-            spec = cls.read(inner)
-            return dataclasses.replace(spec, **_read_pipeline(path, modules, hidden_width(spec.config)))
+        if inner is not None:  # the checkpoint in its module's folder: that is the model directory; the pipeline
+            spec = cls.read(inner)  # and its prompts are the root's
+            st_cfg = _read_json(path / "config_sentence_transformers.json") or {}
+            prompts = {"prompts": dict(st_cfg.get("prompts") or {}),
+                       "default_prompt_name": str(st_cfg.get("default_prompt_name") or "")} if st_cfg else {}
+            return dataclasses.replace(spec, **_read_pipeline(path, modules, hidden_width(spec.config)), **prompts)
         config = _read_json(path / "config.json")
         if not isinstance(config, dict) or "model_type" not in config:
             raise ValueError(f"{path / 'config.json'} has no model_type")
@@ -162,26 +186,72 @@ class ModelSpec:
                              f"is not one of its prompts ({', '.join(prompts) or 'none'})")
         tok = _read_json(path / "tokenizer.json") or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
+        padding = {}
+        if config["model_type"] in PADDED_TEXT:
+            text = config.get("text_config") or {}
+            max_len = min(max_len, int(text.get("max_position_embeddings") or PADDED_TEXT[config["model_type"]]))
+            padding = _padding(path, tok, tok_cfg, text, max_len)
         return cls(path, config, config["model_type"], max_seq_len=max_len, prompts=dict(prompts),
                    default_prompt_name=str(default_prompt),
                    special_token_ids=special, activation_fn=str(st_cfg.get("activation_fn") or ""), **chat,
-                   **pipeline)
+                   **pipeline, **padding)
+
+
+def _padding(path: Path, tok: dict, tok_cfg: dict, text_config: dict, length: int) -> dict:
+    """ModelSpec's pad_to, pad_id, pad_left for a model whose texts are padded to `length`: the pad token and side
+    as transformers' tokenizer takes them (tokenization_utils_tokenizers.TokenizersBackend.__init__: its
+    tokenizer_config.json and special_tokens_map.json first, then the padding saved in tokenizer.json, then the
+    class's default side; a class's default pad token, e.g. GemmaTokenizer's "<pad>", is not known here: the
+    published SigLIP tokenizers name theirs), else config.json's text_config pad_token_id."""
+    saved = tok.get("padding") if isinstance(tok.get("padding"), dict) else {}
+    token = (tok_cfg.get("pad_token") or (_read_json(path / "special_tokens_map.json") or {}).get("pad_token")
+             or saved.get("pad_token"))
+    token = token.get("content") if isinstance(token, dict) else token
+    pad_id = _token_id(tok, token) if isinstance(token, str) else None
+    if pad_id is None:
+        pad_id = saved.get("pad_id") if saved else text_config.get("pad_token_id")
+    side = tok_cfg.get("padding_side") or str(saved.get("direction", "")).lower() or (
+        "left" if tok_cfg.get("tokenizer_class") in LEFT_PADDING_CLASSES else "right")
+    return {"pad_to": length, "pad_id": -1 if pad_id is None else int(pad_id), "pad_left": side == "left"}
+
+
+def _token_id(tok: dict, token: str) -> int | None:
+    """`token`'s id in tokenizer.json: an added token's, else the model's vocabulary's (a dict, or Unigram's
+    [piece, score] list); None where it has none."""
+    for t in tok.get("added_tokens") or ():
+        if t.get("content") == token:
+            return int(t["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        return vocab.get(token)
+    if isinstance(vocab, list):
+        return next((i for i, v in enumerate(vocab) if v and v[0] == token), None)
+    return None
 
 
 def transformer_dir(path: Path, modules=None) -> Path | None:
     """The folder of a directory's first module where the transformers checkpoint lives there and not in the
-    directory itself: older sentence-transformers saved a CLIP's `CLIPModel` module in `0_CLIPModel/`
-    (sentence-transformers/clip-ViT-B-32); None for every other layout (the checkpoint in the root).
+    directory itself (`transformer_subdir`); None for every other layout (the checkpoint in the root).
     `modules`: modules.json as read (read here where not given)."""
     if modules is None and not (path / "config.json").is_file():
         modules = _read_json(path / "modules.json")
-    if (path / "config.json").is_file() or not isinstance(modules, list) or not modules:
-        return None
+    sub = transformer_subdir(modules, lambda rel: (path / rel).is_file())
+    return path / sub if sub else None
+
+
+def transformer_subdir(modules, has) -> str:
+    """Where a model's transformers checkpoint (its config.json, weights, tokenizer and processor files) lives
+    when not at the top: its first module's folder, as older sentence-transformers saved a CLIP's `CLIPModel`
+    module in `0_CLIPModel/` (sentence-transformers/clip-ViT-B-32); "" for every other layout. `modules`:
+    modules.json as read; `has(relative path)`: whether the directory, or a Hub repository's file listing
+    (trellis.hub), holds that file. The one rule for both."""
+    if has("config.json") or not isinstance(modules, list) or not modules:
+        return ""
     first = modules[0] if isinstance(modules[0], dict) else {}
-    sub = first.get("path") or ""
-    if not sub or _stage(str(first.get("type", ""))) != "Transformer" or not (path / sub / "config.json").is_file():
-        return None
-    return path / sub
+    sub = str(first.get("path") or "")
+    if not sub or _stage(str(first.get("type", ""))) != "Transformer" or not has(f"{sub}/config.json"):
+        return ""
+    return sub
 
 
 def hidden_width(config: dict) -> int:
