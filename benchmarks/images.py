@@ -22,7 +22,9 @@ with weights is read as it is). Cells, one JSON object each (`bench: "images"`, 
   N, same dtype (bfloat16 on CUDA, float32 on a CPU), SDPA attention; pixel_values as its image processor leaves
   them (float, rescaled, normalised, channels first) made on the device in the model's dtype BEFORE the timing:
   that prep is not timed (transformers gets it free; ROSE's rows pay for theirs); compiled with
-  `torch.compile(mode="reduce-overhead")` on CUDA (default mode on a CPU), compile time in the row;
+  `torch.compile(mode="reduce-overhead")` on CUDA (default mode on a CPU), the first call's time (the compile)
+  in the row as `first_call_s`. At each batch size the in-process cells take turns in `--rounds` rounds (a host
+  or GPU clock that drifts falls on all alike): images/s is the median round's (`images_per_s_rounds`: each);
 - `grpc`: a Tulip process (`python -m tulip`, its defaults plus `--tulip-args`), `trellis.client` here:
   `--grpc-batch` images a request (pre-processed uint8 pixels), images/s with 1 and 2 requests in flight, and
   one 224 x 224 image a request, p50 / p99 (`--n`), with Tulip's graph replays / oversize steps (its metrics);
@@ -53,7 +55,7 @@ from benchmarks.images_served import TARGETS, Servers, decode_cell, grpc_cells, 
 PRESETS = ("preset:clip-vit-base-patch16", "preset:siglip-base-patch16-224")
 CELLS = ("engine", "hf", "hf-compile", "grpc", "ivy", "decode")
 # --smoke's towers: the presets' configs shrunk; image side and patch kept (197 / 196 tokens an image)
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
 
 # --- the model: one directory, the same weights on every path ---------------------------------------------------
@@ -120,31 +122,23 @@ def hf_features(hf):
 
 # --- timing -------------------------------------------------------------------------------------------------------
 
-def timed(fn, n_images: int, iters: int, warmup: int) -> dict:
-    """`fn()` (one step, synchronised) `warmup` times, then `iters` timed: p50 / p99 ms and images/s."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    t_all = time.perf_counter()
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    total = time.perf_counter() - t_all
-    return {**percentiles(ts), "images_per_s": round(n_images * iters / total, 1)}
-
-
-def in_flight(launch, n_images: int, iters: int, depth: int = 2) -> dict:
-    """`launch()` returns a LazyTensor; `depth` steps in flight (the next staged and launched while one runs)."""
+def in_flight(launch, depth: int = 2):
+    """A step function keeping `depth` steps in flight: `launch()` returns a LazyTensor; each call launches one and
+    waits for the one `depth - 1` behind it (the next staged and launched while one runs); `drain()` waits for the
+    rest."""
     q: deque = deque()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+
+    def step():
         q.append(launch())
         if len(q) >= depth:
             q.popleft().synchronize()
-    while q:
-        q.popleft().synchronize()
-    return {"images_per_s": round(n_images * iters / (time.perf_counter() - t0), 1), "iters": iters, "in_flight": depth}
+
+    def drain():
+        while q:
+            q.popleft().synchronize()
+
+    step.drain = drain
+    return step
 
 
 def graph_fit(n: int, tokens: int) -> int:
@@ -152,72 +146,110 @@ def graph_fit(n: int, tokens: int) -> int:
     return max(16384, 1024 + -(-max(0, n * tokens - 1024) // 256) * 256)
 
 
-def engine_cells(rec, common, directory: Path, hf, batches, iters, big_iters, device: str, gate_only=False) -> bool:
-    """The gate, then ROSE's cells; False when the gate failed."""
+class Cell:
+    """One in-process cell: a step function over fixed inputs, timed in rounds alternating with the other cells'."""
+
+    def __init__(self, row: dict, fn, images: int, counters=None):
+        self.row, self.fn, self.images, self.counters = row, fn, images, counters
+        self.samples: list[float] = []
+        self.rounds: list[float] = []  # images/s per round
+        self.before = counters() if counters else None
+
+    def run(self, iters: int) -> None:
+        t_all = time.perf_counter()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            self.fn()
+            self.samples.append((time.perf_counter() - t0) * 1e3)
+        getattr(self.fn, "drain", lambda: None)()
+        self.rounds.append(round(self.images * iters / (time.perf_counter() - t_all), 1))
+
+    def result(self) -> dict:
+        out = {**self.row, **({} if "in flight" in self.row["mode"] else percentiles(self.samples)),
+               "iters": len(self.samples), "images_per_s": round(float(np.median(self.rounds)), 1),
+               "images_per_s_rounds": self.rounds}
+        if self.counters:
+            now = self.counters()
+            out.update(graph_replays=now[0] - self.before[0], oversize_steps=now[1] - self.before[1])
+        return out
+
+
+def gate(rec, common, engine, hf, directory: Path, device: str, n: int) -> bool:
+    """ROSE's image vectors against transformers' (L2-normalised get_image_features) on the same pixels."""
+    import torch
+
+    side, _ = _vision(directory)
+    px = random_pixels(n, side, seed=1)
+    got = engine.step_images(torch.from_numpy(px)).synchronize().clone()
+    with torch.inference_mode():
+        want = hf_features(hf)(hf_pixels(px, directory, device, engine.dtype)).cpu()
+    cos = torch.nn.functional.cosine_similarity(got, want).min().item()
+    floor = 0.9999 if engine.dtype == torch.float32 else 0.99
+    rec.emit(**common, cell="gate", path="rose vs transformers", images=n, dtype=str(engine.dtype)[6:],
+             cos_min=round(cos, 6), floor=floor, passed=cos >= floor)
+    return cos >= floor
+
+
+def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) -> bool:
+    """The gate, then at each batch size ROSE's cells and transformers' eager / compiled ones, in `args.rounds`
+    rounds taking turns (a drifting host or GPU clock falls on all alike); False when the gate failed."""
     import torch
 
     from rose.engine import Engine, EngineConfig
 
-    cuda = device == "cuda"
     side, tokens = _vision(directory)
-    engine = Engine(EngineConfig(model=str(directory), device=device, max_graph_tokens=graph_fit(max(batches), tokens)))
-    dtype = engine.dtype
-    px = random_pixels(min(8, max(batches)), side, seed=1)
-    got = engine.step_images(torch.from_numpy(px)).synchronize().clone()
-    ref_model = hf.to(device, dtype)
-    with torch.inference_mode():
-        want = hf_features(ref_model)(hf_pixels(px, directory, device, dtype)).cpu()
-    cos = torch.nn.functional.cosine_similarity(got, want).min().item()
-    floor = 0.9999 if dtype == torch.float32 else 0.99
-    rec.emit(**common, cell="gate", path="rose vs transformers", images=len(px), dtype=str(dtype)[6:],
-             cos_min=round(cos, 6), floor=floor, passed=cos >= floor)
-    if cos < floor or gate_only:
-        return cos >= floor
-    base = dict(**common, cell="engine", path="rose in-process", dtype=str(dtype)[6:],
-                graphs=engine.images.graphs is not None, max_graph_tokens=engine.cfg.max_graph_tokens,
-                input="uint8 host pixels, normalised on the device")
+    engine = Engine(EngineConfig(model=str(directory), device=device,
+                                 max_graph_tokens=graph_fit(max(args.batch), tokens)))
+    dtype, name = engine.dtype, str(engine.dtype)[6:]
+    hf = hf.to(device, dtype)
+    if not gate(rec, common, engine, hf, directory, device, min(8, max(args.batch))):
+        return False
     stats = engine.runner.stats if engine.runner is not None else None
-    for n in batches:
+    counters = (lambda: (stats.replays, stats.oversize)) if stats else None
+    rose = dict(**common, cell="engine", path="rose in-process", dtype=name, graphs=engine.images.graphs is not None,
+                max_graph_tokens=engine.cfg.max_graph_tokens, input="uint8 host pixels, normalised on the device")
+    features = hf_features(hf)
+    mode = "reduce-overhead" if device == "cuda" else None
+    compiled = torch.compile(features, mode=mode, backend=args.hf_compile_backend, dynamic=False) \
+        if "hf-compile" in cells else None
+    theirs = dict(**common, model_class=type(hf).__name__, dtype=name, attention=hf.config._attn_implementation,
+                  mode="one call at a time", input="pixel_values on the device (prep not timed)")
+    for n in args.batch:
         x = torch.from_numpy(random_pixels(n, side, seed=n))
-        k = iters if n == 1 else big_iters
-        before = (stats.replays, stats.oversize) if stats else (0, 0)
-        row = timed(lambda: engine.step_images(x).synchronize(), n, k, warmup=4)
-        graphs = {"graph_replays": stats.replays - before[0], "oversize_steps": stats.oversize - before[1]} if stats else {}
-        rec.emit(**base, batch=n, mode="one step at a time", **row, **graphs)
-        if n > 1:
-            rec.emit(**base, batch=n, mode="two steps in flight", **in_flight(lambda: engine.step_images(x), n, k))
-    del engine
-    if cuda:
+        pv = hf_pixels(x.numpy(), directory, device, dtype)
+        run: list[Cell] = []
+        if "engine" in cells:
+            run.append(Cell({**rose, "batch": n, "mode": "one step at a time"},
+                            lambda: engine.step_images(x).synchronize(), n, counters))
+            if n > 1:
+                run.append(Cell({**rose, "batch": n, "mode": "two steps in flight"},
+                                in_flight(lambda: engine.step_images(x)), n, counters))
+        if "hf" in cells:
+            run.append(Cell({**theirs, "cell": "hf-eager", "path": "transformers eager", "batch": n},
+                            lambda: features(pv).cpu(), n))
+        if compiled is not None:
+            run.append(Cell({**theirs, "cell": "hf-compile", "batch": n,
+                             "path": f"transformers torch.compile ({mode or 'default'} mode, {args.hf_compile_backend})"},
+                            lambda: compiled(pv).cpu(), n))
+        iters = args.iters if n == 1 else args.big_iters
+        with torch.inference_mode():
+            for c in run:  # first calls (a compiled function compiles here), then warm-up: graphs captured
+                t0 = time.perf_counter()
+                c.fn()
+                c.row["first_call_s"] = round(time.perf_counter() - t0, 2)
+                for _ in range(3):
+                    c.fn()
+                getattr(c.fn, "drain", lambda: None)()
+                c.before = c.counters() if c.counters else None
+            for _ in range(args.rounds):
+                for c in run:
+                    c.run(max(1, iters // args.rounds))
+        for c in run:
+            rec.emit(**c.result(), rounds=args.rounds)
+    del engine, compiled
+    if device == "cuda":
         torch.cuda.empty_cache()
     return True
-
-
-def hf_cells(rec, common, directory: Path, hf, batches, iters, big_iters, device: str, compiled: bool,
-             backend: str) -> None:
-    import torch
-
-    cuda = device == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    side, _ = _vision(directory)
-    model = hf.to(device, dtype)
-    fn = hf_features(model)
-    mode = "reduce-overhead" if cuda else None
-    if compiled:
-        fn = torch.compile(fn, mode=mode, backend=backend, dynamic=False)
-    path = f"transformers torch.compile ({mode or 'default'} mode, {backend})" if compiled else "transformers eager"
-    for n in batches:
-        pv = hf_pixels(random_pixels(n, side, seed=n), directory, device, dtype)
-        k = iters if n == 1 else big_iters
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            fn(pv).cpu()  # a compiled function compiles here
-            first_s = time.perf_counter() - t0
-            row = timed(lambda: fn(pv).cpu(), n, k, warmup=3)
-        rec.emit(**common, cell="hf-compile" if compiled else "hf-eager", path=path, model_class=type(hf).__name__,
-                 dtype=str(dtype)[6:], attention=model.config._attn_implementation, batch=n, mode="one call at a time",
-                 input="pixel_values on the device (prep not timed)", first_call_s=round(first_s, 2), **row)
-    if cuda:
-        torch.cuda.empty_cache()
 
 
 def _vision(directory: Path) -> tuple[int, int]:
@@ -285,14 +317,10 @@ def run_model(args, model: str, work: Path, device: str) -> int:
     if need_servers and args.smoke:  # start-up overlapped with the in-process cells: a harness check, not timings
         servers = Servers(directory, served, device, tulip_args, "ivy" in cells, logs)
     try:
-        if not engine_cells(rec, common, directory, hf, args.batch, args.iters, args.big_iters, device,
-                            gate_only="engine" not in cells):
+        if not in_process(rec, common, directory, hf, args, device, cells):
             print(f"benchmarks.images: {model}: ROSE's vectors differ from transformers' (gate): no timings",
                   file=sys.stderr)
             return 1
-        for compiled in [False] * ("hf" in cells) + [True] * ("hf-compile" in cells):
-            hf_cells(rec, common, directory, hf, args.batch, args.iters, args.big_iters, device, compiled,
-                     args.hf_compile_backend)
         del hf
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -311,9 +339,13 @@ def run_model(args, model: str, work: Path, device: str) -> int:
                 decode_cell(rec, common, directory, jpeg, args.n, meta)
     finally:
         if servers is not None:
+            servers.signal()  # their shutdowns overlap the chart
+    try:
+        if args.out is not None:
+            chart(rec.rows, args.out / f"images_{tag}.png")
+    finally:
+        if servers is not None:
             servers.stop()
-    if args.out is not None:
-        chart(rec.rows, args.out / f"images_{tag}.png")
     return 0
 
 
@@ -327,6 +359,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight", default="1,2", help="gRPC requests of --grpc-batch images in flight")
     ap.add_argument("--iters", type=int, default=200, help="timed steps of each one-image in-process cell")
     ap.add_argument("--big-iters", type=int, default=20, help="timed steps / requests of each batched cell")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds the in-process cells' steps are split into")
     ap.add_argument("--n", type=int, default=1000, help="timed one-image requests over gRPC, and through Ivy")
     ap.add_argument("--jpeg-kb", type=float, default=100, help="the test JPEG's size to aim at (640 x 480)")
     ap.add_argument("--tulip-args", default="", help="more `python -m tulip` flags")
@@ -349,7 +382,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model = args.model or [PRESETS[0]]
         args.device, args.batch, args.grpc_batch, args.inflight = "cpu", "1,4", 4, "1,2"
-        args.iters, args.big_iters, args.n, args.hf_compile_backend = 3, 2, 3, "eager"
+        args.iters, args.big_iters, args.n, args.rounds, args.hf_compile_backend = 3, 2, 3, 1, "eager"
         args.tulip_args = "--spin-ms 0 " + args.tulip_args  # no core kept polling: the smoke's processes share two
     args.model = args.model or list(PRESETS)
     args.batch = [int(b) for b in args.batch.split(",")]

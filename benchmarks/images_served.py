@@ -200,9 +200,14 @@ class Servers:
             wait_until(lambda: http_ok(f"http://127.0.0.1:{self.ivy_port}/ready"), "ivy", self.ivy, self.logs[1],
                        timeout)
 
+    def signal(self) -> None:
+        """SIGTERM to both at once (their shutdowns overlap); `stop` waits."""
+        for p in (self.ivy, self.tulip):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
-        procs = [p for p in (self.ivy, self.tulip) if p is not None and p.poll() is None]
-        for p in procs:  # both told at once: their shutdowns overlap
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            stop(p, 0)  # (signal 0: already sent) waited for, killed past 30 s
+        self.signal()
+        for p in (self.ivy, self.tulip):
+            if p is not None:
+                stop(p, 0)  # (signal 0: sent above) waited for, killed past 30 s

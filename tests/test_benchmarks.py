@@ -337,3 +337,31 @@ def test_gpu_sampler_summarises_nvidia_smi_and_is_empty_without_it(tmp_path):
     with GpuSampler(smi=str(tmp_path / "absent")) as gpu:
         pass
     assert gpu.summary() == {}
+
+
+def test_images_benchmark_smoke_runs_every_cell(tmp_path):
+    """benchmarks.images --smoke (issue 51): tiny CLIP towers built and saved by transformers, on the CPU: the gate
+    (ROSE's image vectors against transformers' on the same weights), ROSE's steps, transformers eager and
+    torch.compile'd, a Tulip over gRPC, an Ivy with the ~100 KB test JPEG (its vector equal to Tulip's for the same
+    pixels) and ivy.images' decode: a row for each, and the chart."""
+    from benchmarks.common import read_rows
+
+    out = tmp_path / "images"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.images", "--smoke", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_rows(out / "images_clip-vit-base-patch16-tiny.jsonl")
+    cells = sorted((x["cell"], x.get("batch", 0), x.get("mode") or x.get("requests_in_flight") or "") for x in rows)
+    assert cells == sorted([("gate", 0, ""), ("engine", 1, "one step at a time"), ("engine", 4, "one step at a time"),
+                            ("engine", 4, "two steps in flight"), ("hf-eager", 1, "one call at a time"),
+                            ("hf-eager", 4, "one call at a time"), ("hf-compile", 1, "one call at a time"),
+                            ("hf-compile", 4, "one call at a time"), ("grpc", 4, 1), ("grpc", 4, 2), ("grpc", 1, 1),
+                            ("ivy", 1, ""), ("decode", 1, "")])
+    by = {x["cell"]: x for x in rows}
+    assert by["gate"]["passed"] and by["gate"]["cos_min"] >= 0.9999
+    assert by["ivy"]["cos_vs_tulip"] >= 0.9999 and 90_000 <= by["ivy"]["jpeg_bytes"] <= 110_000
+    assert by["decode"]["output"] == "uint8 [224, 224, 3]"
+    assert all(x["images_per_s"] > 0 for x in rows if x["cell"] in ("engine", "hf-eager", "hf-compile"))
+    assert all({"when", "torch", "gpu", "git", "p50_ms"} <= set(x) for x in rows if x["cell"] not in ("gate", "engine")
+               or x.get("mode") == "one step at a time")
+    assert (out / "images_clip-vit-base-patch16-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
