@@ -274,7 +274,7 @@ def chart(rows: list[dict], path: Path) -> None:
            and r.get("mode", "one").startswith("one")]
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5.5))
     bars = a.barh([t[0] for t in tput], [t[1] for t in tput], color="tab:blue")
-    a.bar_label(bars, fmt="%.0f", fontsize=7)
+    a.bar_label(bars, fmt="%.0f" if max(t[1] for t in tput) >= 100 else "%.1f", fontsize=7)
     a.set_xlabel(f"images/s, {big} images a step or request")
     a.invert_yaxis()
     a.tick_params(axis="y", labelsize=7)
@@ -282,9 +282,8 @@ def chart(rows: list[dict], path: Path) -> None:
     b.barh(y - 0.2, [t[1] for t in lat], 0.4, label="p50")
     b.barh(y + 0.2, [t[2] for t in lat], 0.4, label="p99", color="tab:orange")
     b.set_yticks(y, [t[0] for t in lat], fontsize=7)
-    for x, name in ((TARGETS["grpc 1 image p50"], "target: gRPC p50"), (TARGETS["ivy 1 JPEG p50"], "target: Ivy p50")):
-        b.axvline(x, color="red", ls="--", lw=0.8)
-        b.text(x, -0.6, name, color="red", fontsize=7)
+    for (name, x), ls in zip(TARGETS.items(), ("--", ":")):
+        b.axvline(x, color="red", ls=ls, lw=0.8, label=f"target: {name} <= {x:g} ms")
     b.set_xscale("log")
     b.set_xlabel("one image: ms (log)")
     b.invert_yaxis()
@@ -307,7 +306,10 @@ def run_model(args, model: str, work: Path, device: str) -> int:
     directory, hf = prepare(model, work, args.smoke)
     side, tokens = _vision(directory)
     note = "RANDOM WEIGHTS" + (", tiny towers (--smoke)" if args.smoke else "") if model.startswith("preset:") else ""
-    common = dict(bench="images", model=model, note=note, image_size=side, image_tokens=tokens, device=device)
+    from importlib.metadata import version
+
+    common = dict(bench="images", model=model, note=note, image_size=side, image_tokens=tokens, device=device,
+                  transformers=version("transformers"), pillow=version("pillow"))
     cells = set(args.cells)
     served = tag
     servers = None
