@@ -33,7 +33,8 @@ with weights is read as it is). Cells, one JSON object each (`bench: "images"`, 
   `/v1/embeddings`, sequential (http.client, one kept-alive connection), p50 / p99, decode and preprocessing
   included; its vector checked against Tulip's for the pixels `ivy.images` makes of the same file;
 - `decode`: `ivy.images`' base64 + decode + preprocessing of that JPEG in this process, one thread (one core).
-Charts: `images_<model>.png`: images/s per path, single-image p50 per path.
+Charts: `images_<model>.png`: images/s per path, single-image p50 per path. A cell that raises leaves a row with
+its `error` and the others still run (exit status 1): a device call keeps what it could measure.
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ class Cell:
         self.row, self.fn, self.images, self.counters = row, fn, images, counters
         self.samples: list[float] = []
         self.rounds: list[float] = []  # images/s per round
-        self.before = counters() if counters else None
+        self.graphs = [0, 0]  # the engine's graph replays and oversize steps during this cell's timed steps
 
     def run(self, iters: int) -> None:
+        before = self.counters() if self.counters else None
         t_all = time.perf_counter()
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -163,14 +165,15 @@ class Cell:
             self.samples.append((time.perf_counter() - t0) * 1e3)
         getattr(self.fn, "drain", lambda: None)()
         self.rounds.append(round(self.images * iters / (time.perf_counter() - t_all), 1))
+        if before is not None:
+            self.graphs = [g + now - was for g, now, was in zip(self.graphs, self.counters(), before)]
 
     def result(self) -> dict:
         out = {**self.row, **({} if "in flight" in self.row["mode"] else percentiles(self.samples)),
                "iters": len(self.samples), "images_per_s": round(float(np.median(self.rounds)), 1),
                "images_per_s_rounds": self.rounds}
         if self.counters:
-            now = self.counters()
-            out.update(graph_replays=now[0] - self.before[0], oversize_steps=now[1] - self.before[1])
+            out.update(graph_replays=self.graphs[0], oversize_steps=self.graphs[1])
         return out
 
 
@@ -190,9 +193,10 @@ def gate(rec, common, engine, hf, directory: Path, device: str, n: int) -> bool:
     return cos >= floor
 
 
-def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) -> bool:
+def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) -> tuple[bool, bool]:
     """The gate, then at each batch size ROSE's cells and transformers' eager / compiled ones, in `args.rounds`
-    rounds taking turns (a drifting host or GPU clock falls on all alike); False when the gate failed."""
+    rounds taking turns (a drifting host or GPU clock falls on all alike); (gate passed, a cell failed: its row
+    says why)."""
     import torch
 
     from rose.engine import Engine, EngineConfig
@@ -203,7 +207,7 @@ def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) 
     dtype, name = engine.dtype, str(engine.dtype)[6:]
     hf = hf.to(device, dtype)
     if not gate(rec, common, engine, hf, directory, device, min(8, max(args.batch))):
-        return False
+        return False, False
     stats = engine.runner.stats if engine.runner is not None else None
     counters = (lambda: (stats.replays, stats.oversize)) if stats else None
     rose = dict(**common, cell="engine", path="rose in-process", dtype=name, graphs=engine.images.graphs is not None,
@@ -214,6 +218,7 @@ def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) 
         if "hf-compile" in cells else None
     theirs = dict(**common, model_class=type(hf).__name__, dtype=name, attention=hf.config._attn_implementation,
                   mode="one call at a time", input="pixel_values on the device (prep not timed)")
+    failed = False
     for n in args.batch:
         x = torch.from_numpy(random_pixels(n, side, seed=n))
         pv = hf_pixels(x.numpy(), directory, device, dtype)
@@ -233,14 +238,18 @@ def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) 
                             lambda: compiled(pv).cpu(), n))
         iters = args.iters if n == 1 else args.big_iters
         with torch.inference_mode():
-            for c in run:  # first calls (a compiled function compiles here), then warm-up: graphs captured
+            for c in list(run):  # first calls (a compiled function compiles here), then warm-up: graphs captured
                 t0 = time.perf_counter()
-                c.fn()
-                c.row["first_call_s"] = round(time.perf_counter() - t0, 2)
-                for _ in range(3):
+                try:
                     c.fn()
-                getattr(c.fn, "drain", lambda: None)()
-                c.before = c.counters() if c.counters else None
+                    c.row["first_call_s"] = round(time.perf_counter() - t0, 2)
+                    for _ in range(3):
+                        c.fn()
+                    getattr(c.fn, "drain", lambda: None)()
+                except Exception as e:  # noqa: BLE001  (one failing cell of a one-shot GPU call: the others still run)
+                    rec.emit(**c.row, error=f"{type(e).__name__}: {e}"[:2000])
+                    run.remove(c)
+                    failed = True
             for _ in range(args.rounds):
                 for c in run:
                     c.run(max(1, iters // args.rounds))
@@ -249,7 +258,7 @@ def in_process(rec, common, directory: Path, hf, args, device: str, cells: set) 
     del engine, compiled
     if device == "cuda":
         torch.cuda.empty_cache()
-    return True
+    return True, failed
 
 
 def _vision(directory: Path) -> tuple[int, int]:
@@ -318,8 +327,20 @@ def run_model(args, model: str, work: Path, device: str) -> int:
     tulip_args = args.tulip_args.split()
     if need_servers and args.smoke:  # start-up overlapped with the in-process cells: a harness check, not timings
         servers = Servers(directory, served, device, tulip_args, "ivy" in cells, logs)
+    failed = False
+
+    def attempt(cell: str, fn, *a) -> None:
+        """One served cell; its failure is a row (`error`) and exit status 1, and the next cell still runs."""
+        nonlocal failed
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001  (a one-shot GPU call keeps what it can measure)
+            rec.emit(**common, cell=cell, error=f"{type(e).__name__}: {e}"[:2000])
+            failed = True
+
     try:
-        if not in_process(rec, common, directory, hf, args, device, cells):
+        passed, failed = in_process(rec, common, directory, hf, args, device, cells)
+        if not passed:
             print(f"benchmarks.images: {model}: ROSE's vectors differ from transformers' (gate): no timings",
                   file=sys.stderr)
             return 1
@@ -328,17 +349,18 @@ def run_model(args, model: str, work: Path, device: str) -> int:
             torch.cuda.empty_cache()
         if need_servers:
             servers = servers or Servers(directory, served, device, tulip_args, "ivy" in cells, logs)
-            servers.ready()
+            attempt("servers", servers.ready)
         if "grpc" in cells:
-            run_client(grpc_cells(rec, common, servers.target, servers.metrics_port, side, args.grpc_batch, args.n,
-                                  args.big_iters, args.inflight))
+            attempt("grpc", lambda: run_client(grpc_cells(rec, common, servers.target, servers.metrics_port, side,
+                                                          args.grpc_batch, args.n, args.big_iters, args.inflight)))
         if cells & {"ivy", "decode"}:
             jpeg, quality = photo_jpeg(args.jpeg_kb)
             meta = dict(jpeg_bytes=len(jpeg), jpeg_size="640x480", jpeg_quality=quality)
             if "ivy" in cells:
-                ivy_cell(rec, common, servers.ivy_port, served, servers.target, directory, jpeg, args.n, meta)
+                attempt("ivy", ivy_cell, rec, common, servers.ivy_port, served, servers.target, directory, jpeg,
+                        args.n, meta)
             if "decode" in cells:
-                decode_cell(rec, common, directory, jpeg, args.n, meta)
+                attempt("decode", decode_cell, rec, common, directory, jpeg, args.n, meta)
     finally:
         if servers is not None:
             servers.signal()  # their shutdowns overlap the chart
@@ -348,7 +370,7 @@ def run_model(args, model: str, work: Path, device: str) -> int:
     finally:
         if servers is not None:
             servers.stop()
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
