@@ -274,6 +274,13 @@ class Engine:
         budget; 0: no image tower."""
         return self.images.tokens if self.images is not None else 0
 
+    @property
+    def image_batch(self) -> int:
+        """The most images one step should take: the largest image graph's (a bigger step runs eagerly); 0: no
+        limit (no image graphs: CPU, or graphs off)."""
+        graphs = self.images.graphs if self.images is not None else None
+        return graphs.max_images if graphs is not None else 0
+
     @torch.inference_mode()
     def step_images(self, pixels: torch.Tensor) -> LazyTensor:
         """Embed images: uint8 [N, S, S, 3] host pixels (RGB, already resized and cropped as the model's image

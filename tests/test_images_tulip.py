@@ -236,3 +236,19 @@ def test_sentence_transformers_older_clip_layout_through_ivy(served, ivy):
         want_img = ref.get_image_features(pixel_values=pixels).pooler_output
     torch.testing.assert_close(got, F.normalize(torch.cat([want_txt[:1], want_img, want_txt[1:]]), dim=-1),
                                atol=1e-4, rtol=0)
+
+
+def test_image_steps_fit_the_largest_image_graph():
+    """A step of more images than the largest image graph would run eagerly on CUDA (16,384 // 197 = 83 images
+    against CLIP ViT-B/16's 64-image graph): the image queue's budget is that graph's, the text queue keeps its own."""
+    import types
+
+    from tulip.config import TulipConfig
+    from tulip.loop import EngineLoop
+
+    engine = types.SimpleNamespace(device=torch.device("cuda"), spec=types.SimpleNamespace(special_token_ids=()),
+                                   sparse_rows=False, image_size=224, image_tokens=197, image_batch=64)
+    loop = EngineLoop(engine, TulipConfig(max_batch_tokens=16384))
+    assert (loop.images.max_batch_tokens, loop.scheduler.max_batch_tokens) == (64 * 197, 16384)
+    engine.image_batch = 0  # no image graphs (CPU): the budget
+    assert EngineLoop(engine, TulipConfig(max_batch_tokens=16384)).images.max_batch_tokens == 16384

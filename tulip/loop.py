@@ -180,10 +180,7 @@ def _run_step(engine: Engine, batch: Batch, extras: frozenset):
 
 def _pixels_of(slots) -> torch.Tensor:
     """The uint8 [N, S, S, 3] pictures of these (image request, image index) slots, in order."""
-    if len(slots) == 1:
-        r, i = slots[0]
-        return torch.from_numpy(r.pixels[i:i + 1])
-    return torch.from_numpy(np.stack([r.pixels[i] for r, i in slots]))
+    return torch.from_numpy(np.stack([r.pixels[i] for r, i in slots]))  # (a copy: the message's bytes are read-only)
 
 
 def _run_images(engine: Engine, pixels: torch.Tensor):
@@ -238,7 +235,9 @@ class EngineLoop:
         self.scheduler = Scheduler(cfg.max_batch_tokens, batch_step_tokens=cfg.batch_step_tokens)
         # a model with an image tower (CLIP, SigLIP): image requests queue apart, since a step is text or
         # images; their sequences are images, budgeted at the tower's tokens each (Engine.image_tokens)
-        self.images = Scheduler(cfg.max_batch_tokens) if engine.image_size else None
+        # (a step of at most the largest image graph's images: bigger ones would run eagerly)
+        self.images = Scheduler(min(cfg.max_batch_tokens, engine.image_batch * engine.image_tokens or
+                                    cfg.max_batch_tokens)) if engine.image_size else None
         self._image_turn = False  # both kinds waiting: text and image steps take turns
         self.metrics.queue_tokens.set_function(self._queued_tokens)
         self.metrics.queue_requests.set_function(
