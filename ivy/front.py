@@ -50,13 +50,16 @@ _GOOD_ID = re.compile(rb"[\x20-\x7e]{1,128}")
 
 class Call:
     """What the metrics say of the request being handled (the model it was routed to), its
-    disconnect watch (`watch_disconnect`), and its ASGI headers (a route reads one it needs, as
-    `X-Trellis-Priority`, when it needs it: ivy.routes.common)."""
+    disconnect watch (`watch_disconnect`), its ASGI headers (a route reads one it needs, as
+    `X-Trellis-Priority`, when it needs it: ivy.routes.common) and the API key it authenticated
+    with (`api_key`: one of --api-keys, set by `Front.authorized`; None without --api-keys or on
+    an open path). The Batch API's files and batches belong to that key (ivy.batches.service)."""
 
-    __slots__ = ("model", "receive", "watcher", "gone", "headers")
+    __slots__ = ("model", "receive", "watcher", "gone", "headers", "api_key")
 
     def __init__(self, headers=()):
         self.headers = headers
+        self.api_key: str | None = None
         self.model = ""
         self.receive = None  # the request's ASGI receive, while a watch may still be started
         self.watcher: asyncio.Future | None = None
@@ -176,7 +179,7 @@ class Front:
         routes = set(routes)
         self.routes = {r for r in routes if "{" not in r}
         self.templates = [compile_path(r)[:2] for r in sorted(routes - self.routes)]  # (regex, "/v1/models/{model_id}")
-        self.bearers = [f"Bearer {k}".encode() for k in api_keys]
+        self.bearers = [(f"Bearer {k}".encode(), k) for k in api_keys]
         self._children: dict[tuple[str, int, str], object] = {}
         stages = os.environ.get("IVY_STAGES")
         self.stages = Stages(stages) if stages else None
@@ -194,15 +197,21 @@ class Front:
             c = self._children[key] = self.counter.labels(route, str(status), model)
         c.inc()
 
-    def authorized(self, scope) -> bool:
-        """With API keys set, every path but the probes', the metrics' and the API documents' needs one."""
+    def authorized(self, scope, call: Call | None = None) -> bool:
+        """With API keys set, every path but the probes', the metrics' and the API documents' needs one;
+        the one it has is `call.api_key` (the only place Ivy reads the Authorization header)."""
         path = scope["path"]
         if not self.bearers or path in OPEN_PATHS or (path == "/" and scope["method"] in ("GET", "HEAD")):
             return True
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, key = got.partition(b" ")
         got = b"Bearer " + key.strip() if scheme.lower() == b"bearer" else got  # the scheme is case-insensitive
-        return any(hmac.compare_digest(got, b) for b in self.bearers)
+        for bearer, key in self.bearers:
+            if hmac.compare_digest(got, bearer):
+                if call is not None:
+                    call.api_key = key
+                return True
+        return False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -215,7 +224,7 @@ class Front:
         REQUEST_ID.set(rid)  # this request's task's own context
         call = Call(scope["headers"])
         CALL.set(call)
-        if not self.authorized(scope):
+        if not self.authorized(scope, call):
             return await self.reply(send, route, 401, error_body(
                 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"), rid)
         limit = self.body_limits.get(path, self.max_body) if self.body_limits else self.max_body

@@ -1,9 +1,11 @@
 """OpenAI's Batch API on Ivy (ivy/batches), end to end with the official `openai` client against a real
 Ivy and Tulip on loopback (the default model on the CPU): files, batches, the output and error files,
-cancel, list, validation, the upload limit, and a job that survives its Ivy being killed (SIGKILL)."""
+cancel, list, validation, the upload limit, a job that survives its Ivy being killed (SIGKILL), and
+with --api-keys each key's files and batches hidden from the others (on a database made before owners)."""
 
 import json
 import signal
+import sqlite3
 import time
 
 import httpx
@@ -19,15 +21,15 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 class IvyProc:
     """One Ivy with a batch directory, which a test can kill and start again on the same directory."""
 
-    def __init__(self, tmp, target: str, data):
-        self.tmp, self.target, self.data = tmp, target, data
+    def __init__(self, tmp, target: str, data, *args: str):
+        self.tmp, self.target, self.data, self.args = tmp, target, data, args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
 
     def start(self) -> None:
         self.proc = Proc(["-m", "ivy", "--port", str(self.port), "--tulip", self.target, "--batch-dir", str(self.data),
-                          "--max-batch-file-mb", "1", "--batch-concurrency", "4"], self.tmp)
+                          "--max-batch-file-mb", "1", "--batch-concurrency", "4", *self.args], self.tmp)
         self.proc.wait_for(lambda: http_status(self.url + "/ready") == 200, timeout=60)
 
 
@@ -214,3 +216,108 @@ def test_without_batch_dir_the_routes_say_so():
     for r in asyncio.run(get()):
         assert r.status_code == 404 and r.json()["error"]["code"] == "batch_api_not_enabled"
         assert "--batch-dir" in r.json()["error"]["message"]
+
+
+# The schema of the databases made before files and batches had owners (ivy/batches/store.py until
+# 2026-12-06): an Ivy must still open them, their rows belonging to "no key".
+OLD_SCHEMA = """
+CREATE TABLE files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL);
+CREATE TABLE batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL, metadata TEXT,
+    errors TEXT, model TEXT, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER,
+    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    out_id TEXT NOT NULL, err_id TEXT NOT NULL, out_bytes INTEGER NOT NULL DEFAULT 0,
+    err_bytes INTEGER NOT NULL DEFAULT 0, output_file_id TEXT, error_file_id TEXT,
+    lease_owner TEXT, lease_until REAL);
+CREATE TABLE done (batch_id TEXT NOT NULL, line INTEGER NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
+INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES ('file-old', 2, 1, 'old.jsonl', 'batch');
+INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, expires_at, out_id, err_id)
+    VALUES ('batch_old', '/v1/embeddings', 'file-old', '24h', 'completed', 1, 2, 'file-o', 'file-e');
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(stack, tmp_path_factory):
+    """A second Ivy on the same Tulip, with --api-keys k1 and k2, on a batch directory whose database has
+    the schema from before owners: ({key: its openai client}, the batch directory)."""
+    tmp = tmp_path_factory.mktemp("keyed")
+    (tmp / "data" / "files").mkdir(parents=True)
+    (tmp / "data" / "files" / "file-old").write_bytes(b"{}")
+    with sqlite3.connect(tmp / "data" / "batches.db") as db:
+        db.executescript(OLD_SCHEMA)
+    server = IvyProc(tmp, stack[0].target, tmp / "data", "--api-keys", "k1", "--api-keys", "k2")
+    yield {k: openai.OpenAI(base_url=server.url + "/v1", api_key=k, max_retries=0) for k in ("k1", "k2")}, tmp / "data"
+    server.proc.stop()
+    assert "Traceback" not in server.proc.output()
+
+
+def test_keys_see_only_their_own_files_and_batches(keyed):
+    """k2 gets exactly a missing object's 404 for each of k1's files and batches, on every route, and
+    cannot run a batch on k1's file; k1 still can do all of it. The rows of the old database belong to
+    no key: neither key sees them."""
+    clients, data = keyed
+    k1, k2 = clients["k1"], clients["k2"]
+    done = wait(k1, submit(k1, [line("one", {"input": "x"})]).id)
+    assert done.status == "completed"
+    running = submit(k1, [line(f"r{i}", {"input": [f"text {i} " * 30] * 4}) for i in range(400)])
+    f = k1.files.retrieve(done.input_file_id)
+
+    def missing(call, *args):
+        with pytest.raises(openai.NotFoundError) as e:
+            call(*args)
+        return e.value.status_code, e.value.body
+
+    for kind, obj_id, calls in (
+            ("File", f.id, (k2.files.retrieve, k2.files.content, k2.files.delete)),
+            ("File", done.output_file_id, (k2.files.retrieve, k2.files.content, k2.files.delete)),
+            ("Batch", done.id, (k2.batches.retrieve, k2.batches.cancel)),
+            ("Batch", running.id, (k2.batches.retrieve, k2.batches.cancel))):
+        nowhere = missing(calls[0], obj_id[:-4] + "0000")  # an id that exists nowhere: the answer to match
+        for call in calls:
+            assert missing(call, obj_id) == (nowhere[0], {**nowhere[1], "message": nowhere[1]["message"].replace(
+                obj_id[:-4] + "0000", obj_id)}), (call, kind)
+    with pytest.raises(openai.BadRequestError, match=f"No such File object: {f.id}"):
+        k2.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert k2.batches.list().data == [] and k2.files.list().data == []
+    for old in ("file-old", "batch_old"):
+        for client in (k1, k2):
+            missing(client.files.retrieve if old.startswith("file") else client.batches.retrieve, old)
+    assert {x.id for x in k1.files.list()} >= {f.id, done.output_file_id} and "file-old" not in {
+        x.id for x in k1.files.list()}
+    assert [x.id for x in k1.batches.list()] == [running.id, done.id]
+    assert k1.batches.cancel(running.id).status in ("cancelling", "cancelled")  # still the owner's to cancel
+    assert len(jsonl(k1, done.output_file_id)) == 1
+    again = wait(k1, k1.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert again.status == "completed" and again.request_counts.completed == 1
+    wait(k1, running.id)
+    assert k1.files.delete(done.output_file_id).deleted
+    assert (data / "owner.key").stat().st_mode & 0o777 == 0o600  # the owners' HMAC key, readable by Ivy's user only
+    stored = b"".join(p.read_bytes() for p in data.glob("batches.db*"))  # the database and its WAL
+    assert b"k1" not in stored and b"k2" not in stored  # owners are kept as HMACs, never as the keys
+
+
+def test_store_migrates_and_a_cursor_is_no_oracle(tmp_path):
+    """In-process: an old database gets the owner column, its rows owned by "" (no key); a list's
+    `after` naming another owner's id pages as one naming no object does (its place is not shown)."""
+    from ivy.batches.store import ANY, Store
+
+    with sqlite3.connect(tmp_path / "batches.db") as db:
+        db.executescript(OLD_SCHEMA)
+    st = Store(tmp_path)
+    try:
+        assert st.get_file("file-old", "")["filename"] == "old.jsonl" and st.get_batch("batch_old", "") is not None
+        assert st.get_file("file-old", "a") is None and st.get_batch("batch_old", ANY)["tenant"] == ""
+        for fid, owner in (("file-b1", "b"), ("file-a1", "a"), ("file-b2", "b")):
+            st.add_file(fid, 1, "x.jsonl", "batch", owner)
+        assert [r["id"] for r in st.list_files("b", None, None, 10)[0]] == ["file-b2", "file-b1"]
+        assert st.list_files("b", None, "file-a1", 10) == st.list_files("b", None, "file-none", 10) == ([], False)
+        assert st.delete_file("file-a1", "b") is None and st.get_file("file-a1", "a") is not None
+        st.close()
+        st = Store(tmp_path)  # opened again: already migrated
+        assert st.get_file("file-a1", "a") is not None
+    finally:
+        st.close()

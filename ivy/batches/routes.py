@@ -1,7 +1,8 @@
 """The Batch API's HTTP routes, in the shapes the official `openai` client sends and parses:
 `POST /v1/files` (multipart, purpose `batch`), `GET /v1/files`, `GET /v1/files/{id}`,
 `GET /v1/files/{id}/content`, `DELETE /v1/files/{id}`; `POST /v1/batches`, `GET /v1/batches`
-(`after`, `limit`), `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`."""
+(`after`, `limit`), `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`. Each reads and writes
+the caller's own objects only (`BatchService.owner`): another owner's answers as a missing one."""
 
 from __future__ import annotations
 
@@ -56,18 +57,24 @@ def routes(svc: BatchService) -> Routes:
     out = Routes()
     r = out.router
 
+    def no_file(file_id: str) -> APIError:  # a missing file's answer, and another owner's
+        return APIError(404, f"No such File object: {file_id}", "id", "file_not_found")
+
+    def no_batch(batch_id: str) -> APIError:
+        return APIError(404, f"No such Batch object: {batch_id}", "id", "batch_not_found")
+
     async def file_row(file_id: str) -> dict:
         st = svc.enabled()
-        row = await st.run(st.get_file, file_id)
+        row = await st.run(st.get_file, file_id, svc.owner())
         if row is None:
-            raise APIError(404, f"No such File object: {file_id}", "id", "file_not_found")
+            raise no_file(file_id)
         return row
 
     async def batch_row(batch_id: str) -> dict:
         st = svc.enabled()
-        row = await st.run(st.get_batch, batch_id)
+        row = await st.run(st.get_batch, batch_id, svc.owner())
         if row is None:
-            raise APIError(404, f"No such Batch object: {batch_id}", "id", "batch_not_found")
+            raise no_batch(batch_id)
         return row
 
     @r.post("/v1/files")
@@ -77,13 +84,13 @@ def routes(svc: BatchService) -> Routes:
         tmp = st.files_dir / f"{file_id}.upload"
         _, filename, size = await files.receive(request, tmp, svc.cfg.max_batch_file_mb << 20)
         await asyncio.to_thread(os.replace, tmp, st.path(file_id))
-        return files.file_object(await st.run(st.add_file, file_id, size, filename, "batch"))
+        return files.file_object(await st.run(st.add_file, file_id, size, filename, "batch", svc.owner()))
 
     @r.get("/v1/files")
     async def list_files(purpose: Union[str, None] = None, after: Union[str, None] = None,
                          limit: int = Query(100, ge=1, le=10000)):
         st = svc.enabled()
-        rows, more = await st.run(st.list_files, purpose, after, limit)
+        rows, more = await st.run(st.list_files, svc.owner(), purpose, after, limit)
         return page(rows, more, files.file_object)
 
     @r.get("/v1/files/{file_id}")
@@ -95,14 +102,14 @@ def routes(svc: BatchService) -> Routes:
         row = await file_row(file_id)
         path = svc.store.path(file_id)
         if not await asyncio.to_thread(path.exists):
-            raise APIError(404, f"File {file_id}'s content is gone", "id", "file_not_found")
+            raise no_file(file_id)  # deleted meanwhile
         return FileResponse(path, media_type="application/jsonl", filename=row["filename"])
 
     @r.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str):
         await file_row(file_id)
         st = svc.store
-        running = await st.run(st.delete_file, file_id)
+        running = await st.run(st.delete_file, file_id, svc.owner())
         if running is not None:
             raise APIError(409, f"file {file_id} is the input of batch {running}, which is still running; cancel "
                            "it or wait for it to end", "id", "file_in_use")
@@ -120,21 +127,21 @@ def routes(svc: BatchService) -> Routes:
             raise APIError(400, f"completion_window must be '24h', got '{req.completion_window}'",
                            "completion_window")
         check_metadata(req.metadata)
-        f = await st.run(st.get_file, req.input_file_id)
+        f = await st.run(st.get_file, req.input_file_id, svc.owner())  # another owner's: as missing
         if f is None:
             raise APIError(400, f"No such File object: {req.input_file_id}", "input_file_id", "file_not_found")
         if f["purpose"] != "batch":
             raise APIError(400, f"file {req.input_file_id} has purpose '{f['purpose']}'; a batch's input needs "
                            "purpose 'batch'", "input_file_id")
         row = await st.run(st.add_batch, new_id("batch_"), req.endpoint, req.input_file_id, req.completion_window,
-                           req.metadata, new_id("file-"), new_id("file-"))
+                           req.metadata, new_id("file-"), new_id("file-"), svc.owner())
         svc.runner.poke()
         return batch_object(row)
 
     @r.get("/v1/batches")
     async def list_batches(after: Union[str, None] = None, limit: int = Query(20, ge=1, le=100)):
         st = svc.enabled()
-        rows, more = await st.run(st.list_batches, after, limit)
+        rows, more = await st.run(st.list_batches, svc.owner(), after, limit)
         return page(rows, more, batch_object)
 
     @r.get("/v1/batches/{batch_id}")
@@ -145,7 +152,9 @@ def routes(svc: BatchService) -> Routes:
     async def cancel_batch(batch_id: str):
         await batch_row(batch_id)
         st = svc.store
-        row = await st.run(st.cancel, batch_id)
+        row = await st.run(st.cancel, batch_id, svc.owner())
+        if row is None:
+            raise no_batch(batch_id)
         if row["status"] not in ("cancelling", "cancelled"):
             raise APIError(409, f"batch {batch_id} is {row['status']}: only a validating or in_progress batch "
                            "can be cancelled", "id", "batch_not_cancellable")

@@ -24,7 +24,7 @@ import time
 import orjson
 
 from ivy.batches import validate
-from ivy.batches.store import LEASE_S, LeaseLost, Store, owner_id
+from ivy.batches.store import ANY, LEASE_S, LeaseLost, Store, owner_id
 from ivy.errors import APIError
 from ivy.front import CALL, REQUEST_ID, Call, _no_stamp
 from ivy.routes.common import PRIORITY_HEADER
@@ -143,7 +143,7 @@ class Runner:
                     if ended == "expiring":  # past expires_at: what is done is kept, as OpenAI keeps it
                         await st.run(st.finish, bid, self.owner, "expired")
                         return
-                    row = await st.run(st.get_batch, bid)
+                    row = await st.run(st.get_batch, bid, ANY)
                     if ended == "finalizing" and row["completed"] + row["failed"] < row["total"]:
                         if row["completed"] + row["failed"] == before:  # a pass that did nothing: not again
                             raise RuntimeError(f"batch {bid}: {row['total']} requests, "

@@ -12,6 +12,11 @@ output and error part files: `commit` appends the finished lines' output to thos
 them and records the lines and the new lengths in one transaction, under the write lock and only
 while the caller holds the lease; bytes past a committed length (a write the crash cut short) are
 cut off before the next append. So every line is in the output exactly once, whatever is killed when.
+
+Every file and batch has an owner (`tenant`: the keyed hash of the API key that created it,
+`ivy.batches.service`; "" where no key was needed). The calls the routes make take the caller's
+owner and treat another owner's row as missing; the runner's take none (it works on any job).
+A database made before owners existed gets the column on opening, its rows owned by "" (no key).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ STATUS_TIME = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL);
+    created_at INTEGER NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL, tenant TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, endpoint TEXT NOT NULL,
     input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, status TEXT NOT NULL, metadata TEXT,
@@ -48,10 +53,18 @@ CREATE TABLE IF NOT EXISTS batches (
     input_tokens INTEGER NOT NULL DEFAULT 0,
     out_id TEXT NOT NULL, err_id TEXT NOT NULL, out_bytes INTEGER NOT NULL DEFAULT 0,
     err_bytes INTEGER NOT NULL DEFAULT 0, output_file_id TEXT, error_file_id TEXT,
-    lease_owner TEXT, lease_until REAL);
+    lease_owner TEXT, lease_until REAL, tenant TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS done (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, PRIMARY KEY (batch_id, line)) WITHOUT ROWID;
 """
+# The tables as made before owners: `_open` adds what they lack (ALTER TABLE ... ADD COLUMN keeps the rows).
+MIGRATIONS = (("files", "tenant", "TEXT NOT NULL DEFAULT ''"), ("batches", "tenant", "TEXT NOT NULL DEFAULT ''"))
+INDEXES = """
+CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant, seq);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, seq);
+"""
+SECRET = "owner.key"  # BATCH_DIR's random key of the owners' HMACs (ivy.batches.service.owners)
+ANY = None  # a call's `tenant` that matches every owner: the runner's and the store's own look-ups
 
 
 class LeaseLost(Exception):
@@ -99,7 +112,41 @@ class Store:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives a process crash (fsync'd at checkpoints)
         db.executescript(SCHEMA)
+        db.execute("BEGIN IMMEDIATE")  # one of the workers opening an old database at once adds the columns
+        try:
+            for table, column, decl in MIGRATIONS:
+                if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.executescript(INDEXES)
         self.db = db
+
+    def secret(self) -> bytes:
+        """This directory's random key (32 bytes, `SECRET`), made on first use. Written whole under a
+        temporary name and linked into place: workers starting at once all read the one that won."""
+        path = self.root / SECRET
+        if not path.exists():
+            tmp = self.root / f"{SECRET}.{os.getpid()}.{os.urandom(4).hex()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, os.urandom(32))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # fails where another worker's is there already: that one is the key
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise RuntimeError(f"{path} is not a 32-byte key ({len(key)} bytes): the batch directory's owner key "
+                               "is damaged; its files and batches cannot be matched to API keys")
+        return key
 
     async def run(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` on the database thread, awaited without blocking the event loop."""
@@ -119,28 +166,35 @@ class Store:
         return self.files_dir / f"{file_id}.part"
 
     # --- files -------------------------------------------------------------------------------------
-    def add_file(self, file_id: str, size: int, filename: str, purpose: str) -> dict:
+    def add_file(self, file_id: str, size: int, filename: str, purpose: str, tenant: str) -> dict:
         now = int(time.time())
-        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?,?,?,?,?)",
-                        (file_id, size, now, filename, purpose))
-        return self.get_file(file_id)
+        self.db.execute("INSERT INTO files (id, bytes, created_at, filename, purpose, tenant) VALUES (?,?,?,?,?,?)",
+                        (file_id, size, now, filename, purpose, tenant))
+        return self.get_file(file_id, tenant)
 
-    def get_file(self, file_id: str) -> dict | None:
-        row = self.db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
+    def get_file(self, file_id: str, tenant: str | None) -> dict | None:
+        """The file `file_id` of owner `tenant` (any owner's: ANY); None where there is none."""
+        row = self._get("files", file_id, tenant)
         return dict(row) if row else None
 
-    def list_files(self, purpose: str | None, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        return self._page("files", "purpose=?" if purpose else "", (purpose,) if purpose else (), after, limit)
+    def _get(self, table: str, row_id: str, tenant: str | None):
+        if tenant is ANY:
+            return self.db.execute(f"SELECT * FROM {table} WHERE id=?", (row_id,)).fetchone()
+        return self.db.execute(f"SELECT * FROM {table} WHERE id=? AND tenant=?", (row_id, tenant)).fetchone()
 
-    def delete_file(self, file_id: str) -> str | None:
-        """Deletes the record (the caller removes the bytes); returns the id of a batch still running
-        on it instead, which keeps it."""
+    def list_files(self, tenant: str, purpose: str | None, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        return self._page("files", tenant, "purpose=?" if purpose else "", (purpose,) if purpose else (), after,
+                          limit)
+
+    def delete_file(self, file_id: str, tenant: str) -> str | None:
+        """Deletes the record of owner `tenant`'s file (the caller checked it is there and removes the
+        bytes); returns the id of a batch still running on it instead, which keeps it."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             row = self.db.execute(f"SELECT id FROM batches WHERE input_file_id=? AND status IN {RUNNING}",
                                   (file_id,)).fetchone()
             if row is None:
-                self.db.execute("DELETE FROM files WHERE id=?", (file_id,))
+                self.db.execute("DELETE FROM files WHERE id=? AND tenant=?", (file_id, tenant))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -149,38 +203,43 @@ class Store:
 
     # --- batches -----------------------------------------------------------------------------------
     def add_batch(self, batch_id: str, endpoint: str, input_file_id: str, window: str, metadata: dict | None,
-                  out_id: str, err_id: str) -> dict:
+                  out_id: str, err_id: str, tenant: str) -> dict:
         now = int(time.time())
         self.db.execute(
             "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, metadata, created_at, "
-            "expires_at, out_id, err_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            "expires_at, out_id, err_id, tenant) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (batch_id, endpoint, input_file_id, window, "validating", json.dumps(metadata) if metadata else None,
-             now, now + 24 * 3600, out_id, err_id))
-        return self.get_batch(batch_id)
+             now, now + 24 * 3600, out_id, err_id, tenant))
+        return self.get_batch(batch_id, tenant)
 
-    def get_batch(self, batch_id: str) -> dict | None:
-        row = self.db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
+    def get_batch(self, batch_id: str, tenant: str | None) -> dict | None:
+        """The batch `batch_id` of owner `tenant` (any owner's: ANY); None where there is none."""
+        row = self._get("batches", batch_id, tenant)
         return dict(row) if row else None
 
-    def list_batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        return self._page("batches", "", (), after, limit)
+    def list_batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        return self._page("batches", tenant, "", (), after, limit)
 
-    def _page(self, table: str, where: str, args: tuple, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        """Newest first, those created before `after` (an id), at most `limit`; and whether more follow."""
-        conds, params = ([where] if where else []), list(args)
+    def _page(self, table: str, tenant: str, where: str, args: tuple, after: str | None,
+              limit: int) -> tuple[list[dict], bool]:
+        """Owner `tenant`'s rows, newest first, those created before `after` (an id of theirs: another
+        owner's is as unknown as a missing one, else its place would show), at most `limit`; and
+        whether more follow."""
+        conds, params = ["tenant=?", *([where] if where else [])], [tenant, *args]
         if after:
-            conds.append(f"seq < COALESCE((SELECT seq FROM {table} WHERE id=?), -1)")
-            params.append(after)
-        sql = f"SELECT * FROM {table}" + (" WHERE " + " AND ".join(conds) if conds else "")
+            conds.append(f"seq < COALESCE((SELECT seq FROM {table} WHERE id=? AND tenant=?), -1)")
+            params += [after, tenant]
+        sql = f"SELECT * FROM {table} WHERE " + " AND ".join(conds)
         rows = self.db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit + 1)).fetchall()
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
-    def cancel(self, batch_id: str) -> dict | None:
-        """A running batch to `cancelling` (its runner finishes the cancel); others stay as they are."""
+    def cancel(self, batch_id: str, tenant: str) -> dict | None:
+        """Owner `tenant`'s running batch to `cancelling` (its runner finishes the cancel); others stay
+        as they are. None where the owner has no such batch."""
         now = int(time.time())
-        self.db.execute("UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND status IN "
-                        "('validating', 'in_progress')", (now, batch_id))
-        return self.get_batch(batch_id)
+        self.db.execute("UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND tenant=? AND "
+                        "status IN ('validating', 'in_progress')", (now, batch_id, tenant))
+        return self.get_batch(batch_id, tenant)
 
     # --- the runner's calls ------------------------------------------------------------------------
     def claim(self, owner: str) -> dict | None:
@@ -197,7 +256,7 @@ class Store:
                     self.db.execute("UPDATE batches SET lease_owner=?, lease_until=? WHERE id=?",
                                     (owner, now + LEASE_S, r["id"]))
                     self.db.execute("COMMIT")
-                    return self.get_batch(r["id"])
+                    return self.get_batch(r["id"], ANY)
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
@@ -225,7 +284,7 @@ class Store:
         cols = ", ".join(f"{k}=?" for k in sets)
         cur = self.db.execute(f"UPDATE batches SET {cols} WHERE id=? AND lease_owner=? AND status=?",
                               (*sets.values(), batch_id, owner, expect))
-        row = self.get_batch(batch_id)
+        row = self.get_batch(batch_id, ANY)
         if cur.rowcount != 1 and (row is None or row["lease_owner"] != owner):
             raise LeaseLost(batch_id)
         return row
@@ -280,9 +339,9 @@ class Store:
                     final.write_bytes(b"")
                 if kind == "output" or size:
                     ids[f"{kind}_file_id"] = fid
-                    self.db.execute("INSERT OR IGNORE INTO files (id, bytes, created_at, filename, purpose) "
-                                    "VALUES (?,?,?,?,?)", (fid, size, int(time.time()),
-                                                           f"{batch_id}_{kind}.jsonl", "batch_output"))
+                    self.db.execute("INSERT OR IGNORE INTO files (id, bytes, created_at, filename, purpose, tenant) "
+                                    "VALUES (?,?,?,?,?,?)", (fid, size, int(time.time()), f"{batch_id}_{kind}.jsonl",
+                                                             "batch_output", row["tenant"]))  # the batch's owner
                 else:
                     final.unlink(missing_ok=True)
             now = int(time.time())
@@ -294,7 +353,7 @@ class Store:
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        return self.get_batch(batch_id)
+        return self.get_batch(batch_id, ANY)
 
 
 def _append(path: Path, committed: int, lines: list[bytes]) -> int:
