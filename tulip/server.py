@@ -85,7 +85,7 @@ async def serve(cfg: TulipConfig) -> int:
     if engine.runner is not None and cfg.max_inflight > engine.runner.cfg.ring:
         raise ValueError(f"max_inflight {cfg.max_inflight} exceeds the engine's ring of {engine.runner.cfg.ring} "
                          "result buffers")
-    warm_up(engine, cfg.warmup)
+    warm_up(engine, cfg.warmup, cfg.max_batch_tokens)  # (the shape classes up to a step's budget)
     # Everything loaded so far lives as long as the process: keep it out of the collector's
     # scans, so a full collection while serving is short.
     gc.collect()

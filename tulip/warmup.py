@@ -15,7 +15,6 @@ from tulip.config import warmup_shapes
 log = logging.getLogger("tulip")
 
 
-KERNEL_WARM_TOKENS = 16384  # the shape classes warm_up compiles on CUDA go up to this many tokens a step
 
 
 def shape_classes(max_len: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -47,8 +46,9 @@ def class_batches(n: int, length: int, max_tokens: int) -> list[Batch]:
     return out
 
 
-def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
-    """On CUDA, first run one eager step of every shape class (`shape_classes`): the kernels a class
+def warm_up(engine: Engine, specs: tuple[str, ...], max_tokens: int = 16384) -> None:
+    """On CUDA, first run one eager step of every shape class (`shape_classes` of steps up to `max_tokens`, the
+    step budget: Tulip's --max-batch-tokens): the kernels a class
     launches (ROSE's Triton attention takes its tile from the class, and Triton compiles each variant on
     its first launch) are compiled before serving, not in front of the first caller whose request has
     that shape. Before this, ten 16,000-token `truncate: "chunk"` requests on an H100 (bge-m3's 8,192-token
@@ -58,9 +58,9 @@ def warm_up(engine: Engine, specs: tuple[str, ...]) -> None:
     three times: eager, capture, replay. A model without an asked output raises ValueError."""
     if engine.device.type == "cuda":
         t0 = time.perf_counter()
-        classes = shape_classes(engine.spec.max_seq_len, KERNEL_WARM_TOKENS)
+        classes = shape_classes(engine.spec.max_seq_len, max_tokens)
         for n, length in classes:
-            for batch in class_batches(n, length, KERNEL_WARM_TOKENS):
+            for batch in class_batches(n, length, max_tokens):
                 engine.step(batch).synchronize()
         log.info("compiled the kernels of %d shape classes in %.1f s", len(classes), time.perf_counter() - t0)
     for n, length, extras in warmup_shapes(specs):
