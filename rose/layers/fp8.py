@@ -148,13 +148,11 @@ class Fp8Linear:
 
 class Fp8Blocks:
     """For a `Family` with an fp8 forward: `use_fp8(min_tokens)` quantises each block's `fp8_linears` and
-    routes steps of at least `min_tokens` tokens (that do not take the small step) through it."""
+    routes steps of at least `min_tokens` tokens (that do not take the small step) through it. The family
+    defines `fp8_linears(block) -> {"qkv", "out", "up", "down": nn.Linear}`, its block's projections
+    (rose.models.bert, rose.models.qwen3)."""
 
     fp8_tokens = 0  # steps of at least this many tokens run the fp8 path (0: never; set by use_fp8)
-
-    def fp8_linears(self, block: nn.Module) -> dict[str, nn.Linear]:
-        """The block's "qkv", "out", "up" and "down" projections."""
-        raise NotImplementedError
 
     def use_fp8(self, min_tokens: int, given: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Quantise every block's projections (or take a checkpoint's fp8 weights: `given`, parameter name
