@@ -119,12 +119,7 @@ def routes(ctx: Context) -> Routes:
         name, texts, images, n = _items(req)
         ctx.check_count(n, name)
         types = list(dict.fromkeys(req.embedding_types or ["float"]))
-        model = ctx.models.get(req.model)
-        model.check_room()
-        info = await model.info()
-        if info.num_labels:
-            raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
-                           "embeddings; use POST /v2/rerank", "model", "model_not_embedding")
+        model, info = await ctx.embedding_model(req.model, "/v2/rerank")
         if {"int8", "uint8"} & set(types) and tulip_pb2.ENCODING_INT8 not in info.encodings:
             raise APIError(400, f"embedding_types int8 and uint8 are the model's int8 quantizer's codes; "
                            f"'{model.name}' has none (it offers float, binary, ubinary)", "embedding_types")

@@ -66,6 +66,17 @@ class Context:
                             deadline=time.monotonic() + self.cfg.request_timeout_s,
                             priority=request_priority(priority))
 
+    async def embedding_model(self, name: str | None, rerank_path: str):
+        """(the served model `name`, its Info) for an embeddings route, with room for the request; a
+        cross-encoder is a 400 pointing at `rerank_path`."""
+        model = self.models.get(name)
+        model.check_room()
+        info = await model.info()
+        if info.num_labels:
+            raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
+                           f"embeddings; use POST {rerank_path}", "model", "model_not_embedding")
+        return model, info
+
     def check_count(self, n: int, param: str) -> None:
         if n > self.cfg.max_inputs:
             raise APIError(400, f"'{param}' has {n} items; at most {self.cfg.max_inputs} are accepted per request",

@@ -28,12 +28,7 @@ async def embed(ctx: Context, req: EmbeddingRequest, stamp: Stamp = _no_stamp):
     request's token count)."""
     if has_items(req.input):  # Jina's {"text"} / {"image"} items (ivy/routes/images.py; its texts come back here)
         return await embed_items(ctx, req, embed, stamp)
-    model = ctx.models.get(req.model)
-    model.check_room()
-    info = await model.info()
-    if info.num_labels:
-        raise APIError(400, f"'{model.name}' is a cross-encoder: it scores query-document pairs and returns no "
-                       "embeddings; use POST /v1/rerank", "model", "model_not_embedding")
+    model, info = await ctx.embedding_model(req.model, "/v1/rerank")
     stamp("checks")
     options = verify(Options(dimensions=req.dimensions, encoding=ENCODING_FORMATS[req.encoding_format],
                              outputs=tuple(o for o, param in OUTPUT_PARAMS.items() if getattr(req, param))), info)
