@@ -21,8 +21,7 @@ from trellis.tulip.v1 import tulip_pb2
 from tulip.h2server import Direct
 from tulip.loop import EngineLoop, Request
 from tulip.messages import (EXTRAS, F32, NO_EXTRAS, PRIORITIES, Undecodable, bad_priority, decode_request,
-                            parse_images,
-                            parse_request, plain_reply, serialize_reply)
+                            parse_images, parse_request, plain_reply, serialize_reply)
 from tulip.stages import RESUME, VALIDATE
 
 log = logging.getLogger("tulip")
@@ -158,13 +157,7 @@ class TulipServicer:
             ids, lengths, pool_from, segments = parse_request(request, self.info)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        cfg = self.loop.cfg
-        if len(ids) > cfg.max_queued_tokens:
-            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"request of {len(ids)} tokens exceeds this server's whole "
-                             f"queue of {cfg.max_queued_tokens} tokens (--max-queued-tokens); split it")
-        if (size := self._reply_bytes(request, len(lengths), len(ids))) > (cfg.max_message_mb << 20) - 4096:
-            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the reply would be {size / 2**20:.1f} MiB, over this "
-                             f"server's message limit of {cfg.max_message_mb} MiB (--max-message-mb); split the request")
+        self._check_size(request, len(lengths), len(ids), f"request of {len(ids)} tokens")
         if pool_from is not None and any(pool_from) and self.loop.engine.spec.include_prompt:
             # this model's pooling takes the prompt with the text (the engine pools every token)
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "pool_from: this model pools its prompt with the "
@@ -175,20 +168,25 @@ class TulipServicer:
     def _images(self, request: tulip_pb2.EmbedRequest, on_done, priority: int) -> Request:
         """An image request (`pixels`, `images`) checked against the model's image tower; its images are
         budgeted at the tower's tokens each (patches and class token: `Engine.image_tokens`)."""
-        engine, cfg = self.loop.engine, self.loop.cfg
         try:
-            n, lens = parse_images(request, self.info, engine.image_tokens)
+            n, lens = parse_images(request, self.info, self.loop.engine.image_tokens)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if sum(lens) > cfg.max_queued_tokens:
-            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"{n} images cost {sum(lens)} tokens, over this server's "
-                             f"whole queue of {cfg.max_queued_tokens} (--max-queued-tokens); split the request")
-        if (size := self._reply_bytes(request, n, sum(lens))) > (cfg.max_message_mb << 20) - 4096:
-            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the reply would be {size / 2**20:.1f} MiB, over this "
-                             f"server's message limit of {cfg.max_message_mb} MiB (--max-message-mb); split the request")
+        self._check_size(request, n, sum(lens), f"request of {n} images ({sum(lens)} tokens)")
         side = self.info.image_size
         pixels = np.frombuffer(request.pixels, dtype=np.uint8).reshape(n, side, side, 3)
         return Request(None, lens, NO_EXTRAS, on_done, None, None, priority, pixels=pixels)
+
+    def _check_size(self, request, seqs: int, tokens: int, what: str) -> None:
+        """OUT_OF_RANGE for a request this server can never take: more tokens than its whole queue, or a reply
+        over its message limit (so a retry is not worth it)."""
+        cfg = self.loop.cfg
+        if tokens > cfg.max_queued_tokens:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"{what} exceeds this server's whole queue of "
+                             f"{cfg.max_queued_tokens} tokens (--max-queued-tokens); split it")
+        if (size := self._reply_bytes(request, seqs, tokens)) > (cfg.max_message_mb << 20) - 4096:
+            raise RpcFailure(grpc.StatusCode.OUT_OF_RANGE, f"the reply would be {size / 2**20:.1f} MiB, over this "
+                             f"server's message limit of {cfg.max_message_mb} MiB (--max-message-mb); split the request")
 
     def _reply_bytes(self, request, seqs: int, tokens: int) -> int:
         """An upper bound of the reply's size, known before any work."""
