@@ -381,16 +381,15 @@ class TulipClient:
         the vectors share the text embeddings' space."""
         deadline = time.monotonic() + timeout if timeout is not None else 0.0
         opts = EmbedOptions(dimensions, encoding, request_id=request_id, deadline=deadline, priority=priority)
-        return (await self.send(opts.image_request(pixels), opts)).vectors
+        return (await self.call((), opts, opts.image_request(pixels))).vectors
 
-    async def call(self, seqs, opts: EmbedOptions) -> EmbedResult:
+    async def call(self, seqs, opts: EmbedOptions, req: tulip_pb2.EmbedRequest | None = None) -> EmbedResult:
         """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object), within
-        what is left of its deadline."""
-        return await self.send(opts.request(seqs), opts)
-
-    async def send(self, req: tulip_pb2.EmbedRequest, opts: EmbedOptions) -> EmbedResult:
-        """Send one EmbedRequest built from `opts` (`EmbedOptions.request` / `image_request`) on the stream or
-        a unary call, within what is left of its deadline."""
+        what is left of its deadline; `req`: the message already built from `opts` (an image request's,
+        `EmbedOptions.image_request`), sent instead. (One coroutine for both: no second await on the
+        request path.)"""
+        if req is None:
+            req = opts.request(seqs)
         timeout = opts.timeout()
         self.outstanding += 1
         try:
