@@ -220,6 +220,16 @@ class CudaOps:
             torch.cuda.set_stream(self.stream)
 
     def capture(self, fn: Callable[[], torch.Tensor]):
+        # cuBLAS / cuBLASLt keep one workspace per (handle, stream), made by a stream's first GEMM from
+        # torch's ordinary allocator: a graph captured after an eager step would bake that workspace's
+        # address in, and whatever clears the workspaces later (torch.compile's CUDA graph trees do, around
+        # every recording of theirs) frees it; the next empty_cache unmaps it and the replay faults ("CUDA
+        # error: unspecified launch failure", seen on an H100 with transformers compiled in mode
+        # "reduce-overhead" beside an engine, 2026-12-06). Cleared first, the capture allocates the
+        # workspace from this runner's pool, which stays mapped while its graphs live.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
             out = fn()

@@ -77,3 +77,26 @@ def test_non_contiguous_pixels_and_several_steps_in_flight(engines):
     lazies = [e.step_images(flipped) for _ in range(e.runner.cfg.ring)]  # every ring slot in flight at once
     for lazy in lazies:
         close(lazy.synchronize(), want)
+
+
+def test_graphs_survive_cleared_cublas_workspaces(engines):
+    """torch.compile's CUDA graph trees clear cuBLAS's workspaces around every recording of theirs; graphs captured
+    with a workspace from torch's ordinary allocator then replayed into freed (after empty_cache: unmapped) memory
+    and faulted (an H100, 2026-12-06: `benchmarks.images` with transformers compiled beside the engine). The
+    capture takes its workspace from the runner's pool instead: text and image graphs replay as before."""
+    eager, e = engines
+    px = pixels(6, seed=13)
+    batch = Batch.from_sequences([[0, 60, 61, 62, 63, 1], [0, 70, 1]])
+    want_img = eager.step_images(px).synchronize().clone()
+    want_text = eager.step(batch).synchronize().clone()
+    for _ in range(3):  # eager, captured, replayed
+        e.step_images(px).synchronize()
+        e.step(batch).synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    replays = e.runner.stats.replays
+    for _ in range(2):
+        close(e.step_images(px).synchronize(), want_img)
+        close(e.step(batch).synchronize(), want_text)
+    torch.cuda.synchronize()
+    assert e.runner.stats.replays >= replays + 4
