@@ -69,3 +69,34 @@ def test_drop_frees_queued_tokens_at_once():
     assert not s.drop(spanning)  # nothing of it is queued any more
     assert s.next_batch() == [(other, 0)] and s.queued_tokens == 0 and len(s) == 0
     assert not s.drop(other) and not other.cancelled  # fully batched already: left to complete
+
+
+def test_held_work_waits_in_place_and_goes_back_to_the_front():
+    """hold(): an entry's queued sequences leave the counts and batching (its caller takes no replies);
+    resume(): back where it was, or at the front for one that reached the front while held; drop() of a
+    held entry cancels it."""
+    s = Scheduler(max_batch_tokens=20)
+    a, b, c, d = req(10, 10, 10), req(5), req(5), req(5)
+    for r in (a, b, c, d):
+        s.add(r)
+    assert [(r, i) for r, i in s.next_batch()] == [(a, 0), (a, 1)]
+    assert s.hold(a) and s.hold(c) and not s.hold(a)
+    assert (s.queued_tokens, s.held_tokens, len(s)) == (10, 15, 2)
+    assert [r for r, _ in s.next_batch()] == [b, d]  # a (at the front: taken off) and c skipped
+    assert s.next_batch() == [] and (a.held, c.held) == (2, 2)
+    s.resume([a, c])
+    assert (s.queued_tokens, s.held_tokens, len(s)) == (15, 0, 2)
+    e = req(5)
+    s.add(e)
+    assert [(r, i) for r, i in s.next_batch()] == [(a, 2), (c, 0), (e, 0)]  # back at the front, in order
+    f, g = req(5), req(5)
+    s.add(f)
+    s.add(g)
+    s.hold(f)
+    s.resume([f])  # never reached the front: still in its place
+    assert [r for r, _ in s.next_batch()] == [f, g]
+    s.add(h := req(5))
+    s.hold(h)
+    assert s.drop(h) and h.cancelled and s.held_tokens == 0 and not s.drop(h)
+    s.resume([h])
+    assert s.next_batch() == [] and s.queued_tokens == 0

@@ -138,6 +138,11 @@ class Call:
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
+    @property
+    def stalled(self) -> bool:
+        """The connection's replies are not being taken (Limits.hold_s): new work should wait, held."""
+        return self.conn.stalled
+
     def cancelled(self) -> bool:
         return self.over and self.code is grpc.StatusCode.CANCELLED
 
@@ -201,6 +206,8 @@ class Call:
                        + len(msg).to_bytes(4, "big") + msg)
             conn.window -= size
             self.window_off -= size
+            if conn.stalled:
+                conn.moved()
         else:
             if self.queued_bytes + size > conn.call_output or conn.queued_out + size > conn.conn_output:
                 return self.overflow(size)

@@ -45,6 +45,8 @@ class Connection(Framing, asyncio.Protocol):
         self._reading = True
         self.progress_at = 0.0  # when output last moved (or began to wait), while some waits
         self._buffered = 0  # the transport's write buffer at the last tick (paused: it shrinks if the peer reads)
+        self.stalled = False  # replies waited `hold_s` with no byte sent: its sessions' work is held
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.last_sid = 0  # the highest stream the client opened
         self.going_away = False
         self.made_at = self.idle_since = time.monotonic()
@@ -77,19 +79,65 @@ class Connection(Framing, asyncio.Protocol):
     def pause_writing(self) -> None:
         """The peer is not reading what we write: no more DATA goes to the transport, and nothing more
         is read from the peer (so it cannot make us queue more answers) until it drains."""
-        if not self.blocked and not self.starved:
+        began = not self.blocked and not self.starved
+        if began:
             self.progress_at = time.monotonic()
         self.paused = True
         self._buffered = self.transport.get_write_buffer_size() if self.transport is not None else 0
         self.reading()
+        if began:
+            self.waiting()
 
     def resume_writing(self) -> None:
         self.paused = False
         self.progress_at = time.monotonic()
+        if self.stalled:
+            self.moved()
         if self.transport is not None and not self.closed:
             self.reading()
             self.unblock()
             self._write()
+
+    # --- holding the work of a peer that takes no replies (Limits.hold_s) ---------------------------
+
+    def waiting(self) -> None:
+        """Replies began to wait for the peer (`progress_at` is now): its work is held now (`hold_s` 0),
+        or looked at again in `hold_s`."""
+        if self._hold_timer is None and not self.stalled and not self.closed:
+            if not self.limits.hold_s:
+                return self._hold_check()
+            self._hold_timer = self.loop.call_later(self.limits.hold_s, self._hold_check)
+
+    def _hold_check(self) -> None:
+        self._hold_timer = None
+        if self.closed or self.stalled or not (self.paused or self.blocked or self.starved):
+            return
+        left = self.progress_at + self.limits.hold_s - time.monotonic()
+        if left > 0:  # something moved meanwhile: a new wait began then
+            self._hold_timer = self.loop.call_later(left, self._hold_check)
+            return
+        # Why here: the engine computes a call's work long before its reply is due, so a peer that
+        # asks for many replies and reads none had all it queued computed until `reply_stall_s`;
+        # now its queued work waits (in place) until it reads, and is dropped if it never does.
+        self.stalled = True
+        log.debug("tulip: holding the work of %s: its replies wait (%d bytes)", self.peer, self.queued_out)
+        for call in list(self.calls.values()):
+            hold = getattr(call.session, "hold", None)
+            if hold is not None:
+                hold()
+
+    def moved(self) -> None:
+        """Bytes of this stalled connection's replies went out (or none wait any more): its held work
+        resumes (the latest call's first, so that each session's requests that reached the front of the
+        engine's queue go back there in arrival order)."""
+        self.stalled = False
+        for call in list(reversed(self.calls.values())):
+            resume = getattr(call.session, "resume", None)
+            if resume is not None:
+                resume()
+        if (self.paused or self.blocked or self.starved) and self._hold_timer is None and not self.closed:
+            self.progress_at = time.monotonic()  # a new wait, looked at on a later turn (not at once)
+            self._hold_timer = self.loop.call_later(self.limits.hold_s, self._hold_check)
 
     def reading(self) -> None:
         """Read from the peer unless writes are paused (it does not read what we write: it gets to ask
@@ -105,6 +153,9 @@ class Connection(Framing, asyncio.Protocol):
             return
         self.closed = True
         self.out.clear()
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         for call in list(self.calls.values()):
             call.reset(grpc.StatusCode.CANCELLED, "the client's connection was lost", None)
         self.server.connections.discard(self)
@@ -161,6 +212,8 @@ class Connection(Framing, asyncio.Protocol):
                 buffered = self.transport.get_write_buffer_size()
                 if buffered < self._buffered:
                     self.progress_at = now
+                    if self.stalled:
+                        self.moved()
                 self._buffered = buffered
             if now - self.progress_at > limits.reply_stall_s:
                 # the peer takes none of its replies: its calls are cancelled, so the work it queued is
@@ -229,6 +282,8 @@ class Connection(Framing, asyncio.Protocol):
             self.starved.pop(call.sid, None)
             call.drop_input()
             call.run_callbacks()
+            if self.stalled and not (self.paused or self.blocked or self.starved):
+                self.moved()  # nothing waits for the peer any more
             if not self.calls:
                 self.idle_since = time.monotonic()
                 if self.going_away:

@@ -365,11 +365,14 @@ class Framing:
         """Send what `call` has queued as far as the windows (and the transport) let it; its trailers
         once all is out."""
         queued, out = call.queued, self.out
+        if self.stalled and queued and not self.paused and min(self.window, self.peer_initial + call.window_off) > 0:
+            self.moved()  # bytes go now: the peer reads again
         while queued:
             stream = self.peer_initial + call.window_off
             room = min(self.window, stream, self.peer_frame)
             if room <= 0 or self.paused:
-                if not self.blocked and not self.starved and not self.paused:
+                began = not self.blocked and not self.starved and not self.paused
+                if began:
                     self.progress_at = time.monotonic()
                 if stream <= 0 and not self.paused:
                     self.blocked.pop(call.sid, None)
@@ -377,6 +380,8 @@ class Framing:
                 else:
                     self.starved.pop(call.sid, None)
                     self.blocked[call.sid] = call
+                if began:
+                    self.waiting()
                 return
             view = queued[0]
             part = view[:room]

@@ -54,6 +54,15 @@ class Limits:
     more is read from the peer) until it drains under a quarter of it."""
     stall_s: float = 20.0
     """A partial request message that got no byte for this long is dropped (RESOURCE_EXHAUSTED)."""
+    hold_s: float = 0.0
+    """A connection whose replies have waited this long with not one byte of them sent (the measure of
+    `reply_stall_s`; 0: as soon as one cannot go) stops getting work done: its Direct sessions are told
+    `hold()` (Tulip's take their queued requests out of the engine's batching, in place, and queue new
+    ones held) and `resume()` once a byte moves; closed at `reply_stall_s`, the held work is dropped,
+    never computed. A peer that reads takes its replies within a round trip (grpcio's windows and
+    Ivy's 16 MiB ones are not even reached: its work is never held); one that does not gets the steps
+    already formed when its first reply could not go (before: everything it queued, until
+    `reply_stall_s`)."""
     reply_stall_s: float = 5.0
     """A connection whose replies have waited this long with not one byte of them sent (writes paused:
     the peer does not read its socket; or calls waiting for a flow-control window with no WINDOW_UPDATE
@@ -91,6 +100,8 @@ class Limits:
         for name in ("stall_s", "reply_stall_s", "control_rate", "reset_rate", "preface_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} {getattr(self, name)} must be > 0")
+        if self.hold_s < 0:
+            raise ValueError(f"Limits.hold_s {self.hold_s} must be >= 0")
         if self.max_continuations < 0 or self.idle_timeout_s < 0:
             raise ValueError(f"Limits: max_continuations {self.max_continuations} and idle_timeout_s "
                              f"{self.idle_timeout_s} must be >= 0")

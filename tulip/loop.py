@@ -179,8 +179,15 @@ def _run_step(engine: Engine, batch: Batch, extras: frozenset):
 
 
 def _pixels_of(slots) -> torch.Tensor:
-    """The uint8 [N, S, S, 3] pictures of these (image request, image index) slots, in order."""
-    return torch.from_numpy(np.stack([r.pixels[i] for r, i in slots]))  # (a copy: the message's bytes are read-only)
+    """The uint8 [N, S, S, 3] pictures of these (image request, image index) slots, in order: a view of the
+    request's pixels where they are one request's, in a row, and writable (cut from a big message,
+    tulip.messages.Images; the engine's staging copy is then their only one), else a copy (torch takes no
+    read-only array: a small message's bytes)."""
+    r, first = slots[0]
+    pixels = r.pixels
+    if pixels.flags.writeable and slots[-1][1] == first + len(slots) - 1 and all(e is r for e, _ in slots):
+        return torch.from_numpy(pixels[first:first + len(slots)])
+    return torch.from_numpy(np.stack([r.pixels[i] for r, i in slots]))
 
 
 def _run_images(engine: Engine, pixels: torch.Tensor):
@@ -260,6 +267,7 @@ class EngineLoop:
         self._sparse_rows = engine.sparse_rows  # SPLADE: the sparse output is a row's nonzero entries
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._watching = False  # a _watch callback or _wait task owns the oldest step
+        self._pump_soon = False  # a _pump is due on the next turn (resume)
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
         # replies being written) are picked up without an epoll wake-up.
         self._idle = Spinner(self._spin_s)
@@ -299,10 +307,33 @@ class EngineLoop:
         if req.trace is not None:
             req.trace.end("CANCELLED")
 
-    def submit_nowait(self, req: Request) -> None:
+    def hold(self, reqs) -> None:
+        """Their callers are not taking replies (tulip.servicer): what is still queued of these requests
+        waits, not batched, until `resume` (still counted against the queue's bound); `cancel` drops it."""
+        for req in reqs:
+            self._queue_of(req).hold(req)
+
+    def resume(self, reqs) -> None:
+        """Batch these held requests again, each where it was in its queue."""
+        reqs = list(reqs)  # (one call per queue: those that reached the front go back in their order)
+        self.scheduler.resume([r for r in reqs if r.pixels is None])
+        if self.images is not None:
+            self.images.resume([r for r in reqs if r.pixels is not None])
+        if not self._pump_soon:  # on the next turn: a connection resumes all its sessions' requests first
+            self._pump_soon = True
+            self._aloop.call_soon(self._pumped)
+
+    def _pumped(self) -> None:
+        self._pump_soon = False
+        self._pump()
+
+    def submit_nowait(self, req: Request, held: bool = False) -> None:
         """Queue `req` (its `on_done` is called when it completes or fails); raise OverflowError
-        when the queue is full. Launches a step at once if a slot is free."""
-        queued = self.scheduler.queued_tokens if self.images is None else self._queued_tokens()
+        when the queue is full (held requests count). Launches a step at once if a slot is free
+        (`held`: queued held, see `hold`)."""
+        queued = self.scheduler.queued_tokens + self.scheduler.held_tokens
+        if self.images is not None:
+            queued += self.images.queued_tokens + self.images.held_tokens
         if queued + req.num_tokens > self.cfg.max_queued_tokens:
             error = OverflowError(f"queue full: {queued} tokens waiting, this request adds "
                                   f"{req.num_tokens}, limit {self.cfg.max_queued_tokens}")
@@ -310,7 +341,10 @@ class EngineLoop:
                 req.trace.end(error)
             raise error
         req.queued_at = time.monotonic()
-        (self.scheduler if req.pixels is None else self.images).add(req)
+        queue = self.scheduler if req.pixels is None else self.images
+        queue.add(req)
+        if held:
+            queue.hold(req)
         if req.stamps is not None:
             req.stamps[SCHEDULE] = perf_counter_ns()
         if req.deadline:
@@ -448,7 +482,8 @@ class EngineLoop:
             log.exception("engine step failed for %d sequences", len(step.slots))
             self._fail(step.slots, e)
             out = None
-        self._pump()  # feed the GPU before the replies are built
+        if self._executor is None:
+            self._pump()  # feed the GPU before the replies are built
         if out is not None:
             try:
                 if isinstance(result, tuple):
@@ -469,6 +504,11 @@ class EngineLoop:
             except Exception as e:
                 log.exception("scattering a step's results failed")
                 self._fail(step.slots, e)
+        if self._executor is not None:
+            # On CPU the replies go first (a few ms against a step of seconds): a caller whose reply
+            # cannot go has its queued work held (tulip.h2conn, Limits.hold_s) before the next step is
+            # formed, instead of one more step of seconds computed for a peer that takes nothing.
+            self._pump()
         self._aloop.call_soon(self._record, step, time.monotonic())
 
     def _fail(self, slots, e: Exception) -> None:

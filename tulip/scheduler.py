@@ -10,6 +10,10 @@ sequences may be spread over several batches, and within a class a later request
 earlier one. Nothing is sorted by length: the cost of a step is close to linear in its tokens, so
 sorting buys nothing and makes short requests wait (DESIGN.md).
 
+An entry may be held (`hold`): its unbatched sequences leave the counts and are skipped until
+`resume` (tulip.servicer holds the work of a connection whose replies are not being read); one that
+reached the front of its queue while held goes back to the front, where it was.
+
 The scheduler sees only an `Entry`: a request's sequence lengths, its class and how far it has been
 batched. What the engine loop needs besides (token ids, the rows computed so far, the caller's
 callback) lives in `tulip.loop.Request`, an `Entry` with more slots.
@@ -29,9 +33,10 @@ class Entry:
     """One request as the scheduler sees it: `lengths` (plain ints, one per sequence), its class
     `priority` (ONLINE or BATCH) and its progress. `next` is the index of its next sequence to batch;
     `queued` says some of it is still waiting; `cancelled` (set by `Scheduler.drop`, or by the owner)
-    makes batching skip it. Set `priority` before `Scheduler.add`."""
+    makes batching skip it; `held` (set by `Scheduler.hold`: 1 held in its queue, 2 held and taken off it
+    at the front) too, until `Scheduler.resume`. Set `priority` before `Scheduler.add`."""
 
-    __slots__ = ("lengths", "num_tokens", "next", "queued", "cancelled", "priority")
+    __slots__ = ("lengths", "num_tokens", "next", "queued", "cancelled", "priority", "held")
 
     def __init__(self, lengths: Sequence[int], priority: int = ONLINE):
         if type(lengths) is not tuple:
@@ -42,6 +47,7 @@ class Entry:
         self.queued = False
         self.cancelled = False
         self.priority = priority
+        self.held = 0
 
 
 class Scheduler:
@@ -64,6 +70,7 @@ class Scheduler:
         self.queued_tokens = 0
         self.batch_live = 0  # of which batch entries
         self.batch_tokens = 0  # of which batch tokens
+        self.held_tokens = 0  # unbatched tokens of held entries (in neither count above)
 
     def __len__(self) -> int:
         return self._live
@@ -83,8 +90,13 @@ class Scheduler:
         self.queued_tokens += entry.num_tokens
 
     def drop(self, entry: Entry) -> bool:
-        """Drop whatever of `entry` is still queued and mark it cancelled; False (and nothing
+        """Drop whatever of `entry` is still queued (or held) and mark it cancelled; False (and nothing
         changed) if none of it is queued any more."""
+        if entry.held:
+            entry.held = 0
+            entry.cancelled = True
+            self.held_tokens -= sum(entry.lengths[entry.next:])
+            return True
         if not entry.queued:
             return False
         entry.queued = False
@@ -97,6 +109,43 @@ class Scheduler:
             self.batch_tokens -= left
         return True
 
+    def hold(self, entry: Entry) -> bool:
+        """Take what is still queued of `entry` out of the counts and out of batching until `resume`
+        (it keeps its place in its queue); False if none of it is queued."""
+        if not entry.queued:
+            return False
+        entry.queued = False
+        entry.held = 1
+        self._live -= 1
+        left = sum(entry.lengths[entry.next:])
+        self.queued_tokens -= left
+        self.held_tokens += left
+        if entry.priority:
+            self.batch_live -= 1
+            self.batch_tokens -= left
+        return True
+
+    def resume(self, entries) -> None:
+        """Batch these held entries again (others are ignored): in their place, or at the front of their
+        queue for those that reached it while held (in the order given: their arrival order)."""
+        front = []
+        for entry in entries:
+            if not entry.held:
+                continue
+            if entry.held == 2:
+                front.append(entry)
+            entry.held = 0
+            entry.queued = True
+            self._live += 1
+            left = sum(entry.lengths[entry.next:])
+            self.held_tokens -= left
+            self.queued_tokens += left
+            if entry.priority:
+                self.batch_live += 1
+                self.batch_tokens += left
+        for entry in reversed(front):
+            (self._batch if entry.priority else self._queue).appendleft(entry)
+
     def next_batch(self) -> list[tuple[Entry, int]]:
         """Pop the next batch as (entry, sequence index) slots: online work in arrival order, then
         batch work in arrival order in the budget left."""
@@ -106,9 +155,11 @@ class Scheduler:
         q = self._queue
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
-            if entry.cancelled:  # dropped: its tokens are already off the count (drop() did it)
+            if entry.cancelled or entry.held:  # dropped: its tokens are already off the count (drop() did it)
                 q.popleft()
-                if entry.queued:  # cancelled by its owner without drop()
+                if entry.held:  # held: off the queue until resume() puts it back at the front
+                    entry.held = 2
+                elif entry.queued:  # cancelled by its owner without drop()
                     self.drop(entry)
                 continue
             i = entry.next
@@ -136,9 +187,11 @@ class Scheduler:
         q = self._batch
         while q and len(slots) < self.max_batch_seqs:
             entry = q[0]
-            if entry.cancelled:
+            if entry.cancelled or entry.held:
                 q.popleft()
-                if entry.queued:
+                if entry.held:
+                    entry.held = 2
+                elif entry.queued:
                     self.drop(entry)
                 continue
             i = entry.next

@@ -109,7 +109,7 @@ class TulipServicer:
             self.tracing.start(req, request, None if stream else call)
         if stream and request.timeout_ms:
             req.deadline = time.monotonic() + request.timeout_ms / 1e3
-        self.loop.submit_nowait(req)
+        self.loop.submit_nowait(req, getattr(call, "stalled", False))  # (held: its client takes no replies)
         return req
 
     def answer(self, call, req: Request, rows, request_id: str = "") -> RpcFailure | None:
@@ -250,6 +250,15 @@ class UnaryEmbed:
             return self.fail(failure)
         self.call.finish(grpc.StatusCode.OK)
 
+    def hold(self) -> None:
+        """The connection takes no replies (tulip.h2conn, Limits.hold_s): its queued work waits."""
+        if self.req is not None:
+            self.servicer.loop.hold((self.req,))
+
+    def resume(self) -> None:
+        if self.req is not None:
+            self.servicer.loop.resume((self.req,))
+
     def gone(self) -> None:
         req = self.req
         if req is not None and req.pending > 0 and not req.cancelled:
@@ -316,6 +325,13 @@ class EmbedStream:
         if failure is not None:
             self.fail(request, failure)
         self.settle()
+
+    def hold(self) -> None:
+        """The connection takes no replies (tulip.h2conn, Limits.hold_s): the queued work waits."""
+        self.servicer.loop.hold(self.outstanding)
+
+    def resume(self) -> None:
+        self.servicer.loop.resume(sorted(self.outstanding, key=lambda r: r.queued_at))
 
     def gone(self) -> None:
         self.servicer._streams.discard(self)

@@ -56,12 +56,13 @@ def rss_kib(pid: int) -> int:
 
 
 class Tulip:
-    def __init__(self, root: Path, log: Path, device: str = "cpu", model: str = "default"):
+    def __init__(self, root: Path, log: Path, device: str = "cpu", model: str = "default", batch_tokens: int = 0):
         self.port, self.metrics_port = free_port(), free_port()
         env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", model, "--device", device,
                                    "--port", str(self.port), "--max-queued-tokens", "200000",
-                                   "--metrics-port", str(self.metrics_port)],
+                                   "--metrics-port", str(self.metrics_port)]
+                                  + (["--max-batch-tokens", str(batch_tokens)] if batch_tokens else []),
                                   cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while "TULIP_READY" not in log.read_text():
@@ -358,6 +359,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--model", default="default", help="the Tulip's model (e.g. preset:bge-m3 on a GPU)")
     ap.add_argument("--device", default="cpu", help="the Tulip's device (cuda: the engine's steps take ms, not s)")
+    ap.add_argument("--max-batch-tokens", type=int, default=0,
+                    help="the Tulip's step budget (0: its default, 16,384 tokens; on a CPU a 16,384-token step of "
+                         "the attack's calls takes ~10 s, so what a stall costs another caller hides behind one step)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--warm-s", type=float, default=0.0,
                     help="first serve `read_replies`' legitimate load for this long (0: none), so that the RSS growth "
@@ -369,7 +373,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for name in args.only:
         log = Path(f"/tmp/tulip-attack-{name}.log")
-        tulip = Tulip(args.root, log, args.device, args.model)
+        tulip = Tulip(args.root, log, args.device, args.model, args.max_batch_tokens)
         try:
             if args.warm_s:
                 read_replies(tulip.port, args.warm_s)
@@ -381,6 +385,7 @@ def main(argv=None) -> int:
                     took = time.monotonic() - t0
                     time.sleep(1.0)
                 row = {"bench": "tulip-h2-attack", "attack": name, "round": round_, "root": str(args.root),
+                       "max_batch_tokens": args.max_batch_tokens or None,
                        "attack_s": round(took, 1), "warm_s": args.warm_s, "device": args.device, "model": args.model,
                        "date": time.strftime("%Y-%m-%d"), **extra, **w.result(), "tulip_alive": tulip.p.poll() is None}
                 print(json.dumps(row), flush=True)
