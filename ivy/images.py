@@ -13,23 +13,26 @@ not what this module reproduces.
 
 Decoding runs in a thread pool (Pillow releases the GIL while it decodes and resizes), off the event
 loop; a request has at most `WORKERS` images in the pool at once, so one request of many images does
-not hold every other request's images behind all of its own.
+not hold every other request's images behind all of its own. The resize (`resize_crop`) computes only
+what the centre crop keeps: the same pixels as Pillow's whole resize, in less time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import io
 import json
 import logging
 import os
+import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
+import PIL
 from PIL import Image, ImageOps
 
 from ivy.errors import APIError
@@ -113,6 +116,7 @@ class Preprocessor:
 
     def __call__(self, img: Image.Image) -> np.ndarray:
         """An RGB image (`to_rgb`'s) -> uint8 [side, side, 3], as transformers' PIL backend makes it."""
+        size = img.size
         if self.resize is not None:
             w, h = img.size
             if isinstance(self.resize, int):  # get_resize_output_image_size(default_to_square=False)
@@ -121,11 +125,117 @@ class Preprocessor:
                 new_h, new_w = (new_long, new_short) if w <= h else (new_short, new_long)
             else:
                 new_h, new_w = self.resize
-            img = img.resize((new_w, new_h), resample=Image.Resampling(self.resample))
-        a = np.asarray(img)
-        if self.crop is not None:
-            a = center_crop(a, *self.crop)
-        return a
+            size = (new_w, new_h)
+        return resize_crop(img, size, self.resample, self.crop)
+
+
+# Pillow's resampling filters' reach in input pixels at scale 1 (`support` in its libImaging/Resample.c), by number
+_SUPPORT = {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5, 5: 1.0}
+_PILLOW = tuple(int(x) for x in re.findall(r"\d+", PIL.__version__)[:2])  # (13, 0)
+
+
+def _vertical_first(w: int, h: int, nw: int, nh: int) -> bool:
+    """Whether Pillow resizes w x h to nw x nh columns first: from 13.0 when the height shrinks by more than twice
+    what the width does (ImagingResampleInner's `horizontal_first`), before 13.0 never."""
+    return _PILLOW >= (13, 0) and 0 < h - nh and h - nh > (w - nw) * 2
+
+
+def _reach(n: int, new: int, start: int, count: int, resample: int) -> tuple[int, int]:
+    """The input pixels [lo, hi) that outputs [start, start + count) of a pass from n to `new` pixels read (Pillow's
+    precompute_coeffs bounds, one pixel wider each side); a pass that keeps the length: those outputs themselves."""
+    if n == new:
+        return start, start + count
+    scale = n / new
+    support = _SUPPORT[resample] * max(scale, 1.0)
+    return (max(0, int((start + 0.5) * scale - support + 0.5) - 1),
+            min(n, int((start + count - 0.5) * scale + support + 0.5) + 1))
+
+
+def resize_crop(img: Image.Image, size: tuple[int, int], resample: int, crop: tuple[int, int] | None = None
+                ) -> np.ndarray:
+    """`img` resized to `size` (width, height) with PIL's filter `resample`, then `center_crop`ped to `crop`
+    (height, width; None: none): equal byte for byte to center_crop(np.asarray(img.resize(size, resample)), *crop),
+    with less work (to CLIP's 224 x 224 on the 2-core CPU machine, 2026-12-06: a 640 x 480 photo 2.66 ms against
+    Pillow's 2.82, 480 x 640 2.49 against 2.84; without a crop there is nothing to leave out: Pillow's own).
+
+    Why equal (Pillow's libImaging/Resample.c, ImagingResampleInner): Pillow resizes in two passes through an 8-bit
+    image between them, one along rows (each output row from its input row alone) and one along columns (each
+    output column from its input column alone), in an order it picks from the sizes (`_vertical_first`), a pass
+    whose length does not change skipped; each pass's coefficients depend only on its input and output lengths.
+    So the first pass runs only on the lines the crop's pixels reach through the second (`_reach`) and keeps only
+    the crop's part of its output, the second runs only on the crop's lines, each pass still over its full lengths
+    (the same coefficients, the same sums). NEAREST (an affine transform in Pillow, not these passes), no crop, a
+    crop larger than the image (zero padding) and a Pillow on which `_exact` found otherwise take the plain way."""
+    w, h = img.size
+    nw, nh = size
+    ch, cw = crop or (nh, nw)
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    plain = resample not in _SUPPORT or top < 0 or left < 0 or (ch, cw) == (nh, nw) or (nw, nh) == (w, h)
+    if plain or not _exact():
+        a = np.asarray(img if (nw, nh) == (w, h) else img.resize(size, Image.Resampling(resample)))
+        return center_crop(a, ch, cw) if crop is not None else a
+    return _resize_crop(img, size, resample, (ch, cw))
+
+
+def _resize_crop(img: Image.Image, size: tuple[int, int], resample: int, crop: tuple[int, int]) -> np.ndarray:
+    """resize_crop's own way (a crop within the resized image, a filter of _SUPPORT's)."""
+    w, h = img.size
+    nw, nh = size
+    ch, cw = crop
+    top, left = (nh - ch) // 2, (nw - cw) // 2
+    f = Image.Resampling(resample)
+    # Below, the first pass runs along rows ("lines": rows, h of them) and the second along columns; where Pillow
+    # goes columns first, the same steps run on the axes swapped: `box` and `xy` turn them back into PIL's (x, y).
+    flip = _vertical_first(w, h, nw, nh)
+    if flip:
+        w, h, nw, nh, ch, cw, top, left = h, w, nh, nw, cw, ch, left, top
+
+    def box(x0: int, y0: int, x1: int, y1: int) -> tuple[int, int, int, int]:
+        return (y0, x0, y1, x1) if flip else (x0, y0, x1, y1)
+
+    def xy(x: int, y: int) -> tuple[int, int]:
+        return (y, x) if flip else (x, y)
+
+    lo, hi = _reach(h, nh, top, ch, resample)  # the input lines the crop's output lines reach
+
+    # the first pass alone (the lines' count unchanged) on lines [lo, hi), keeping the crop's part of each line
+    part = img.crop(box(0, lo, w, hi)) if (lo, hi) != (0, h) else img
+    if nw != w:
+        part = part.resize(xy(nw, hi - lo), f)
+    if cw != nw:
+        part = part.crop(box(left, 0, left + cw, hi - lo))
+    if nh == h:  # no second pass: those lines are the crop's
+        return np.asarray(part)
+    if (lo, hi) != (0, h):  # the lines no kept output reads stay zero
+        tmp = Image.new(img.mode, xy(cw, h))
+        tmp.paste(part, xy(0, lo))
+        part = tmp
+    got = np.asarray(part.resize(xy(cw, nh), f))  # the second pass alone, on the crop's lines
+    return got[:, top: top + ch] if flip else got[top: top + ch]
+
+
+_EXACT: list[bool] = []
+_EXACT_LOCK = threading.Lock()
+
+
+def _exact() -> bool:
+    """Whether resize_crop's own way gives this Pillow's pixels, checked once on small images (both pass orders):
+    on a Pillow that resizes otherwise than `_resize_crop` reads it, images take the plain way."""
+    if not _EXACT:
+        with _EXACT_LOCK:
+            if not _EXACT:
+                img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 64, 3), np.uint8))
+                ok = True
+                for src, size, crop in (((64, 48), (30, 22), (20, 20)), ((48, 64), (22, 30), (20, 20)),
+                                        ((40, 90), (36, 30), (30, 30)), ((64, 90), (20, 60), (50, 16))):
+                    im = img.crop((0, 0, *src))
+                    want = center_crop(np.asarray(im.resize(size, Image.Resampling.BICUBIC)), *crop)
+                    ok = ok and np.array_equal(_resize_crop(im, size, 3, crop), want)
+                if not ok:
+                    log.warning("Pillow %s resizes otherwise than ivy.images.resize_crop expects: images take "
+                                "Pillow's whole resize (slower, the same pixels)", PIL.__version__)
+                _EXACT.append(ok)
+    return _EXACT[0]
 
 
 def center_crop(a: np.ndarray, ch: int, cw: int) -> np.ndarray:
@@ -238,9 +348,10 @@ def b64_bytes(text: str, label: str, limits: Limits) -> bytes:
     data = data.strip()
     if len(data) // 4 * 3 > limits.max_bytes + 2:
         raise _too_big(label, len(data) // 4 * 3, limits)
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
+    try:  # msgspec's str -> bytes conversion is strict base64 (padding required, no other characters) in C at
+        # ~2.3 GB/s; base64.b64decode(validate=True) took 5x as long (0.30 against 0.06 ms for a 136 KB JPEG)
+        return msgspec.convert(data, bytes)
+    except msgspec.ValidationError:
         raise APIError(400, f"{label}: not an image: neither a data URI, base64 nor an http(s) URL", "input") from None
 
 
@@ -312,7 +423,7 @@ async def load_all(sources: list[str], labels: list[str], limits: Limits, prep: 
             data = await fetch(s, labels[i]) if s.startswith(("http://", "https://")) else None
             await loop.run_in_executor(_POOL, work, i, data)
 
-    await all_or_none([lane() for _ in range(min(WORKERS, n))])
+    await (lane() if n == 1 else all_or_none([lane() for _ in range(min(WORKERS, n))]))
     return out, metas
 
 
