@@ -165,12 +165,14 @@ def resize_crop(img: Image.Image, size: tuple[int, int], resample: int, crop: tu
     So the first pass runs only on the lines the crop's pixels reach through the second (`_reach`) and keeps only
     the crop's part of its output, the second runs only on the crop's lines, each pass still over its full lengths
     (the same coefficients, the same sums). NEAREST (an affine transform in Pillow, not these passes), no crop, a
-    crop larger than the image (zero padding) and a Pillow on which `_exact` found otherwise take the plain way."""
+    crop larger than the image (zero padding), a mode other than RGB (`to_rgb`'s) and a Pillow on which `_exact`
+    found otherwise take the plain way."""
     w, h = img.size
     nw, nh = size
     ch, cw = crop or (nh, nw)
     top, left = (nh - ch) // 2, (nw - cw) // 2
-    plain = resample not in _SUPPORT or top < 0 or left < 0 or (ch, cw) == (nh, nw) or (nw, nh) == (w, h)
+    plain = (img.mode != "RGB" or resample not in _SUPPORT or top < 0 or left < 0 or (ch, cw) == (nh, nw)
+             or (nw, nh) == (w, h))  # (Pillow resizes RGBA / LA premultiplied: a pass apart would round twice)
     if plain or not _exact():
         a = np.asarray(img if (nw, nh) == (w, h) else img.resize(size, Image.Resampling(resample)))
         return center_crop(a, ch, cw) if crop is not None else a
