@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from time import perf_counter
 from typing import NamedTuple
 
 import numpy as np
@@ -55,6 +56,99 @@ class LoopThread:
             self.thread.join(10)
 
 
+class StepClock:
+    """When the engine had a step in flight: `busy_s()` is the time so far with at least one step launched and
+    not complete (steps overlap on a GPU: their union). A job's wall time minus its busy time is host time the
+    steps did not hide (`host_idle_share` in run()'s summary). A step starts when `engine.step` is called and
+    ends when it returns on CPU (a CPU step is complete then), on CUDA when the engine loop first sees its
+    result ready (its polling or its waiter thread: a little after the GPU finished). `spans`: a list to which
+    each busy stretch (perf_counter start, end) is appended, or None (the default: nothing kept)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.open = self.steps = 0
+        self.busy = self.since = 0.0
+        self.spans: list | None = None
+
+    def start(self) -> None:
+        with self.lock:
+            if self.open == 0:
+                self.since = perf_counter()
+            self.open += 1
+            self.steps += 1
+
+    def end(self) -> None:
+        with self.lock:
+            self.open -= 1
+            if self.open == 0:
+                now = perf_counter()
+                self.busy += now - self.since
+                if self.spans is not None:
+                    self.spans.append((self.since, now))
+
+    def busy_s(self) -> float:
+        with self.lock:
+            return self.busy + (perf_counter() - self.since if self.open else 0.0)
+
+
+class _TimedLazy:
+    """A step's LazyTensor (ready / synchronize / await, as EngineLoop uses it) that tells the clock when the
+    step is seen complete, once."""
+
+    __slots__ = ("lazy", "clock")
+
+    def __init__(self, lazy, clock: StepClock):
+        self.lazy, self.clock = lazy, clock
+
+    def _done(self) -> None:
+        if self.clock is not None:
+            self.clock, clock = None, self.clock
+            clock.end()
+
+    def ready(self) -> bool:
+        r = self.lazy.ready()
+        if r:
+            self._done()
+        return r
+
+    def synchronize(self):
+        try:
+            return self.lazy.synchronize()
+        finally:
+            self._done()
+
+    def __await__(self):
+        try:
+            return (yield from self.lazy.__await__())
+        finally:
+            self._done()
+
+
+class TimedEngine:
+    """The engine as the EngineLoop sees it, with its text steps timed by `clock` (everything else is the
+    engine's own). Why a wrapper: EngineLoop (Tulip's) launches and completes the steps; this keeps the job's
+    measurement out of Tulip's loop."""
+
+    def __init__(self, engine, clock: StepClock):
+        self._engine, self._clock = engine, clock
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self, *args, **kwargs):
+        clock = self._clock
+        clock.start()
+        try:
+            lazy = self._engine.step(*args, **kwargs)
+        except BaseException:
+            clock.end()
+            raise
+        if lazy.ready():  # on CPU: complete on return
+            clock.end()
+            return lazy
+        return _TimedLazy(lazy, clock)
+
+
 class Local:
     """The model on this process's device, run by Tulip's EngineLoop (its FCFS token-budget scheduler, the
     overlap of steps, the CPU pieces and the sparse / ColBERT scatter): the steps a Tulip serving this model
@@ -76,7 +170,8 @@ class Local:
         cfg = TulipConfig(model=str(ref.path), device=device, max_batch_tokens=budget,
                           max_queued_tokens=max(1 << 24, budget))
         self.engine, self.budget = engine, budget
-        self.loop = EngineLoop(engine, cfg)
+        self.clock = StepClock()
+        self.loop = EngineLoop(TimedEngine(engine, self.clock), cfg)
         io.call(self._start())
         self.info = TulipServicer(self.loop, ref.name, ref).info
 

@@ -20,8 +20,8 @@ rows equal what the HTTP API returns for the same texts and options.
 from __future__ import annotations
 
 import asyncio
-import collections
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -96,6 +96,7 @@ class Embedder:
             self.close()
             raise
         self.inflight_tokens = inflight_tokens or 6 * max(self.budget, 1)
+        self._window = Window(self.inflight_tokens)
         self.out_dim = s.dimensions or self.dim
         if s.encoding == "binary":
             self.out_dim = -(-self.out_dim // 8)
@@ -155,6 +156,14 @@ class Embedder:
     def __call__(self, batch: Any, first_row: int = 0) -> pa.Table:
         """The result table of `batch`'s rows (module docstring). `first_row`: the input row number of its
         first row (the ids where the input has no id column)."""
+        return self.submit(batch, first_row).result()
+
+    def submit(self, batch: Any, first_row: int = 0) -> "Pending":
+        """`batch`'s rows read and tokenized, and their requests sent (waiting only while `inflight_tokens`
+        are in flight, this batch's and earlier ones'); `.result()` of what it returns is `self(batch)`. A
+        runner calls it for the next batch while the steps of this one run, and builds and writes this one's
+        table on another thread (jobs.run): the engine has the next rows before it finishes these. Through
+        an Ivy (--url) the batch is done when it returns."""
         table = as_table(batch)
         s, n = self.settings, table.num_rows
         if s.text_column not in table.column_names:
@@ -170,11 +179,16 @@ class Embedder:
         good = [i for i in range(n) if reasons[i] is None]
         if self.tokenizer is None:
             vectors, tokens = self._http_rows([texts[i] for i in good], good, reasons)
-            sparse = colbert = None
-        else:
-            vectors, tokens, sparse, colbert = self._engine_rows([texts[i] for i in good], good, reasons)
-        ok = [i for i in good if reasons[i] is None]
-        return self._table(ids, n, ok, reasons, vectors, tokens, sparse, colbert)
+            ok = [i for i in good if reasons[i] is None]
+            return Pending(table=self._table(ids, n, ok, reasons, vectors, tokens, None, None))
+        futures, seq_rows, seq_lens = self._send_rows([texts[i] for i in good], good, reasons)
+
+        def finish() -> pa.Table:
+            vectors, tokens, sparse, colbert = self._assemble([f.result() for f in futures], seq_rows, seq_lens)
+            ok = [i for i in good if reasons[i] is None]  # (rows over the maximum were marked when tokenized)
+            return self._table(ids, n, ok, reasons, vectors, tokens, sparse, colbert)
+
+        return Pending(finish, futures)
 
     def _texts(self, table: pa.Table) -> tuple[list, list]:
         col = table.column(self.settings.text_column)
@@ -200,31 +214,25 @@ class Embedder:
             self.tokenizer.encode([p + t for t in texts] if p else texts, self.settings.truncate == "end",
                                   check_length=False))
 
-    def _engine_rows(self, texts: list[str], rows: list[int], reasons: list):
+    def _send_rows(self, texts: list[str], rows: list[int], reasons: list):
         """Tokenize `texts` (input rows `rows`) a slice at a time, sending each `budget` tokens as one request
-        while the next slice is tokenized; return per row its dense float32 vector (windows pooled), tokens,
-        sparse and ColBERT outputs (None where not asked). A row over the maximum with truncate none gets
-        its reason instead."""
+        while the next slice is tokenized; return the requests' futures, and the input row and tokens of each
+        sequence sent, in order. A row over the maximum with truncate none gets its reason instead."""
         s, tok = self.settings, self.tokenizer
         mode = s.truncate
-        pending: collections.deque = collections.deque()  # (future, tokens)
-        results: list[Rows] = []
+        futures: list = []
         seq_rows: list[int] = []  # the input row of each sequence sent, in order
         seq_lens: list[int] = []  # and its tokens
         batch: list[np.ndarray] = []
         pool: list[int] = []
-        inflight = 0
 
         def send():
-            nonlocal inflight, batch, pool
+            nonlocal batch, pool
             n_tok = sum(map(len, batch))
-            while pending and inflight + n_tok > self.inflight_tokens:
-                fut, t = pending.popleft()
-                results.append(fut.result())
-                inflight -= t
-            pending.append((self.io.submit(self.backend.embed(batch, pool if self.n_prompt else None, s.outputs)),
-                            n_tok))
-            inflight += n_tok
+            self._window.acquire(n_tok)
+            fut = self.io.submit(self.backend.embed(batch, pool if self.n_prompt else None, s.outputs))
+            fut.add_done_callback(lambda _, n=n_tok: self._window.release(n))
+            futures.append(fut)
             batch, pool = [], []
 
         for a in range(0, len(texts), TOKENIZE_ROWS):
@@ -247,8 +255,7 @@ class Embedder:
                     send()
         if batch:
             send()
-        results += [fut.result() for fut, _ in pending]
-        return self._assemble(results, seq_rows, seq_lens)
+        return futures, seq_rows, seq_lens
 
     def _assemble(self, results: list[Rows], seq_rows: list[int], lengths: list[int]):
         """The requests' rows in order -> per input row: vector, tokens, sparse, ColBERT."""
@@ -324,6 +331,8 @@ class Embedder:
         return pa.table(cols)
 
     def close(self) -> None:
+        if hasattr(self, "_window"):
+            self._window.close()
         backend = getattr(self, "backend", None)
         if backend is not None and self.io.loop.is_running():
             try:
@@ -333,6 +342,52 @@ class Embedder:
         self.io.stop()
         if hasattr(self, "_tok_loop"):
             self._tok_loop.close()
+
+
+class Window:
+    """Tokens sent and not yet answered, across batches: `acquire(n)` waits while `n` more would pass `limit`
+    (one request always goes: a request over the limit alone), `release(n)` when a request is answered
+    (called by its future, on the I/O loop's thread). Replaces waiting on a batch's own oldest request, so
+    the next batch's requests queue behind this one's instead of after it has drained."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.closed = limit, 0, False
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cond:
+            while self.used and self.used + n > self.limit:
+                if self.closed:
+                    raise RuntimeError("the Embedder was closed")
+                self.cond.wait(1.0)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Pending:
+    """A batch sent by `Embedder.submit`: `result()` waits for its requests and returns its table (raises what
+    a request raised); `done()` tells, without waiting, whether they are all answered."""
+
+    def __init__(self, finish: Callable[[], pa.Table] | None = None, futures: list | None = None,
+                 table: pa.Table | None = None):
+        self._finish, self._futures, self._table = finish, futures or [], table
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> pa.Table:
+        if self._table is None:
+            self._table, self._finish = self._finish(), None
+        return self._table
 
 
 def _spread(n: int, ok: list[int], values) -> list:

@@ -15,7 +15,7 @@ import time
 
 from jobs.config import EmbedJobConfig
 from jobs.dataset import Input, JobMismatch, Output
-from jobs.embed import Embedder, split_errors
+from jobs.embed import Embedder, Pending, split_errors
 
 log = logging.getLogger("jobs")
 
@@ -103,17 +103,43 @@ def run(cfg: EmbedJobConfig, embedders: list[Embedder] | None = None) -> dict:
                 e.close()
         raise failure[0]
     load_s = time.monotonic() - t0
+    clocks = [c for c in (getattr(getattr(e, "backend", None), "clock", None) for e in embedders) if c is not None]
+    busy0 = [c.busy_s() for c in clocks]
     show = cfg.progress == "on" or (cfg.progress == "auto" and sys.stderr.isatty())
     progress = Progress(total, done_rows, show)
     parts: queue.Queue = queue.Queue(maxsize=2 * len(specs))
 
     def work(embedder: Embedder) -> None:
-        while (part := parts.get()) is not None:
+        """One worker: each part read, tokenized and sent (Embedder.submit) here while the part before it
+        steps, and its table built and committed by `commit` on a thread of its own, so the engine has the
+        next part's rows queued before it finishes a part (a part's end does not drain the steps)."""
+        sent: queue.Queue = queue.Queue(maxsize=1)  # a part waiting for `commit` (the one being committed aside)
+        committer = threading.Thread(target=commit, args=(sent,), daemon=True)
+        committer.start()
+        submit = getattr(embedder, "submit", None)  # (a Ray actor's stand-in has none: a part is done when called)
+        try:
+            while (part := parts.get()) is not None:
+                if failure:
+                    continue
+                try:
+                    t = time.monotonic()
+                    pending = submit(part.table, part.first_row) if submit else Pending(
+                        table=embedder(part.table, part.first_row))
+                    sent.put((part, pending, t))
+                except BaseException as e:
+                    log.exception("part %d failed", part.index)
+                    failure.append(e)
+        finally:
+            sent.put(None)
+            committer.join()
+
+    def commit(sent: queue.Queue) -> None:
+        while (item := sent.get()) is not None:
+            part, pending, t = item
             if failure:
                 continue
             try:
-                t = time.monotonic()
-                good, errors = split_errors(embedder(part.table, part.first_row))
+                good, errors = split_errors(pending.result())
                 tokens = sum(x for x in good.column("tokens").to_pylist() if x is not None)
                 progress.add(out.commit(part, good, errors, tokens, time.monotonic() - t))
             except BaseException as e:
@@ -152,11 +178,15 @@ def run(cfg: EmbedJobConfig, embedders: list[Embedder] | None = None) -> dict:
         raise RuntimeError(f"the job stopped: {type(failure[0]).__name__}: {failure[0]} (run it again with the "
                            "same arguments to continue)")
     seconds = time.monotonic() - progress.start
+    busy = [c.busy_s() - b for c, b in zip(clocks, busy0)]
     summary = {"rows": progress.rows, "written": progress.written, "errors": progress.errors,
                "tokens": progress.tokens, "seconds": round(seconds, 3),
                "rows_per_s": round(progress.rows / seconds, 1) if seconds > 0 else 0.0,
                "parts": progress.parts, "parts_resumed": len(done), "total_rows": done_rows + progress.rows,
                "load_seconds": round(load_s, 3), "output": cfg.output}
+    if clocks:  # in-process: the share of the wall time with no step in flight (the mean over the engines)
+        summary["step_busy_seconds"] = round(sum(busy) / len(busy), 3)
+        summary["host_idle_share"] = round(1 - sum(busy) / len(busy) / seconds, 4) if seconds > 0 else 0.0
     out.finish(summary)
     return summary
 
