@@ -60,3 +60,23 @@ def test_the_next_part_is_tokenized_while_a_step_runs(embedder, tmp_path):
     direct = embedder(pa.table({"text": texts[-ROWS:]}))  # the last part alone, outside the pipeline
     np.testing.assert_allclose(np.stack(df["dense"].to_numpy()[-ROWS:]),
                                np.stack(direct["dense"].to_numpy(zero_copy_only=False)), atol=1e-5)
+
+
+def test_the_benchmark_measures_the_engine_before_the_job(tmp_path, capsys):
+    """benchmarks/embed_job.py prints (and writes to --out) the engine's figure before the job's, so a call
+    cut short by a time limit still has both; the job rows carry host_idle_share."""
+    import json
+
+    from benchmarks.embed_job import main
+
+    out = tmp_path / "result.json"
+    assert main(["--rows", "24", "--length", "8", "--rows-per-part", "8", "--runs", "2", "--engine-rows", "16",
+                 "--engine-batch", "16", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["bench"] for r in rows] == ["engine_step", "engine_step_job_shape", "embed_job", "engine_step",
+                                          "embed_job", "embed_job_summary"]
+    assert rows[0]["rows"] == 16 and rows[1]["shape"] == "256x8"  # the CPU loop's 2,048-token pieces
+    assert all(0.0 <= r["host_idle_share"] < 1.0 for r in rows if r["bench"] == "embed_job")
+    summary = json.loads(out.read_text())["summary"]
+    assert summary == rows[-1] and len(summary["job_over_engine_rounds"]) == 2
+    assert summary["job_over_engine"] > 0 and summary["host_idle_share_median"] is not None
