@@ -127,8 +127,9 @@ class ImageTower:
 
     def forward(self, pixels: torch.Tensor, cu_seqlens: torch.Tensor, graph: bool) -> torch.Tensor:
         """uint8 [N, S, S, 3] on the device -> float32 [N, dim], L2-normalised."""
-        x = pixels.permute(0, 3, 1, 2).float()
-        x = ((x * self.processing.rescale - self._mean) / self._std).to(self.dtype)
+        x = pixels.permute(0, 3, 1, 2).float()  # a new tensor (from uint8), so normalised in place: the same
+        # arithmetic, in one buffer instead of three more of its size (on a CPU, 256 pictures: ~350 -> ~200 ms)
+        x = x.mul_(self.processing.rescale).sub_(self._mean).div_(self._std).to(self.dtype)
         meta = image_meta(cu_seqlens, self.tokens, pixels.shape[0], graph)
         return normalize(self.model.embed_images(x, meta, self.attention))
 

@@ -40,6 +40,7 @@ from trellis.h2frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WI
 PATH = b"/trellis.tulip.v1.Tulip/EmbedStream"
 SID = 1  # the call's stream: the connection's first and only one
 _PING = b"tulipka\x00"
+WRITE_HIGH = 256 << 10  # the transport's write buffer over which a big message's frames wait (pause_writing)
 
 __all__ = ["StreamConnection", "address"]
 
@@ -108,11 +109,13 @@ class StreamConnection(asyncio.Protocol):
         self.heard = 0.0  # time.monotonic() of the last bytes from the peer
         self._ping_at = 0.0  # when the unanswered ping went out (0: none)
         self._timer: asyncio.TimerHandle | None = None
+        self._paused = False  # the transport's write buffer is over WRITE_HIGH (pause_writing)
 
     # --- the connection ------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH, low=0)  # (resumed empty: the next frame goes straight out)
         self.heard = time.monotonic()
         settings = b"".join(struct.pack(">HL", k, v) for k, v in (
             (SETTINGS_ENABLE_PUSH, 0), (SETTINGS_INITIAL_WINDOW_SIZE, WINDOW), (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))
@@ -251,10 +254,12 @@ class StreamConnection(asyncio.Protocol):
 
     # --- sending ---------------------------------------------------------------------------------
 
-    def send(self, msg: bytes) -> list:
-        """Queue one message; returns its token (for `take_back`). It goes out as far as the peer's
-        flow-control windows let it now, the rest as they open, in order."""
-        token = [msg]
+    def send(self, msg: bytes, tail=None) -> list:
+        """Queue one message (`msg`, then `tail` where given: a bytes-like view, e.g. an image request's
+        pixels, sent from where it is and never copied here: it must not change until it is out); returns
+        its token (for `take_back`). It goes out as far as the peer's flow-control windows let it now,
+        the rest as they open, in order."""
+        token = [msg] if tail is None else [msg, None, memoryview(tail).cast("B")]
         self.queued.append(token)
         self._flush()
         self._write()
@@ -264,13 +269,22 @@ class StreamConnection(asyncio.Protocol):
 
     def take_back(self, token: list) -> bool:
         """Remove a message none of whose bytes has gone out yet; False if it (or part) has."""
-        if len(token) > 1:
+        if len(token) > 1 and token[1] is not None:
             return False  # its first bytes are out
         try:
             self.queued.remove(token)
         except ValueError:
             return False  # all of it is out
         return True
+
+    def pause_writing(self) -> None:
+        self._paused = True  # the transport holds WRITE_HIGH: a big message's next frames wait for it to drain
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if not self.closed:
+            self._flush()
+            self._write()
 
     def _flush(self) -> None:
         queued, out = self.queued, self._out
@@ -287,20 +301,41 @@ class StreamConnection(asyncio.Protocol):
                     self._send_stream -= size
                     queued.popleft()
                     continue
-                if room <= 0:
-                    return  # the rest when the peer opens its window (WINDOW_UPDATE, SETTINGS)
-                token.append(memoryview(b"\x00" + len(msg).to_bytes(4, "big") + msg))  # from here on, a view
-            elif room <= 0:
+            if room <= 0 or self._paused:
+                return  # the rest when the peer opens its window (WINDOW_UPDATE, SETTINGS) or the transport drains
+            if len(token) == 1:
+                msg = token[0]
+                token.append([memoryview(b"\x00" + len(msg).to_bytes(4, "big") + msg)])  # from here on, views
+            elif token[1] is None:  # a message with a tail: its pieces (the tail as it is)
+                msg, tail = token[0], token[2]
+                token[1] = [memoryview(b"\x00" + (len(msg) + len(tail)).to_bytes(4, "big") + msg), tail]
+            # A started message: its next frame straight to the transport, after what is queued, its payload
+            # as views (a 38.5 MB image request was copied ~5 times here when each frame was sliced into bytes
+            # and joined); the transport copies only what the socket does not take at once, and while it holds
+            # WRITE_HIGH (pause_writing) no more frames are made, so what it copies stays small.
+            parts, pieces, left = token[1], [], room
+            while left and parts:
+                p = parts[0]
+                if len(p) <= left:
+                    pieces.append(p)
+                    left -= len(p)
+                    parts.pop(0)
+                else:
+                    pieces.append(p[:left])
+                    parts[0] = p[left:]
+                    left = 0
+            size = room - left
+            self._write()
+            t = self.transport
+            if t is None or t.is_closing():
                 return
-            view = token[1]
-            part = bytes(view[:room])
-            out.append(frame(DATA, 0, SID, part))
-            self._send_conn -= len(part)
-            self._send_stream -= len(part)
-            if len(view) <= room:
+            t.write(HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, SID))
+            for p in pieces:
+                t.write(p)
+            self._send_conn -= size
+            self._send_stream -= size
+            if not parts:
                 queued.popleft()
-            else:
-                token[1] = view[room:]
 
     def _write(self) -> None:
         out = self._out

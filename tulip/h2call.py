@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from tulip.h2body import Pieces, whole
 from tulip.h2limits import ENHANCE_YOUR_CALM, NO_ERROR
 from trellis.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, RST_STREAM, frame
 from trellis.h2frames import HEAD, PREFIX, U32, literal
@@ -94,12 +95,14 @@ class Direct(NamedTuple):
     away, its deadline passed, a bad message, the server stopped, its replies overflowed what the peer
     let us send). The session answers with `call.reply(message)` and ends the call with
     `call.finish(code, details)`; an exception out of its methods ends the call UNKNOWN (and tells it
-    `gone()`)."""
+    `gone()`). `arrays`: a message of tulip.h2body.BIG bytes or more reaches `request_deserializer` as a
+    writable uint8 numpy array (copied once from the socket's reads) instead of bytes."""
     open: Any
     request_deserializer: Any
     response_serializer: Any
     request_streaming: bool
     response_streaming: bool
+    arrays: bool = False
 
 
 class Call:
@@ -124,7 +127,9 @@ class Call:
         self.session = None  # a Direct method's session, once opened (None again once told it is gone)
         self.unary_request: bytes | None = None  # a unary request's message, until the client's END_STREAM
         self.callbacks: list = []
-        self._in = bytearray()
+        self._prefix = bytearray()  # the start of a message's 5-byte prefix, until it is whole
+        self._body: Pieces | None = None  # the message whose prefix came, until it is whole
+        self._arrays = type(handler) is Direct and handler.arrays  # big messages as arrays (Direct.arrays)
         self.deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future | None = None  # write() waits on it while too much is queued
@@ -376,50 +381,70 @@ class Call:
         self._halt()
         self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in RPC handler: {type(e).__name__}: {e}")
 
-    def message(self, data: bytes) -> None:
-        """DATA for this call: whole messages to the handler (a unary request waits for END_STREAM).
-        What is handed over is consumed (the connection opens the windows again for it); a partial
-        message and requests a streaming handler has not read yet stay `held`."""
-        buf = self._in
-        if not buf and len(data) > PREFIX and data[0] == 0 and len(data) == PREFIX + int.from_bytes(data[1:5], "big"):
+    def message(self, data) -> None:
+        """DATA for this call (bytes, or a memoryview of a socket read): whole messages to the handler (a
+        unary request waits for END_STREAM). What is handed over is consumed (the connection opens the
+        windows again for it); a partial message and requests a streaming handler has not read yet stay
+        `held`. A message's bytes are kept as views until it is whole, then copied once (tulip.h2body)."""
+        body = self._body
+        if body is None and not self._prefix and len(data) > PREFIX and data[0] == 0 \
+                and len(data) == PREFIX + int.from_bytes(data[1:5], "big"):
             if len(data) - PREFIX <= self.conn.server.max_message:  # one whole message in one frame: the usual
-                return self._deliver(data[PREFIX:])
-        before = len(buf)
-        buf += data
+                return self._deliver(whole(data[PREFIX:], self._arrays))
+        before = len(self._prefix) + (body.size if body is not None else 0)
         limit = self.conn.server.max_message
         error = None
-        while len(buf) >= PREFIX and not self.over:
-            if buf[0] != 0:
-                error = (grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported "
-                         "(this server takes identity encoding only)")
-                break
-            n = int.from_bytes(buf[1:5], "big")
-            if n > limit:
-                error = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({n} vs. {limit})")
-                break
-            if len(buf) < PREFIX + n:
-                break
-            msg = bytes(buf[PREFIX:PREFIX + n])
-            del buf[:PREFIX + n]
-            self._deliver(msg)
+        pos, end = 0, len(data)
+        while pos < end and not self.over:
+            if body is None:  # the 5-byte prefix (it may span frames too)
+                prefix = self._prefix
+                take = min(PREFIX - len(prefix), end - pos)
+                prefix += data[pos:pos + take]
+                pos += take
+                if len(prefix) < PREFIX:
+                    break
+                if prefix[0] != 0:
+                    error = (grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported "
+                             "(this server takes identity encoding only)")
+                    break
+                n = int.from_bytes(prefix[1:5], "big")
+                if n > limit:
+                    error = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({n} vs. {limit})")
+                    break
+                body = self._body = Pieces(n)
+            take = min(body.need - body.size, end - pos)
+            if take:
+                body.add(data[pos:pos + take])
+                pos += take
+            if body.size == body.need:
+                self._body = None
+                self._prefix.clear()
+                self._deliver(body.take(self._arrays))
+                body = self._body
         if error is not None:
             return self.reset_with(*error)
         if self.over:  # a request the handler refused: what is left goes
             return self.drop_input()
         conn = self.conn
-        grown = len(buf) - before
+        pending = self.pending_bytes()
+        grown = pending - before
         self.held += grown
         conn.held += grown
-        if buf:
+        if pending:
             self.partial_at = time.monotonic()
             conn.partial[self.sid] = self
-            if len(buf) >= PREFIX:
-                conn.progress(self, PREFIX + int.from_bytes(buf[1:5], "big") - len(buf))
+            if body is not None:
+                conn.progress(self, body.need - body.size)
         elif before:
             conn.partial.pop(self.sid, None)
 
-    def _deliver(self, msg: bytes) -> None:
-        """One whole request message to the handler."""
+    def pending_bytes(self) -> int:
+        """Bytes of a message not yet whole (its prefix included)."""
+        return len(self._prefix) + (self._body.size if self._body is not None else 0)
+
+    def _deliver(self, msg) -> None:
+        """One whole request message to the handler (bytes; for a Direct handler a big one is a writable
+        uint8 array, tulip.h2body)."""
         if self.requests is not None or self.session is not None:
             h = self.handler
             try:
@@ -447,7 +472,8 @@ class Call:
                 conn.topup(None)
                 if conn.out:
                     conn.write_soon()
-        self._in.clear()
+        self._prefix.clear()
+        self._body = None
         if self.requests is not None:
             self.requests.items.clear()
         self.conn.partial.pop(self.sid, None)
@@ -462,9 +488,8 @@ class Call:
         self.remote_closed = True
         if self.over:
             return
-        if self._in:
-            return self.reset_with(_BAD, f"the request stream ended inside a message ({len(self._in)} bytes of it "
-                                   "came)")
+        if pending := self.pending_bytes():
+            return self.reset_with(_BAD, f"the request stream ended inside a message ({pending} bytes of it came)")
         if self.requests is not None:
             self.requests.end()
         elif self.session is not None:

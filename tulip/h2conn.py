@@ -17,7 +17,7 @@ import grpc
 from tulip.h2call import Call
 from tulip.h2flow import Framing
 from tulip.h2limits import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR
-from trellis.h2frames import GOAWAY, MAX_FRAME, frame, frames
+from trellis.h2frames import DATA, GOAWAY, HEAD, MAX_FRAME, PADDED, frame
 from trellis.h2frames import PREFACE
 
 log = logging.getLogger("tulip.h2server")
@@ -223,7 +223,7 @@ class Connection(Framing, asyncio.Protocol):
                                  "calls are cancelled)", abort=True)
         for call in [c for c in self.partial.values() if now - c.partial_at > limits.stall_s]:
             call.reset_with(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request message got no bytes for "
-                            f"{limits.stall_s:g} s ({len(call._in)} of it came)")
+                            f"{limits.stall_s:g} s ({call.pending_bytes()} of it came)")
         if self.partial:
             self._write()
 
@@ -232,9 +232,16 @@ class Connection(Framing, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        if self._buf:
+        pos, n, view = 0, len(data), None
+        if self._data_left:  # the rest of a DATA frame, to its call as it comes (tulip.h2flow.data_begin)
+            view = memoryview(data)
+            pos = min(self._data_left, n)
+            self.data_bytes(view[:pos])
+            if self.closed:
+                return
+        elif self._buf:
             data, self._buf = self._buf + data, b""
-        pos, n = 0, len(data)
+            n = len(data)
         if self._preface:
             if n < len(PREFACE):
                 if not PREFACE.startswith(data):
@@ -247,10 +254,32 @@ class Connection(Framing, asyncio.Protocol):
             pos = len(PREFACE)
             # our SETTINGS once the client's preface came (HTTP/1.1 on the port gets a plain answer instead)
             self.out.append(self.server.settings_frame)
-        for ftype, flags, sid, payload, pos in frames(data, pos):
-            if ftype < 0:
-                return self.fail(FRAME_SIZE_ERROR, f"a frame of {flags} bytes, over the {MAX_FRAME} allowed")
-            self.on_frame(ftype, flags, sid, payload)
+        while n - pos >= 9:
+            hi, lo, ftype, flags, sid = HEAD.unpack_from(data, pos)
+            length = hi << 16 | lo
+            if length > MAX_FRAME:
+                return self.fail(FRAME_SIZE_ERROR, f"a frame of {length} bytes, over the {MAX_FRAME} allowed")
+            end = pos + 9 + length
+            if end > n:
+                if ftype == DATA and not flags & PADDED:
+                    # Why not wait for the whole frame: a big message's frames (up to MAX_FRAME) span many
+                    # socket reads; its payload goes to the call read by read, as views, never joined
+                    if view is None:
+                        view = memoryview(data)
+                    self.data_begin(flags, sid & 0x7FFFFFFF, length)
+                    if not self.closed and n > pos + 9:
+                        self.data_bytes(view[pos + 9:])
+                    if self.closed:
+                        return
+                    pos = n
+                break
+            if ftype == DATA:  # its payload as a view of the read (the call copies what it keeps)
+                if view is None:
+                    view = memoryview(data)
+                self.on_frame(DATA, flags, sid & 0x7FFFFFFF, view[pos + 9:end])
+            else:
+                self.on_frame(ftype, flags, sid & 0x7FFFFFFF, data[pos + 9:end])
+            pos = end
             if self.closed:
                 return
             if self.later:

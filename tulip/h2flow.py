@@ -62,6 +62,9 @@ class Framing:
         self.held = 0
         self.conn_buffered = max(limits.conn_buffered, server.max_message + PREFIX + MAX_FRAME)
         self.partial: dict[int, Call] = {}  # calls holding a partial message
+        self._data_left = 0  # bytes of the DATA frame being read still to come (`data_begin`)
+        self._data_call: Call | None = None  # ... the call they go to (None: dropped)
+        self._data_end = 0  # ... whether it ends the stream
         self.control = Bucket(limits.control_burst, limits.control_rate)
         self.resets = Bucket(limits.reset_burst, limits.reset_rate)
 
@@ -153,32 +156,55 @@ class Framing:
         else:
             self.out.append(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
-    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+    def _data(self, flags: int, sid: int, payload) -> None:
+        """A whole DATA frame (its payload a view of the socket's read)."""
         n = len(payload)
-        self.recv_window -= n
-        if self.recv_window < 0:
-            return self.fail(FLOW_CONTROL_ERROR, f"DATA past the connection's window ({-self.recv_window} bytes over)")
         if flags & PADDED:
             if not payload or payload[0] >= n:
                 return self.fail(PROTOCOL_ERROR, "DATA padded past its end")
             payload = payload[1:n - payload[0]]
+        if not payload and not flags & END_STREAM and not self.control.take():
+            return self._calm("empty DATA frames")
+        self.data_begin(flags, sid, n)
+        if not self.closed:
+            self.data_bytes(payload, n)
+
+    def data_begin(self, flags: int, sid: int, n: int) -> None:
+        """A DATA frame of `n` bytes (padding included) begins: what its header tells (the windows, the
+        stream); its payload follows through `data_bytes`, whole or as the socket's reads bring it."""
+        if self._block_open:  # (on_frame says so for whole frames; a frame read in parts comes here first)
+            return self.fail(PROTOCOL_ERROR, "a header block without its CONTINUATION")
+        if n > self.recv_window:
+            return self.fail(FLOW_CONTROL_ERROR, f"DATA past the connection's window ({n - self.recv_window} bytes over)")
         call = self.calls.get(sid)
         if call is None:
             if sid > self.last_sid or sid == 0:
                 return self.fail(PROTOCOL_ERROR, f"DATA on stream {sid}, which is not open")
-            return self.topup(None)  # a call that is already over (its stream reset or answered): dropped
-        if call.remote_closed:
-            return self._stream_error(sid, STREAM_CLOSED)
-        call.recv_window -= n
-        if call.recv_window < 0:
-            return self._stream_error(sid, FLOW_CONTROL_ERROR)
-        if not payload and not flags & END_STREAM and not self.control.take():
-            return self._calm("empty DATA frames")
-        if not call.over:
-            call.message(payload)
+            # a call that is already over (its stream reset or answered): its bytes are dropped
+        elif call.remote_closed:
+            self._stream_error(sid, STREAM_CLOSED)
+            call = None
+        elif call.recv_window < n:
+            self._stream_error(sid, FLOW_CONTROL_ERROR)
+            call = None
+        self._data_left, self._data_call, self._data_end = n, call, flags & END_STREAM
+
+    def data_bytes(self, payload, n: int = 0) -> None:
+        """Bytes of the DATA frame `data_begin` began (`n`: what they count against the windows, padding
+        included; 0: their length), to its call; the call's END_STREAM once the frame is all here."""
+        n = n or len(payload)
+        self.recv_window -= n
+        self._data_left -= n
+        call = self._data_call
+        if call is not None:
+            call.recv_window -= n
+            if not call.over:
+                call.message(payload)
         self.topup(call)
-        if flags & END_STREAM:
-            call.end_of_requests()
+        if not self._data_left:
+            self._data_call = None
+            if call is not None and self._data_end:
+                call.end_of_requests()
 
     def topup(self, call: Call | None) -> None:
         """Open the windows again for what was handed over: each back to its size less what is held."""

@@ -20,7 +20,7 @@ from trellis.options import Options, no_options, no_reply_options
 from trellis.tulip.v1 import tulip_pb2
 from tulip.h2server import Direct
 from tulip.loop import EngineLoop, Request
-from tulip.messages import (EXTRAS, F32, NO_EXTRAS, PRIORITIES, Undecodable, bad_priority, decode_request,
+from tulip.messages import (EXTRAS, F32, NO_EXTRAS, PRIORITIES, Images, Undecodable, bad_priority, decode_request,
                             parse_images, parse_request, plain_reply, serialize_reply)
 from tulip.stages import RESUME, VALIDATE
 
@@ -100,7 +100,11 @@ class TulipServicer:
         along as the Request's `tag`); RpcFailure / OverflowError as `_request` / the queue raise."""
         stages = self.loop.stages
         stamps = stages.received(request) if stages is not None else None
-        req = self._request(request, on_done)
+        if type(request) is Images:  # a big image request, its pixels cut from the message's bytes
+            request, pixels = request.request, request.pixels
+            req = self._request(request, on_done, pixels)
+        else:
+            req = self._request(request, on_done)
         req.tag = request
         if stamps is not None:
             stamps[VALIDATE] = perf_counter_ns()
@@ -131,10 +135,11 @@ class TulipServicer:
             self.loop.stages.written(reply)
         return None
 
-    def _request(self, request: tulip_pb2.EmbedRequest, on_done=None) -> Request:
+    def _request(self, request: tulip_pb2.EmbedRequest, on_done=None, pixels: np.ndarray | None = None) -> Request:
         """Validate one request; raise RpcFailure with the reason: INVALID_ARGUMENT for a malformed
         one, OUT_OF_RANGE for one this server can never take (more tokens than its whole queue, or a
-        reply over its message limit), so a retry is not worth it."""
+        reply over its message limit), so a retry is not worth it. `pixels`: an image request's, cut
+        from its message (tulip.messages.Images)."""
         if self.draining:
             raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "this server is draining (shutting down); send the "
                              "request to another replica")
@@ -143,6 +148,8 @@ class TulipServicer:
         priority = request.priority  # the scheduling class (a transport field: no option, no fast-path test)
         if priority and priority not in PRIORITIES:  # proto3 enums are open: an unknown number arrives as is
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, bad_priority(priority))
+        if pixels is not None:
+            return self._images(request, on_done, priority, pixels)
         lens = request.lengths
         if len(lens) == 1:  # the online case: one plain sequence (no option set) passes every check below in one test
             n, raw = lens[0], request.token_ids
@@ -165,17 +172,21 @@ class TulipServicer:
         extras = frozenset(EXTRAS[o] for o in request.outputs if o in EXTRAS) if request.outputs else NO_EXTRAS
         return Request(ids, lengths, extras, on_done, pool_from, segments, priority)
 
-    def _images(self, request: tulip_pb2.EmbedRequest, on_done, priority: int) -> Request:
+    def _images(self, request: tulip_pb2.EmbedRequest, on_done, priority: int,
+                pixels: np.ndarray | None = None) -> Request:
         """An image request (`pixels`, `images`) checked against the model's image tower; its images are
-        budgeted at the tower's tokens each (patches and class token: `Engine.image_tokens`)."""
+        budgeted at the tower's tokens each (patches and class token: `Engine.image_tokens`). `pixels`: the
+        uint8 bytes cut from a big message (tulip.messages.Images), else `request.pixels` is read once (each
+        read of a bytes field is a copy)."""
+        if pixels is None:
+            pixels = np.frombuffer(request.pixels, dtype=np.uint8)
         try:
-            n, lens = parse_images(request, self.info, self.loop.engine.image_tokens)
+            n, lens = parse_images(request, self.info, self.loop.engine.image_tokens, pixels.size)
         except ValueError as e:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self._check_size(request, n, sum(lens), f"request of {n} images ({sum(lens)} tokens)")
         side = self.info.image_size
-        pixels = np.frombuffer(request.pixels, dtype=np.uint8).reshape(n, side, side, 3)
-        return Request(None, lens, NO_EXTRAS, on_done, None, None, priority, pixels=pixels)
+        return Request(None, lens, NO_EXTRAS, on_done, None, None, priority, pixels=pixels.reshape(n, side, side, 3))
 
     def _check_size(self, request, seqs: int, tokens: int, what: str) -> None:
         """OUT_OF_RANGE for a request this server can never take: more tokens than its whole queue, or a reply
@@ -351,8 +362,9 @@ def add_tulip(server, servicer: TulipServicer) -> None:
     if stages is not None:
         req_in, rep_out = stages.deserializer(req_in), stages.serializer(rep_out)
     handlers = {
-        "Embed": Direct(lambda call: UnaryEmbed(servicer, call), req_in, rep_out, False, False),
-        "EmbedStream": Direct(lambda call: EmbedStream(servicer, call), req_in, rep_out, True, True),
+        # (arrays: a big request comes as a writable array, its pixels cut from it, tulip.messages.decode_request)
+        "Embed": Direct(lambda call: UnaryEmbed(servicer, call), req_in, rep_out, False, False, True),
+        "EmbedStream": Direct(lambda call: EmbedStream(servicer, call), req_in, rep_out, True, True, True),
         "Info": grpc.unary_unary_rpc_method_handler(servicer.Info, tulip_pb2.InfoRequest.FromString,
                                                     tulip_pb2.InfoReply.SerializeToString),
     }
