@@ -18,6 +18,7 @@ from ivy.errors import APIError
 from ivy.tokenizer_long import SEGMENT_CHARS, CutRule, cut_rule, scan, segments, segments_agree
 from ivy.tokenizer_texts import EDGE_CASES, SENTENCES
 from ivy.wraps import fixed_pair_wrap, fixed_wrap, longest_first
+from trellis import spiece
 from trellis.modeldir import ModelSpec
 
 log = logging.getLogger("ivy.tokenizer")
@@ -100,24 +101,25 @@ class TextTokenizer:
                  chat_template: str = "", message_format: str = "flat", max_request_tokens: int = MAX_REQUEST_TOKENS,
                  pad_to: int = 0, pad_id: int = -1, pad_left: bool = False):
         path = Path(model_path) / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"{model_path} has no tokenizer.json")
+        # tokenizer.json, else SigLIP 1's spiece.model (trellis.spiece: SiglipTokenizer's steps around a Unigram)
+        self.exact = spiece.load(Path(model_path))
         if pad_to and pad_id < 0:
             raise ValueError(f"{model_path}: this model's texts are padded to {pad_to} tokens (as its processor pads "
                              "them), but neither its tokenizer nor its config.json names a pad token")
         self.pad_to, self.pad_id, self.pad_left = pad_to, pad_id, pad_left
         if backend not in BACKENDS:
             raise ValueError(f"tokenizer backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-        self.exact = Tokenizer.from_file(str(path))
         self.exact.no_truncation()
         self.exact.no_padding()
         # `tokenizers` with truncation only where a fixed template cannot cut (a second parse of the
         # file: ~0.5 s of CPU for 250k pieces, so built on first use)
-        self._path, self._truncating, self._lock = path, None, threading.Lock()
+        self._path, self._truncating, self._lock = Path(model_path), None, threading.Lock()
         self.max_len = max_len
         self.offload_chars = offload_chars
         self.max_request_tokens = max_request_tokens
-        self.fast = fast_encoder(path, self.exact, backend)
+        if not path.is_file() and backend == "native":
+            raise ValueError(f"tokenizer backend native cannot serve {model_path}: it has no tokenizer.json")
+        self.fast = fast_encoder(path, self.exact, backend) if path.is_file() else None
         self.backend = "native" if self.fast else "tokenizers"
         # long texts a segment at a time (ivy.tokenizer_long) where its rule holds for this tokenizer
         # and segments give the whole text's ids on the check texts
@@ -176,7 +178,7 @@ class TextTokenizer:
         """`tokenizers` truncating to the maximum (built on first use)."""
         with self._lock:
             if self._truncating is None:
-                tok = Tokenizer.from_file(str(self._path))
+                tok = spiece.load(self._path)
                 tok.no_padding()
                 tok.enable_truncation(self.max_len)
                 self._truncating = tok

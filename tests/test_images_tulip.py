@@ -5,7 +5,8 @@ keeps text and image steps apart while both kinds are queued, and refuses malfor
 INVALID_ARGUMENT while it keeps serving. One real Ivy before three Tulips (started together): the CLIP; a tiny
 SigLIP whose texts Ivy pads as its processor pads them (padding="max_length"), equal to transformers'
 `get_text_features` of the processor's ids; the CLIP in sentence-transformers' older `0_CLIPModel/` layout
-(tokenizer, processor config and prompts found where that layout keeps them)."""
+(tokenizer, processor config and prompts found where that layout keeps them); the SigLIP's weights with a SigLIP 1
+tokenizer (spiece.model alone) before the same Tulip."""
 
 from __future__ import annotations
 
@@ -85,12 +86,37 @@ def clip_tulip(served):
 
 
 @pytest.fixture(scope="module")
-def ivy(served, tmp_path_factory):
-    """One real Ivy serving the three models (--model-config), each before its own Tulip; its URL."""
+def siglip1(served, tmp_path_factory):
+    """The tiny SigLIP's weights with a SigLIP 1 tokenizer (spiece.model and SiglipTokenizer's config, no
+    tokenizer.json: google/siglip-*'s files), served by the SigLIP's Tulip: (directory, SiglipProcessor)."""
+    import random
+
+    from transformers import SiglipProcessor, SiglipTokenizer
+
+    from tests.test_spiece import train_spiece
+
+    d = tmp_path_factory.mktemp("siglip1") / "m"
+    shutil.copytree(served[0]["siglip"][2], d, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    rng = random.Random(5)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 6))) for _ in range(300)]
+    train_spiece(d / "spiece.model", [" ".join(rng.sample(words, 8)) for _ in range(500)], 60)
+    tok = SiglipTokenizer(str(d / "spiece.model"), model_max_length=TEXT["max_position_embeddings"])
+    processor = SiglipProcessor(image_processor=SiglipImageProcessor(size={"height": SIZE, "width": SIZE}),
+                                tokenizer=tok)
+    processor.save_pretrained(d)
+    assert not (d / "tokenizer.json").exists()
+    return d, processor
+
+
+@pytest.fixture(scope="module")
+def ivy(served, siglip1, tmp_path_factory):
+    """One real Ivy serving the three models (--model-config), each before its own Tulip, and "siglip1" (the
+    SigLIP's weights with a SigLIP 1 tokenizer) before the SigLIP's Tulip; its URL."""
     tmp = tmp_path_factory.mktemp("ivy")
     config = tmp / "models.json"
     config.write_text(json.dumps([{"name": name, "model": str(path), "tulip": target}
-                                  for name, (target, _, path) in served[0].items()]))
+                                  for name, (target, _, path) in served[0].items()]
+                                 + [{"name": "siglip1", "model": str(siglip1[0]), "tulip": served[0]["siglip"][0]}]))
     port = free_port()
     proc = Proc(["-m", "ivy", "--model-config", str(config), "--port", str(port)], tmp)
     url = f"http://127.0.0.1:{port}"
@@ -211,6 +237,25 @@ def test_siglip_texts_through_ivy_equal_the_processors_max_length_padding(served
     assert F.cosine_similarity(got[:4], want).min() >= 0.9999
     assert F.cosine_similarity(got[:4], bare).min() < 0.99
     assert F.cosine_similarity(got[4:], want_img).item() >= 0.9999
+
+
+def test_siglip1_tokenizer_from_spiece_model_through_ivy(served, siglip1, ivy):
+    """A SigLIP 1 directory (spiece.model, SiglipTokenizer, no tokenizer.json: trellis.spiece) through Ivy: the
+    ids /v1/tokenize shows are SiglipProcessor's with padding="max_length" (canonicalised: case, punctuation,
+    spaces, a literal </s>), and the vectors `get_text_features` of them (cosine >= 0.9999)."""
+    _, ref, _ = served[0]["siglip"]
+    _, processor = siglip1
+    texts = ["A photo of a BAD cab!", "  jig,  fig;   hide... ", "?!", "Ab</s> CaFe", "déjà vu — ﬁg ½"]
+    r = httpx.post(ivy + "/v1/embeddings", json={"model": "siglip1", "input": texts}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = torch.tensor([row["embedding"] for row in r.json()["data"]])
+    tokens = httpx.post(ivy + "/v1/tokenize", json={"model": "siglip1", "input": texts}, timeout=30).json()["data"]
+    inputs = processor(text=texts, padding="max_length", return_tensors="pt")
+    assert [t["tokens"] for t in tokens] == inputs["input_ids"].tolist()
+    assert len({tuple(t["tokens"]) for t in tokens}) == len(texts)
+    with torch.no_grad():
+        want = ref.get_text_features(input_ids=inputs["input_ids"]).pooler_output
+    assert F.cosine_similarity(got, want).min() >= 0.9999
 
 
 def test_sentence_transformers_older_clip_layout_through_ivy(served, ivy):

@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trellis import spiece
+
 
 def _read_json(path: Path) -> dict | list | None:
     return json.loads(path.read_text()) if path.is_file() else None
@@ -184,7 +186,8 @@ class ModelSpec:
         if default_prompt and default_prompt not in prompts:
             raise ValueError(f"{path / 'config_sentence_transformers.json'}: default_prompt_name {default_prompt!r} "
                              f"is not one of its prompts ({', '.join(prompts) or 'none'})")
-        tok = _read_json(path / "tokenizer.json") or {}
+        # SigLIP 1 publishes spiece.model alone: its special tokens and pieces as tokenizer.json would hold them
+        tok = _read_json(path / "tokenizer.json") or spiece.tokenizer_dict(path) or {}
         special = tuple(sorted(int(t["id"]) for t in tok.get("added_tokens", []) if t.get("special")))
         padding = {}
         if config["model_type"] in PADDED_TEXT:
