@@ -80,23 +80,31 @@ def test_non_contiguous_pixels_and_several_steps_in_flight(engines):
 
 
 def test_graphs_survive_cleared_cublas_workspaces(engines):
-    """torch.compile's CUDA graph trees clear cuBLAS's workspaces around every recording of theirs; graphs captured
-    with a workspace from torch's ordinary allocator then replayed into freed (after empty_cache: unmapped) memory
-    and faulted (an H100, 2026-12-06: `benchmarks.images` with transformers compiled beside the engine). The
-    capture takes its workspace from the runner's pool instead: text and image graphs replay as before."""
-    eager, e = engines
-    px = pixels(6, seed=13)
-    batch = Batch.from_sequences([[0, 60, 61, 62, 63, 1], [0, 70, 1]])
-    want_img = eager.step_images(px).synchronize().clone()
-    want_text = eager.step(batch).synchronize().clone()
-    for _ in range(3):  # eager, captured, replayed
-        e.step_images(px).synchronize()
-        e.step(batch).synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
-    replays = e.runner.stats.replays
-    for _ in range(2):
-        close(e.step_images(px).synchronize(), want_img)
-        close(e.step(batch).synchronize(), want_text)
-    torch.cuda.synchronize()
-    assert e.runner.stats.replays >= replays + 4
+    """torch.compile's CUDA graph trees clear cuBLAS's workspaces around every recording of theirs; a graph that
+    captured a workspace from torch's ordinary allocator then replays into freed (after empty_cache: unmapped)
+    memory. On an H100 (2026-12-06) `benchmarks.images` faulted so at the 256-image graph's replay after
+    transformers compiled in mode "reduce-overhead" had run beside the engine (the likely cause: the fault needed
+    that recording, and those trees clear the workspaces). The capture takes its workspace from the runner's pool
+    now. At 6 images this test also passed on the code before the fix (the GEMMs of that size use no workspace):
+    the 256-image step, the size that faulted, is the one that can tell; it has not yet run on a GPU."""
+    eager, _ = engines
+    big = Engine(EngineConfig(model=eager.cfg.model, graphs="lazy", max_graph_tokens=256 * eager.image_tokens))
+    try:
+        px = pixels(256, seed=13)
+        batch = Batch.from_sequences([[0, 60, 61, 62, 63, 1], [0, 70, 1]])
+        want_img = eager.step_images(px).synchronize().clone()
+        want_text = eager.step(batch).synchronize().clone()
+        for _ in range(3):  # eager, captured, replayed
+            big.step_images(px).synchronize()
+            big.step(batch).synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        replays = big.runner.stats.replays
+        for _ in range(2):
+            close(big.step_images(px).synchronize(), want_img)
+            close(big.step(batch).synchronize(), want_text)
+        torch.cuda.synchronize()
+        assert big.runner.stats.replays >= replays + 4
+    finally:
+        del big
+        torch.cuda.empty_cache()
