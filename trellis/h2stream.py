@@ -325,6 +325,13 @@ class StreamConnection(asyncio.Protocol):
                     parts[0] = p[left:]
                     left = 0
             size = room - left
+            if size < WRITE_HIGH:  # a small message (one picture): one frame in this turn's one write, not three
+                out.append(b"".join([HEAD.pack(size >> 16, size & 0xFFFF, DATA, 0, SID), *pieces]))
+                self._send_conn -= size
+                self._send_stream -= size
+                if not parts:
+                    queued.popleft()
+                continue
             self._write()
             t = self.transport
             if t is None or t.is_closing():

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from tulip.h2body import Pieces, whole
+from tulip.h2body import BIG, Pieces, whole
 from tulip.h2limits import ENHANCE_YOUR_CALM, NO_ERROR
 from trellis.h2frames import DATA, END_HEADERS, END_STREAM, HEADERS, RST_STREAM, frame
 from trellis.h2frames import HEAD, PREFIX, U32, literal
@@ -390,7 +390,9 @@ class Call:
         if body is None and not self._prefix and len(data) > PREFIX and data[0] == 0 \
                 and len(data) == PREFIX + int.from_bytes(data[1:5], "big"):
             if len(data) - PREFIX <= self.conn.server.max_message:  # one whole message in one frame: the usual
-                return self._deliver(whole(data[PREFIX:], self._arrays))
+                msg = data[PREFIX:]  # (bytes: a copy, as small messages come; a view of a big one's read: not yet)
+                return self._deliver(msg if type(msg) is bytes and (len(msg) < BIG or not self._arrays)
+                                     else whole(msg, self._arrays))
         before = len(self._prefix) + (body.size if body is not None else 0)
         limit = self.conn.server.max_message
         error = None

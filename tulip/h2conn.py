@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from tulip.h2body import BIG
 from tulip.h2call import Call
 from tulip.h2flow import Framing
 from tulip.h2limits import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR
@@ -273,7 +274,7 @@ class Connection(Framing, asyncio.Protocol):
                         return
                     pos = n
                 break
-            if ftype == DATA:  # its payload as a view of the read (the call copies what it keeps)
+            if ftype == DATA and length >= BIG:  # a big payload as a view of the read (the call copies what it keeps)
                 if view is None:
                     view = memoryview(data)
                 self.on_frame(DATA, flags, sid & 0x7FFFFFFF, view[pos + 9:end])

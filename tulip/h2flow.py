@@ -157,17 +157,33 @@ class Framing:
             self.out.append(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
     def _data(self, flags: int, sid: int, payload) -> None:
-        """A whole DATA frame (its payload a view of the socket's read)."""
+        """A whole DATA frame (its payload bytes, or a view of the socket's read when big). (The checks of
+        `data_begin` and the steps of `data_bytes` inline: this is every request's path.)"""
         n = len(payload)
+        self.recv_window -= n
+        if self.recv_window < 0:
+            return self.fail(FLOW_CONTROL_ERROR, f"DATA past the connection's window ({-self.recv_window} bytes over)")
         if flags & PADDED:
             if not payload or payload[0] >= n:
                 return self.fail(PROTOCOL_ERROR, "DATA padded past its end")
             payload = payload[1:n - payload[0]]
+        call = self.calls.get(sid)
+        if call is None:
+            if sid > self.last_sid or sid == 0:
+                return self.fail(PROTOCOL_ERROR, f"DATA on stream {sid}, which is not open")
+            return self.topup(None)  # a call that is already over (its stream reset or answered): dropped
+        if call.remote_closed:
+            return self._stream_error(sid, STREAM_CLOSED)
+        call.recv_window -= n
+        if call.recv_window < 0:
+            return self._stream_error(sid, FLOW_CONTROL_ERROR)
         if not payload and not flags & END_STREAM and not self.control.take():
             return self._calm("empty DATA frames")
-        self.data_begin(flags, sid, n)
-        if not self.closed:
-            self.data_bytes(payload, n)
+        if not call.over:
+            call.message(payload)
+        self.topup(call)
+        if flags & END_STREAM:
+            call.end_of_requests()
 
     def data_begin(self, flags: int, sid: int, n: int) -> None:
         """A DATA frame of `n` bytes (padding included) begins: what its header tells (the windows, the
