@@ -66,10 +66,11 @@ def test_a_big_image_request_is_copied_once_and_its_pixels_reach_the_engine_as_a
             await server.stop(0)
 
     got, peak = asyncio.run(main())
-    # Both ends in this process: the received reads held as views (1x) and the one copy into the message (1x),
-    # plus the client's transport buffer (under a frame). Before issue 51 the client alone serialized and
-    # framed the pixels ~5 times and the server copied them ~7 times (peak over 4x here).
-    assert peak < 2.5 * size, f"allocations peaked at {peak / size:.2f}x the pixels' {size} bytes"
+    # Both ends in this process: the message's one buffer on the server (1x; its first MiB came as views of the
+    # reads), the client's transport buffer (under a frame), the reads in flight: 1.15x on 2026-12-06. Before
+    # issue 51 the client serialized and framed the pixels ~5 times and the server copied them ~7 times: 5.19x;
+    # with the reads held as views until the message was whole, then copied: 2.11x.
+    assert peak < 1.5 * size, f"allocations peaked at {peak / size:.2f}x the pixels' {size} bytes"
     big = got[-1]
     assert type(big) is Images and big.request_id == "big#1" and big.request.images == 96 and not big.request.pixels
     assert big.pixels.flags.writeable and big.pixels.size == size

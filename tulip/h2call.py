@@ -413,7 +413,7 @@ class Call:
                 if n > limit:
                     error = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({n} vs. {limit})")
                     break
-                body = self._body = Pieces(n)
+                body = self._body = Pieces(n, self._arrays)
             take = min(body.need - body.size, end - pos)
             if take:
                 body.add(data[pos:pos + take])
