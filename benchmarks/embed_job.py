@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.embed import Embedder
     from jobs.run import run
     from trellis.modelref import resolve
-    from tulip.loop import CPU_PIECE_TOKENS
+    from tulip.steps import CPU_PIECE_TOKENS
 
     groups = [int(n) for n in args.ray_actors.split(",") if n.strip()] if args.ray else []
     cpus = os.cpu_count() or 1

@@ -13,7 +13,8 @@ import grpc
 import numpy as np
 
 from tulip.h2server import Direct, Server
-from tulip.loop import Request, _pixels_of
+from tulip.loop import Request
+from tulip.steps import pixels_of
 from tulip.messages import Images, Undecodable, decode_request
 from trellis.client import EmbedOptions, TulipStream
 from trellis.tulip.v1 import tulip_pb2
@@ -77,7 +78,7 @@ def test_a_big_image_request_is_copied_once_and_its_pixels_reach_the_engine_as_a
     assert np.array_equal(big.pixels.reshape(pixels.shape), pixels)
     # the engine's input: a view of the message's buffer (its pinned staging copy is then the only one)
     r = Request(None, (50,) * 96, frozenset(), None, pixels=big.pixels.reshape(pixels.shape))
-    t = _pixels_of([(r, i) for i in range(10, 42)])
+    t = pixels_of([(r, i) for i in range(10, 42)])
     assert np.shares_memory(t.numpy(), big.pixels) and np.array_equal(t.numpy(), pixels[10:42])
 
 

@@ -171,7 +171,8 @@ def test_cancelled_work_stops_at_the_next_cpu_piece():
     while one runs: of two cancelled requests of two pieces each, one piece runs (before: both
     requests whole, [4096, 4096]). A request not cancelled gets its rows from every piece, in order."""
     from tulip.config import TulipConfig
-    from tulip.loop import CPU_PIECE_TOKENS, EngineLoop, Request
+    from tulip.loop import EngineLoop, Request
+    from tulip.steps import CPU_PIECE_TOKENS
 
     seq = 256
     n = 2 * CPU_PIECE_TOKENS // seq  # two pieces
