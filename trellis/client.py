@@ -25,6 +25,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trellis.options import PER_SEQUENCE, Options
+from trellis.protowire import varint
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
 from trellis import h2stream
 from trellis.spin import Spinner
@@ -174,15 +175,6 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 _PIXELS_KEY = b"\x72"  # EmbedRequest.pixels' key: field 14, length-delimited
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while v > 0x7F:
-        out.append(v & 0x7F | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
 class TulipStream:
     """One long-lived EmbedStream call multiplexing concurrent requests by request_id, on an HTTP/2
     connection of its own (`trellis.h2stream`: cheaper per message than grpc.aio's call).
@@ -284,7 +276,7 @@ class TulipStream:
                 token = conn.send(req.SerializeToString())
             else:
                 tail = pixels.reshape(-1).data
-                token = conn.send(req.SerializeToString() + _PIXELS_KEY + _varint(len(tail)), tail)
+                token = conn.send(req.SerializeToString() + _PIXELS_KEY + varint(len(tail)), tail)
         except Exception:
             conn.pending.pop(rid, None)
             if timer is not None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from rose.extras import Extra
 from trellis.options import Options, verify
+from trellis.protowire import read_varint, varint
 from trellis.tulip.v1 import tulip_pb2
 
 
@@ -82,15 +83,6 @@ NO_EXTRAS = frozenset()
 F32 = np.dtype("<f4")  # the reply's float encoding
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while v > 0x7F:
-        out.append(v & 0x7F | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
 _PLAIN: dict[tuple[int, int, int], tuple[bytes, bytes]] = {}  # (rows, dim, tokens) -> the bytes around the rows
 
 
@@ -103,14 +95,14 @@ def plain_reply(vectors: np.ndarray, tokens: int, request_id: str = "") -> bytes
     if around is None:
         if len(_PLAIN) > 4096:
             _PLAIN.clear()
-        shape = _varint(n) + _varint(dim)  # fields 1 (bytes), 2 (packed uint32), 3 (uint32; 0: left out)
+        shape = varint(n) + varint(dim)  # fields 1 (bytes), 2 (packed uint32), 3 (uint32; 0: left out)
         around = _PLAIN[n, dim, tokens] = (
-            b"\x0a" + _varint(4 * n * dim) if n * dim else b"",
-            b"\x12" + _varint(len(shape)) + shape + (b"\x18" + _varint(tokens) if tokens else b""))
+            b"\x0a" + varint(4 * n * dim) if n * dim else b"",
+            b"\x12" + varint(len(shape)) + shape + (b"\x18" + varint(tokens) if tokens else b""))
     if not request_id:
         return b"".join((around[0], vectors, around[1]))
     rid = request_id.encode()  # field 9 (string)
-    return b"".join((around[0], vectors, around[1], b"J", _varint(len(rid)), rid))
+    return b"".join((around[0], vectors, around[1], b"J", varint(len(rid)), rid))
 
 
 def serialize_reply(reply: tulip_pb2.EmbedReply | bytes) -> bytes:
@@ -152,20 +144,6 @@ _PIXELS = 14  # EmbedRequest.pixels' field number
 _MAX_FIELDS = 64  # top-level fields `_cut_pixels` reads before it leaves a message to protobuf
 
 
-def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < end:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            break
-    return -1, end + 1  # truncated or over 64 bits: not for this reader
-
-
 def _cut_pixels(buf: np.ndarray) -> Images | None:
     """Read the top level of a serialized EmbedRequest (protobuf's wire format: a key varint, then a varint,
     8 or 4 bytes, or a length and that many bytes) and cut the `pixels` field out of it: protobuf parses the
@@ -182,16 +160,16 @@ def _cut_pixels(buf: np.ndarray) -> Images | None:
         if pos >= end:
             break
         start = pos
-        key, pos = _read_varint(mv, pos, end)
+        key, pos = read_varint(mv, pos, end)
         kind = key & 7
         if kind == 0:
-            _, pos = _read_varint(mv, pos, end)
+            _, pos = read_varint(mv, pos, end)
         elif kind == 1:
             pos += 8
         elif kind == 5:
             pos += 4
         elif kind == 2:
-            length, pos = _read_varint(mv, pos, end)
+            length, pos = read_varint(mv, pos, end)
             if length < 0:
                 return None
             pos += length
