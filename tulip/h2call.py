@@ -23,7 +23,6 @@ from trellis.h2frames import HEAD, PREFIX, U32, literal
 log = logging.getLogger("tulip.h2server")
 
 WRITE_HIGH = 4 << 20  # a streaming handler's write() waits while this much of its call is not yet sent
-_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 HEADERS_OK = b"".join(literal(k, v) for k, v in (
     (b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-accept-encoding", b"identity")))
 _BAD = grpc.StatusCode.INVALID_ARGUMENT  # a request that is not one: the docs' promise (never INTERNAL)
@@ -37,14 +36,6 @@ def grpc_message(text: str) -> bytes:
     """gRPC's percent-encoding of grpc-message: bytes outside printable ASCII, and '%'."""
     return urllib.parse.quote(text, safe=" !\"#$&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`"
                                          "abcdefghijklmnopqrstuvwxyz{|}~").encode()
-
-
-def parse_timeout(value: bytes) -> float | None:
-    """grpc-timeout (1 to 8 digits and a unit) in seconds; None when malformed."""
-    unit = _TIMEOUT_UNITS.get(value[-1:])
-    if unit is None or not value[:-1].isdigit() or len(value) > 9:
-        return None
-    return int(value[:-1]) * unit
 
 
 def _settle(fut: asyncio.Future | None) -> None:

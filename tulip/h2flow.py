@@ -18,9 +18,9 @@ import time
 import grpc
 import hpack
 
-from tulip.h2call import WRITE_HIGH, Call, Direct, Requests, parse_timeout
+from tulip.h2call import WRITE_HIGH, Call, Direct, Requests
 from tulip.h2limits import (COMPRESSION_ERROR, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, MAX_WINDOW,
-                            PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Bucket, request_error)
+                            PROTOCOL_ERROR, REFUSED_STREAM, STREAM_CLOSED, Bucket, parse_timeout, request_error)
 from trellis.h2frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY,
                               HEADERS, MAX_FRAME, PADDED, PING, PRIORITY, PRIORITY_FLAG, PUSH_PROMISE, RST_STREAM,
                               SETTINGS, SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,

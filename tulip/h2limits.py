@@ -161,3 +161,14 @@ def raise_nofile_limit() -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """grpc-timeout (1 to 8 digits and a unit) in seconds; None when malformed."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    if unit is None or not value[:-1].isdigit() or len(value) > 9:
+        return None
+    return int(value[:-1]) * unit
