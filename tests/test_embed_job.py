@@ -103,6 +103,22 @@ def test_each_format_gives_sentence_transformers_vectors_with_ids(name, inputs, 
     assert summary["tokens"] == int(df["tokens"].sum()) and df["tokens"].iloc[-1] == 256  # truncated at the end
 
 
+def test_a_scheme_pyarrow_lacks_is_read_through_fsspec(inputs, embedder, reference, tmp_path):
+    """An INPUT URI whose scheme pyarrow has no filesystem for (fsspec's `memory://`; gcsfs, adlfs, ... alike) is
+    read through fsspec (jobs.dataset.filesystem's fallback), with the same vectors and ids as a local file."""
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    mem.pipe(f"/trellis-{os.getpid()}/in.parquet", (inputs / "in.parquet").read_bytes())
+    try:
+        run(config(f"memory://trellis-{os.getpid()}/in.parquet", tmp_path / "out"), [embedder])
+    finally:
+        mem.rm(f"/trellis-{os.getpid()}", recursive=True)
+    df = pd.read_parquet(tmp_path / "out")
+    assert df["id"].tolist() == IDS
+    assert cosines(np.stack(df["dense"].to_numpy()), reference).min() > 0.9999
+
+
 def test_bad_rows_go_to_the_errors_file_and_the_job_goes_on(inputs, tmp_path):
     summary = run(config(inputs / "in.jsonl", tmp_path / "out", "--truncate", "none"))
     errors = [json.loads(x) for x in (tmp_path / "out" / "_errors.jsonl").read_text().splitlines()]
