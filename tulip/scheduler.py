@@ -89,6 +89,16 @@ class Scheduler:
         self._live += 1
         self.queued_tokens += entry.num_tokens
 
+    def _count(self, entry: Entry, sign: int) -> int:
+        """Add (sign 1) or take off (-1) what is left of `entry` to the queued counts; returns its tokens."""
+        left = sum(entry.lengths[entry.next:])
+        self._live += sign
+        self.queued_tokens += sign * left
+        if entry.priority:
+            self.batch_live += sign
+            self.batch_tokens += sign * left
+        return left
+
     def drop(self, entry: Entry) -> bool:
         """Drop whatever of `entry` is still queued (or held) and mark it cancelled; False (and nothing
         changed) if none of it is queued any more."""
@@ -101,12 +111,7 @@ class Scheduler:
             return False
         entry.queued = False
         entry.cancelled = True
-        self._live -= 1
-        left = sum(entry.lengths[entry.next:])
-        self.queued_tokens -= left
-        if entry.priority:
-            self.batch_live -= 1
-            self.batch_tokens -= left
+        self._count(entry, -1)
         return True
 
     def hold(self, entry: Entry) -> bool:
@@ -116,13 +121,7 @@ class Scheduler:
             return False
         entry.queued = False
         entry.held = 1
-        self._live -= 1
-        left = sum(entry.lengths[entry.next:])
-        self.queued_tokens -= left
-        self.held_tokens += left
-        if entry.priority:
-            self.batch_live -= 1
-            self.batch_tokens -= left
+        self.held_tokens += self._count(entry, -1)
         return True
 
     def resume(self, entries) -> None:
@@ -136,13 +135,7 @@ class Scheduler:
                 front.append(entry)
             entry.held = 0
             entry.queued = True
-            self._live += 1
-            left = sum(entry.lengths[entry.next:])
-            self.held_tokens -= left
-            self.queued_tokens += left
-            if entry.priority:
-                self.batch_live += 1
-                self.batch_tokens += left
+            self.held_tokens -= self._count(entry, 1)
         for entry in reversed(front):
             (self._batch if entry.priority else self._queue).appendleft(entry)
 
