@@ -98,6 +98,12 @@ class EmbedOptions(Options):
         ids, lengths = pack(seqs)
         return self._fill(tulip_pb2.EmbedRequest(token_ids=ids, lengths=lengths))
 
+    def message(self, seqs) -> tuple[tulip_pb2.EmbedRequest, np.ndarray | None]:
+        """What `TulipClient.call` sends for `seqs`: the message and, for an image request, its pixels apart
+        (`image_head`: the stream sends them from the array, not copied into the message). Token ids: `request`'s
+        message and None; an options type that carries pixels (Ivy's ImageOptions) returns its `image_head`."""
+        return self.request(seqs), None
+
     def image_request(self, pixels: np.ndarray) -> tulip_pb2.EmbedRequest:
         """An image request: `pixels` uint8 [n, S, S, 3] (RGB, resized and cropped as the model's image
         processor does; S the model's Info.image_size), sent as they are (Tulip rescales and normalises)."""
@@ -409,10 +415,11 @@ class TulipClient:
         """Embed token-id sequences as `opts` asks (`embed_result`'s arguments in one object), within
         what is left of its deadline; `req`: the message already built from `opts` (an image request's,
         `EmbedOptions.image_request`), sent instead; on the stream, `pixels` (`EmbedOptions.image_head`)
-        are its pixels, sent from the array. (One coroutine for both: no second await on the request
+        are its pixels, sent from the array. Without `req`, `opts.message(seqs)` builds both (an image
+        request's pixels apart: a balancer's chunk sends them uncopied too). (One coroutine for both: no second await on the request
         path.)"""
         if req is None:
-            req = opts.request(seqs)
+            req, pixels = opts.message(seqs)
         timeout = opts.timeout()
         self.outstanding += 1
         try:

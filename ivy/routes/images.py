@@ -31,7 +31,8 @@ from trellis.tulip.v1 import tulip_pb2
 class ImageOptions(EmbedOptions):
     """An image request's EmbedOptions: its pixels (uint8 [images, side, side, 3]) travel in the message's
     `pixels` / `images` instead of token ids. The balancer chunks it as any request (its "sequences" are
-    placeholders as long as an image's patch tokens, `placeholders`), so `part` cuts the pixels too."""
+    placeholders as long as an image's patch tokens, `placeholders`), so `part` cuts the pixels too; the client
+    sends a chunk's pixels from the request's array (`message`), as trellis.client's own image calls do."""
 
     pixels: np.ndarray | None = field(default=None, compare=False)
 
@@ -40,6 +41,12 @@ class ImageOptions(EmbedOptions):
 
     def request(self, seqs) -> tulip_pb2.EmbedRequest:
         return self.image_request(self.pixels)  # the options, request id and priority as any request's
+
+    def message(self, seqs) -> tuple[tulip_pb2.EmbedRequest, np.ndarray]:
+        """The message without its pixels, and the pixels (C-contiguous: a chunk is a slice of the request's
+        array along its first axis): the stream sends them from this array, not copied into the message
+        (the unary transport copies them in)."""
+        return self.image_head(self.pixels)
 
 
 def placeholders(n: int, tokens: int) -> list[np.ndarray]:
