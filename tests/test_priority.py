@@ -1,5 +1,6 @@
 """Issue 50: two priority classes. The scheduler's rules (online work first at every step, FCFS within a
-class, batch work in the budget online work leaves, drop / counts across classes), then one real CPU
+class, no batch work in a step with online work but one in ONLINE_STEPS_PER_FILL in a row, batch steps
+capped, drop / counts across classes), then one real CPU
 Tulip (the default model) on loopback: an online request sent through the real client overtakes batch
 requests queued ahead of it (completion order, and Tulip's per-class metrics), an unknown class is
 INVALID_ARGUMENT on both RPCs, and an Ivy in front of it passes the X-Trellis-Priority header and the
@@ -15,7 +16,7 @@ import pytest
 from tests.conftest import Proc, free_port, http_status, metric
 from trellis.client import EmbedOptions, TulipClient
 from trellis.tulip.v1 import tulip_pb2, tulip_pb2_grpc
-from tulip.scheduler import BATCH, ONLINE, Entry, Scheduler
+from tulip.scheduler import BATCH, ONLINE, ONLINE_STEPS_PER_FILL, Entry, Scheduler
 
 
 def req(*lens, priority=ONLINE):
@@ -36,6 +37,15 @@ def test_classes_are_the_protos():
     assert Entry((3,)).priority == ONLINE
 
 
+def online_steps(s: Scheduler, n: int, length: int = 10) -> list:
+    """Run `n` steps that each carry one online query of `length` tokens arriving just before it; their slots."""
+    steps = []
+    for _ in range(n):
+        s.add(req(length))
+        steps.append(s.next_batch())
+    return steps
+
+
 def test_online_overtakes_queued_batch_work():
     s = Scheduler(max_batch_tokens=100)
     b1, b2 = req(60, 60, priority=BATCH), req(50, priority=BATCH)
@@ -44,7 +54,8 @@ def test_online_overtakes_queued_batch_work():
     assert s.next_batch() == [(b1, 0)]  # batch alone runs
     q = req(30)  # arrives while b1's second sequence and b2 wait
     s.add(q)
-    assert s.next_batch() == [(q, 0), (b1, 1)]  # online first, batch fills the 70 left
+    assert s.next_batch() == [(q, 0)]  # online first, and alone: no batch work in its step
+    assert s.next_batch() == [(b1, 1)]  # (b2's 50 would pass the budget)
     assert s.next_batch() == [(b2, 0)]
     assert len(s) == 0 and s.queued_tokens == 0 and s.batch_tokens == 0 and s.batch_live == 0
 
@@ -56,43 +67,58 @@ def test_fcfs_within_each_class():
     for x, y in zip(b, o):  # interleaved arrivals
         s.add(x)
         s.add(y)
-    assert [e for e, _ in s.next_batch()] == o + b
+    assert s.online_live == 3
+    assert [e for e, _ in s.next_batch()] == o
+    assert s.online_live == 0 and [e for e, _ in s.next_batch()] == b
 
 
-def test_batch_gets_the_budget_online_work_leaves():
+def test_a_step_with_online_work_takes_no_batch_work():
+    """Issue 50: the callers of a step wait for all of it, so an online step is not filled with batch work
+    (before: a 1 x 128 probe's step on an H100 carried up to 2,048 batch tokens, --batch-step-tokens)."""
+    s = Scheduler(max_batch_tokens=16384, batch_step_tokens=2048)
+    s.add(job := req(*[512] * 100, priority=BATCH))
+    assert [i for _, i in s.next_batch()] == [0, 1, 2, 3]  # batch alone: 2,048 tokens
+    s.add(probe := req(128))
+    assert s.next_batch() == [(probe, 0)]
+    s.add(a := req(128))
+    s.add(b := req(64, 64))
+    assert s.next_batch() == [(a, 0), (b, 0), (b, 1)]  # online work in full, FCFS, and nothing else
+    assert [(e, i) for e, i in s.next_batch()] == [(job, 4), (job, 5), (job, 6), (job, 7)]  # the job goes on
+
+
+def test_one_online_step_in_four_in_a_row_takes_batch_work():
+    """Batch work is never starved: of the steps in a row that carry online work while it waits, every
+    ONLINE_STEPS_PER_FILL-th fills the budget the online work leaves; a batch-only step starts the count again."""
+    assert ONLINE_STEPS_PER_FILL == 4
     s = Scheduler(max_batch_tokens=64)
     bulk = req(*[16] * 8, priority=BATCH)
     s.add(bulk)
-    online = [req(40), req(40)]
-    for r in online:
-        s.add(r)
-    first = s.next_batch()
-    assert first == [(online[0], 0), (bulk, 0)]  # 40 + 16: the second query (40) would not fit, 8 left
-    second = s.next_batch()
-    assert second == [(online[1], 0), (bulk, 1)]
-    assert [len(b) for b in drain(s)] == [4, 2]  # then batch alone, full budget
-    # the room an online sequence too long for it leaves goes to batch work that fits
+    steps = online_steps(s, 4, length=40)
+    assert [[e is bulk for e, _ in st] for st in steps] == [[False]] * 3 + [[False, True]]  # 40 + 16 of 64
+    assert [len(st) for st in online_steps(s, 2, length=40)] == [1, 1]
+    assert [e is bulk for e, _ in s.next_batch()] == [True] * 4  # no online work: batch alone, full budget
+    assert [len(st) for st in online_steps(s, 4, length=40)] == [1, 1, 1, 2]  # the count began again
+    assert [e is bulk for e, _ in s.next_batch()] == [True] * 2
+    assert len(s) == 0 and s.queued_tokens == 0 and s.batch_tokens == 0
+    # no batch work waiting: online steps do not count towards a fill
     s = Scheduler(max_batch_tokens=64)
-    s.add(big := req(60))
-    s.add(small := req(4, priority=BATCH))
-    s.add(late := req(10))
-    assert s.next_batch() == [(big, 0), (small, 0)] and s.next_batch() == [(late, 0)]
+    online_steps(s, 3)
+    s.add(late := req(16, priority=BATCH))
+    assert [len(st) for st in online_steps(s, 2)] == [1, 1] and s.batch_live == 1
 
 
 def test_batch_never_starved_by_a_stream_of_online_work():
     s = Scheduler(max_batch_tokens=128)
     bulk = req(*[64] * 4, priority=BATCH)
     s.add(bulk)
-    served = 0
-    for _ in range(4):  # one 64-token query arrives before every step
-        s.add(req(64))
-        served += sum(1 for e, _ in s.next_batch() if e is bulk)
-    assert served == 4 and len(s) == 0
+    served = [sum(1 for e, _ in st if e is bulk) for st in online_steps(s, 16, length=64)]
+    assert served == [0, 0, 0, 1] * 4 and len(s) == 0  # a query before every step: every fourth takes the 64 left
 
 
 def test_batch_steps_are_capped_at_batch_step_tokens():
     """A step takes at most `batch_step_tokens` of batch work (online work arriving waits for the steps in
-    flight: on an H100 a cap of 2,048 took an online p99 beside a job from 61.8 to 10.1 ms); one longer batch
+    flight: on an H100 a cap of 2,048 took an online p99 beside a job from 61.8 to 10.1 ms), and at most
+    `online_batch_step_tokens` while online work is live (`live`: the engine loop's clock); one longer batch
     sequence still goes, alone; online work is not capped."""
     s = Scheduler(max_batch_tokens=1000, batch_step_tokens=100)
     job = req(40, 40, 40, 250, 40, priority=BATCH)
@@ -101,8 +127,12 @@ def test_batch_steps_are_capped_at_batch_step_tokens():
     s.add(job2 := req(60, 60, priority=BATCH))
     s.add(online := req(300, 300))
     first = s.next_batch()
-    assert [(e is online, i) for e, i in first] == [(True, 0), (True, 1), (False, 0)]  # online in full, 60 of batch
-    assert s.next_batch() == [(job2, 1)]
+    assert [(e is online, i) for e, i in first] == [(True, 0), (True, 1)]  # online in full
+    assert s.next_batch() == [(job2, 0)] and s.next_batch() == [(job2, 1)]  # 120 > 100
+    s = Scheduler(max_batch_tokens=1000, batch_step_tokens=100, online_batch_step_tokens=50)
+    s.add(job := req(20, 20, 20, 20, 20, 20, 70, priority=BATCH))
+    assert [len(s.next_batch(live=True)), len(s.next_batch()), len(s.next_batch(live=True))] == [2, 4, 1]
+    assert Scheduler(100, batch_step_tokens=60).online_batch_step_tokens == 60  # 0: batch_step_tokens
 
 
 def test_drop_and_counts_across_classes():
@@ -111,8 +141,11 @@ def test_drop_and_counts_across_classes():
     for r in (spanning, other, online):
         s.add(r)
     assert len(s) == 3 and s.queued_tokens == 34 and s.batch_tokens == 28 and s.batch_live == 2
-    assert s.next_batch() == [(online, 0), (spanning, 0)]
-    assert s.queued_tokens == 20 and s.batch_tokens == 20 and len(s) == 2
+    assert s.online_live == 1
+    assert s.next_batch() == [(online, 0)]
+    assert s.queued_tokens == 28 and s.batch_tokens == 28 and len(s) == 2 and s.online_live == 0
+    assert s.next_batch() == [(spanning, 0), (spanning, 1)]
+    assert s.queued_tokens == 12 and s.batch_tokens == 12 and len(s) == 2
     assert s.drop(spanning) and s.queued_tokens == 4 and s.batch_tokens == 4 and s.batch_live == 1 and len(s) == 1
     assert not s.drop(spanning) and not s.drop(online)  # nothing of them is queued
     o2 = req(5)
@@ -124,9 +157,11 @@ def test_drop_and_counts_across_classes():
 
 def test_sequence_cap_holds_across_classes():
     s = Scheduler(max_batch_tokens=1000, max_batch_seqs=3)
+    s.add(b := req(1, 1, 1, 1, priority=BATCH))
+    online_steps(s, ONLINE_STEPS_PER_FILL - 1, length=1)
     s.add(o := req(1, 1))
-    s.add(b := req(1, 1, priority=BATCH))
-    assert s.next_batch() == [(o, 0), (o, 1), (b, 0)] and s.next_batch() == [(b, 1)]
+    assert s.next_batch() == [(o, 0), (o, 1), (b, 0)]  # the filled step: 3 sequences in all
+    assert s.next_batch() == [(b, 1), (b, 2), (b, 3)]
 
 
 # ---- a real Tulip (and Ivy) on loopback ----

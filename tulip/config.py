@@ -62,6 +62,10 @@ class TulipConfig:
                                    "the steps in flight, so smaller batch steps shorten their wait (H100, bge-m3, a job "
                                    "of 8 x 100 x 512 outstanding: online p99 61.8 ms at 0, 18.2 at 4096, 10.1 at 2048, "
                                    "the job's rate 1,574 / 1,641 / 1,705 emb/s); 0: the whole budget")
+    online_batch_step_tokens: int = field(0, "--batch-step-tokens while online work is live (an online request came "
+                                          "in the last second; batch-only steps then also go one at a time, "
+                                          "tulip.loop.ONLINE_LIVE_S): an online request waits for at most one batch "
+                                          "step, of at most this many tokens; 0: --batch-step-tokens")
     max_queued_tokens: int = field(1 << 20, "tokens allowed to wait; beyond it new requests get RESOURCE_EXHAUSTED")
     drain_seconds: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     max_message_mb: int = field(64, "largest gRPC message accepted or sent, in MiB")
@@ -94,6 +98,9 @@ class TulipConfig:
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
             )
         warmup_shapes(self.warmup)
+        for name in ("batch_step_tokens", "online_batch_step_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 0 (0: see its help)")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight {self.max_inflight} must be >= 1")
         if self.spin_ms < 0:

@@ -1,6 +1,6 @@
 """Tulip's engine loop: batches from the `Scheduler` (online work first, FCFS within a priority class),
-launched on the engine while up to `max_inflight - 1` earlier steps still run, each step's rows
-scattered to its requests' callbacks.
+launched on the engine while up to `max_inflight - 1` earlier steps still run (batch-only steps one at a
+time while online work is live), each step's rows scattered to its requests' callbacks.
 
 `EngineLoop` owns the scheduler and the engine; the gRPC servicer (`tulip.server`) only validates,
 submits and replies. `warm_up` runs the --warmup shapes before serving.
@@ -29,6 +29,13 @@ from tulip.stages import BATCH, COPY, DELIVER, LAUNCH, SCHEDULE, WAIT, StageReco
 from tulip.steps import CPU_PIECE_TOKENS, batch_of, pixels_of, run_images, run_pieces, run_step, StepThread
 
 log = logging.getLogger("tulip")
+
+# How long after an online request arrives online work counts as live. While it is, batch-only steps go one
+# at a time (an online arrival waits for at most one batch step, not `max_inflight` of them) and take at most
+# `online_batch_step_tokens`; the job pays the host's gap between its steps only then. Online traffic at a rate
+# r gets this for the p99 of its requests where 99% of them come within the window of the one before:
+# exp(-r * ONLINE_LIVE_S) <= 0.01, r >= 4.6 a second; a job with no online work beside it keeps `max_inflight`.
+ONLINE_LIVE_S = 1.0
 
 
 _NO_EXTRAS = frozenset()
@@ -117,11 +124,12 @@ def _stamp(slots, point: int) -> None:
 
 
 class _Step:
-    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens")
+    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only")
 
     def __init__(self, slots: list, lazy, launched: float, tokens: int):
         self.slots, self.lazy, self.launched, self.tokens = slots, lazy, launched, tokens  # lazy: LazyTensor / StepThread
         self.watched_from = 0.0
+        self.batch_only = slots[0][0].priority != ONLINE  # online slots come first
 
 
 class EngineLoop:
@@ -131,7 +139,9 @@ class EngineLoop:
     when a step slot is free (at most `max_inflight` in flight on a GPU, one on CPU), launches the next FCFS
     batch at once (on CUDA `engine.step` only queues work). While a step runs, another is
     launched only once a quarter of a batch's token budget is waiting; fewer requests wait
-    for the running step and go together in the next. The oldest step is watched by
+    for the running step and go together in the next. While online work is live (`ONLINE_LIVE_S`)
+    at most one batch-only step is in flight: a step is not cut short once launched, so an online
+    request that arrives waits for the batch steps ahead of it on the device. The oldest step is watched by
     polling its event from the event loop for up to `spin_ms` (a wake-up costs a few
     microseconds, not a thread hand-off), then by a waiter thread; after a step completes the
     loop keeps polling for `spin_ms` more (`Spinner`), so the next request is read at once.
@@ -145,7 +155,8 @@ class EngineLoop:
         self.engine = engine
         self.cfg = cfg
         self.metrics = metrics or TulipMetrics()
-        self.scheduler = Scheduler(cfg.max_batch_tokens, batch_step_tokens=cfg.batch_step_tokens)
+        self.scheduler = Scheduler(cfg.max_batch_tokens, batch_step_tokens=cfg.batch_step_tokens,
+                                   online_batch_step_tokens=cfg.online_batch_step_tokens)
         # a model with an image tower (CLIP, SigLIP): image requests queue apart, since a step is text or
         # images; their sequences are images, budgeted at the tower's tokens each (Engine.image_tokens)
         # (a step of at most the largest image graph's images: bigger ones would run eagerly)
@@ -157,6 +168,8 @@ class EngineLoop:
             lambda: len(self.scheduler) + (len(self.images) if self.images is not None else 0))
         self.metrics.by_class(self.scheduler)
         self._inflight: deque[_Step] = deque()
+        self._batch_steps = 0  # of which batch-only steps
+        self._online_until = 0.0  # monotonic: online work is live until then (ONLINE_LIVE_S after an arrival)
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
         self._spin_s = cfg.spin_ms / 1e3 if self._executor is None else 0.0
@@ -195,6 +208,7 @@ class EngineLoop:
                         len(self._inflight), timeout)
             while self._inflight:
                 self._fail(self._inflight.popleft().slots, RuntimeError("the server is stopping"))
+            self._batch_steps = 0
         if self._executor:
             self._executor.shutdown(wait=False)
 
@@ -247,6 +261,8 @@ class EngineLoop:
                 req.trace.end(error)
             raise error
         req.queued_at = time.monotonic()
+        if req.priority == ONLINE:
+            self._online_until = req.queued_at + ONLINE_LIVE_S
         queue = self.scheduler if req.pixels is None else self.images
         queue.add(req)
         if held:
@@ -290,6 +306,7 @@ class EngineLoop:
         """Launch FCFS batches while a step slot is free (a model with an image tower: a step is text or
         images, and while both wait they take turns)."""
         sched, images = self.scheduler, self.images
+        live = bool(self._online_until) and time.monotonic() < self._online_until  # (a job alone reads no clock)
         while len(self._inflight) < self._max_inflight:
             if (images is not None and len(images) and (self._image_turn or not len(sched))
                     and (not self._inflight or images.queued_tokens >= self._overlap_tokens)):
@@ -298,7 +315,9 @@ class EngineLoop:
                 picked = sched
             else:
                 break
-            slots = picked.next_batch()
+            if live and self._batch_steps and not picked.online_live:
+                break  # online work is live: one batch-only step in flight at a time
+            slots = picked.next_batch(live)
             if not slots:
                 break
             launched = time.monotonic()
@@ -330,6 +349,7 @@ class EngineLoop:
                 self._fail(slots, e)
                 continue
             self._inflight.append(step := _Step(slots, lazy, launched, tokens))
+            self._batch_steps += step.batch_only
             if self.tracing is not None:
                 self.tracing.launched(step)
         if self._inflight and not self._watching:
@@ -370,6 +390,7 @@ class EngineLoop:
         if not self._inflight or self._inflight[0] is not step:
             return  # stop() already failed it
         self._inflight.popleft()
+        self._batch_steps -= step.batch_only
         if self.stages is not None:
             _stamp(step.slots, WAIT)
         if self.tracing is not None:

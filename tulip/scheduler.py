@@ -3,9 +3,13 @@ Python, no GPU, no asyncio, no numpy).
 
 Requests wait in arrival order, online ones (the default) in one queue, batch ones (bulk jobs:
 `trellis embed`, Ivy's Batch API) in another. `next_batch()` takes online sequences from the front
-of theirs until the next one would exceed the token budget, then fills the budget they leave with
-batch sequences from the front of the batch queue: queued online work overtakes queued batch work at
-every step, and batch work is never starved (a step with no online work is all batch). A request's
+of theirs until the next one would exceed the token budget; a step with no online work is all batch
+work (at most `batch_step_tokens` of it). Queued online work overtakes queued batch work at every step.
+A step that carries online work takes no batch work beside it: its callers wait for the whole step,
+and one online sequence with 2,048 batch tokens beside it runs as long as a batch step, where alone
+it runs as a step of its own size (on CUDA in the graph of its own shape, captured once). Only one in
+`ONLINE_STEPS_PER_FILL` such steps in a row while batch work waits fills the budget the online work
+leaves, so batch work is never starved, even by online work queued at every step. A request's
 sequences may be spread over several batches, and within a class a later request never overtakes an
 earlier one. Nothing is sorted by length: the cost of a step is close to linear in its tokens, so
 sorting buys nothing and makes short requests wait (DESIGN.md).
@@ -27,6 +31,12 @@ from typing import Sequence
 # An Entry's `priority`: the values of the proto's Priority enum (PRIORITY_ONLINE, PRIORITY_BATCH;
 # tests/test_priority.py holds them equal), kept as plain ints so this module imports no stubs.
 ONLINE, BATCH = 0, 1
+
+# Of the steps in a row that carry online work while batch work waits, this one (the fourth) takes batch
+# work in the budget the online work leaves; the others take none. Online requests that arrive one or a few
+# at a time find batch-only steps between theirs and never meet a filled step; a stream of online work that
+# keeps its queue non-empty at every step still leaves batch work the room of one step in four.
+ONLINE_STEPS_PER_FILL = 4
 
 
 class Entry:
@@ -58,11 +68,14 @@ class Scheduler:
     the batch class's share): `drop()` takes an entry's unbatched tokens off at once (the entry itself
     leaves its queue when it reaches the front)."""
 
-    def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16, batch_step_tokens: int = 0):
+    def __init__(self, max_batch_tokens: int, max_batch_seqs: int = 1 << 16, batch_step_tokens: int = 0,
+                 online_batch_step_tokens: int = 0):
         self.max_batch_tokens = max_batch_tokens
         # the most batch-class tokens one step takes (0: the whole budget): a step of batch work runs while online
         # requests arrive, and they wait for it; one batch sequence longer than this still goes alone
         self.batch_step_tokens = batch_step_tokens or max_batch_tokens
+        # the same while online work is live (`next_batch(live=True)`; 0: batch_step_tokens)
+        self.online_batch_step_tokens = online_batch_step_tokens or self.batch_step_tokens
         self.max_batch_seqs = max_batch_seqs
         self._queue: deque[Entry] = deque()  # online
         self._batch: deque[Entry] = deque()
@@ -71,9 +84,15 @@ class Scheduler:
         self.batch_live = 0  # of which batch entries
         self.batch_tokens = 0  # of which batch tokens
         self.held_tokens = 0  # unbatched tokens of held entries (in neither count above)
+        self._unfilled = 0  # steps in a row that carried online work and no batch work while batch work waited
 
     def __len__(self) -> int:
         return self._live
+
+    @property
+    def online_live(self) -> int:
+        """Online entries with sequences still queued (not held): the next step carries online work."""
+        return self._live - self.batch_live
 
     def add(self, entry: Entry) -> None:
         longest = max(entry.lengths)
@@ -139,9 +158,11 @@ class Scheduler:
         for entry in reversed(front):
             (self._batch if entry.priority else self._queue).appendleft(entry)
 
-    def next_batch(self) -> list[tuple[Entry, int]]:
-        """Pop the next batch as (entry, sequence index) slots: online work in arrival order, then
-        batch work in arrival order in the budget left."""
+    def next_batch(self, live: bool = False) -> list[tuple[Entry, int]]:
+        """Pop the next batch as (entry, sequence index) slots: online work in arrival order; batch work
+        in arrival order only where there is no online work, or in the budget left by one step in
+        `ONLINE_STEPS_PER_FILL` that carry online work in a row. `live`: online work is live (the engine
+        loop's clock says), batch work takes at most `online_batch_step_tokens`."""
         slots: list[tuple[Entry, int]] = []
         tokens = 0
         budget = self.max_batch_tokens
@@ -168,14 +189,18 @@ class Scheduler:
                 entry.queued = False
                 self._live -= 1
         if self._batch:  # the online-only case pays this one test
-            self._fill(slots, tokens)
+            if not slots or self._unfilled >= ONLINE_STEPS_PER_FILL - 1:
+                self._unfilled = 0
+                self._fill(slots, tokens, self.online_batch_step_tokens if live else self.batch_step_tokens)
+            elif self.batch_live:
+                self._unfilled += 1
         return slots
 
-    def _fill(self, slots: list, tokens: int) -> None:
+    def _fill(self, slots: list, tokens: int, step_tokens: int) -> None:
         """Append batch-class sequences, FCFS, to `slots` (holding `tokens`) while they fit the budget and
-        `batch_step_tokens` (at least one sequence where it fits the budget)."""
+        `step_tokens` more (at least one sequence where it fits the budget)."""
         budget = self.max_batch_tokens
-        cap = tokens + self.batch_step_tokens
+        cap = tokens + step_tokens
         first = True
         q = self._batch
         while q and len(slots) < self.max_batch_seqs:

@@ -1,0 +1,131 @@
+"""Issue 50: what an online request waits for beside a bulk job in Tulip's engine loop.
+
+On a GPU-like device (tests/test_overlap.py's fake: steps queue on one timeline and take STEP_S each, launched
+inline, two in flight): a job of batch requests keeps two batch steps in flight while no online work is live;
+an online request that arrives within ONLINE_LIVE_S of the one before finds at most one batch step ahead of it
+and its own step carries no batch work; once the window passes the job has two in flight again.
+On the CPU with the real engine (all-MiniLM-L6-v2): the online request's step is its own, and every request's
+rows are the engine's."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tulip.loop
+from rose.batch import Batch
+from tests.test_overlap import STEP_S, FakeGpuEngine, Timeline
+from tulip.config import TulipConfig
+from tulip.loop import EngineLoop, Request
+from tulip.scheduler import BATCH
+
+JOB = 1  # the job's token id; a probe's is 900 + its number
+
+
+class Recording(FakeGpuEngine):
+    """The fake device, and the token ids of each step it ran (in launch order, as the timeline's)."""
+
+    def __init__(self, tl: Timeline):
+        super().__init__(tl)
+        self.ids: list[set] = []
+
+    def step(self, batch, extras=frozenset()):
+        lazy = super().step(batch, extras)
+        self.ids.append(set(batch.input_ids.tolist()))
+        return lazy
+
+
+def overlapping(tl: Timeline, kinds: list, start: float, end: float) -> int:
+    """The most batch-only steps on the device at once among those launched in [start, end)."""
+    most = 0
+    for k, t in enumerate(tl.launched):
+        if start <= t < end and kinds[k]:
+            most = max(most, sum(1 for j in range(k + 1) if kinds[j] and tl.done_at[j] > t))
+    return most
+
+
+def test_an_online_arrival_waits_for_at_most_one_batch_step(monkeypatch):
+    live_s = 0.25
+    monkeypatch.setattr(tulip.loop, "ONLINE_LIVE_S", live_s)  # (1 s in Tulip: shortened to keep the test short)
+    tl = Timeline()
+    engine = Recording(tl)
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
+    probes = 6
+
+    async def main():
+        loop = EngineLoop(engine, cfg)
+        loop.start()
+        job = [Request(np.full(512, JOB, dtype=np.int32), [128] * 4, priority=BATCH) for _ in range(80)]
+        done = [asyncio.ensure_future(loop.submit(r)) for r in job]
+        await asyncio.sleep(10 * STEP_S)  # the job alone
+        arrivals = []
+        for p in range(probes):
+            arrivals.append(time.monotonic())
+            row = await loop.submit(Request(np.full(64, 900 + p, dtype=np.int32), [64]))
+            assert int(row[0, 0]) == 900 + p
+            await asyncio.sleep(1.5 * STEP_S)
+        rows = await asyncio.gather(*done)
+        await loop.stop()
+        assert all(r.shape == (4, 4) and (r == JOB).all() for r in rows)
+        return arrivals
+
+    arrivals = asyncio.run(main())
+    kinds = [ids == {JOB} for ids in engine.ids]  # batch-only steps
+    ahead = []
+    for p, t in enumerate(arrivals):
+        (k,) = [k for k, ids in enumerate(engine.ids) if 900 + p in ids]
+        assert engine.ids[k] == {900 + p}, f"probe {p}'s step carried {engine.ids[k]}"  # no batch work beside it
+        ahead.append(sum(1 for j in range(k) if kinds[j] and tl.done_at[j] > t))
+    # the first probe finds the job with two steps in flight (online work was not live); each later one, one
+    assert ahead[0] <= 2 and max(ahead[1:]) <= 1, ahead
+    assert overlapping(tl, kinds, 0.0, arrivals[0]) == 2  # the job alone: two in flight
+    assert overlapping(tl, kinds, arrivals[0] + STEP_S, arrivals[-1] + live_s) == 1
+    assert overlapping(tl, kinds, arrivals[-1] + live_s + 2 * STEP_S, float("inf")) == 2  # the window passed
+    assert sum(kinds) == len(kinds) - probes  # every job step was batch-only: 80 x 4 x 128 in 80 steps
+    assert len(kinds) == 80 + probes
+
+
+def test_on_the_cpu_an_online_request_runs_in_a_step_of_its_own(engine):
+    """The real engine on the CPU (one step at a time there): an online request that arrives while a batch
+    step runs goes next, alone (before: with three of the next batch request's sequences beside it)."""
+    steps = []
+
+    class Steps:  # the loop's tracing hooks (tulip.tracing): which requests each step carried
+        @staticmethod
+        def launched(step):
+            steps.append([(r.tag, i) for r, i in step.slots])
+
+        @staticmethod
+        def completed(step, now):
+            pass
+
+    rng = np.random.default_rng(0)
+    job = [rng.integers(1000, 20000, 512).astype(np.int32) for _ in range(3)]
+    query = rng.integers(1000, 20000, 64).astype(np.int32)
+
+    async def main():
+        loop = EngineLoop(engine, TulipConfig(max_batch_tokens=512, device="cpu"))
+        loop.start()
+        loop.tracing = Steps
+        reqs = [Request(ids, [128] * 4, priority=BATCH) for ids in job]
+        for n, r in enumerate(reqs):
+            r.tag = f"b{n}"
+        done = [asyncio.ensure_future(loop.submit(r)) for r in reqs]
+        await asyncio.sleep(0)
+        assert steps == [[("b0", i) for i in range(4)]]  # b0's step runs
+        online = Request(query, [64])
+        online.tag = "online"
+        got = await loop.submit(online)
+        rows = await asyncio.gather(*done)
+        await loop.stop()
+        return got, rows
+
+    got, rows = asyncio.run(main())
+    assert steps[1] == [("online", 0)]  # on the old rule: [online, b1 0, b1 1, b1 2]
+    assert steps[2:] == [[(f"b{n}", i) for i in range(4)] for n in (1, 2)]
+    want = engine.step(Batch.from_sequences([query])).synchronize()
+    torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=0)
+    want = engine.step(Batch.from_sequences([job[2][i * 128:(i + 1) * 128] for i in range(4)])).synchronize()
+    torch.testing.assert_close(torch.from_numpy(rows[2]), want, atol=1e-5, rtol=0)
