@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from rose.images import ImageProcessing, ImageTower
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
 from rose.layers.dense import DenseStack
+from rose.layers.fp8_checkpoint import Fp8Reader, read_format, resolve
 from rose.layers.heads import BgeM3Heads
 from rose.layers.pooling import kept_rows, normalize, pool, pool_fused
 from rose.layers.scores import ACTIVATIONS, LogitScore, activation_name, token_types
@@ -68,8 +69,12 @@ class EngineConfig:
     kernel_tokens: steps of up to this many tokens (the graph's token bucket) run the family's
                small-batch path in ROSE's Triton kernels (`rose.kernels`: BERT / XLM-RoBERTa with a
                GELU, Qwen3) on CUDA in half precision where Triton is installed; 0: never (torch's).
-    quantization: "none", or "fp8": the encoder blocks' four GEMMs in float8 e4m3 (`rose.layers.fp8`:
-               weights quantised at load per output channel and kept beside the bf16 ones, activations
+    quantization: "auto" (the default): "fp8" for a checkpoint published in fp8 (config.json's
+               `quantization_config`: compressed-tensors, fbgemm_fp8, transformers' fp8; its e4m3 weights and scales
+               used as published, `rose.layers.fp8_checkpoint`) where its fp8 path runs, else "none"; "none": bf16
+               (an fp8 checkpoint dequantised at load); "fp8": the encoder blocks' four GEMMs in float8 e4m3
+               (`rose.layers.fp8`: weights quantised at load per output channel (or an fp8 checkpoint's own)
+               and kept beside the bf16 ones, activations
                per row by the kernels that produce them) for steps of at least `fp8_min_tokens` tokens
                that do not take the small step; attention and norms stay bf16. BERT / XLM-RoBERTa (and
                the families on BertModel's blocks) and Qwen3; bfloat16 only ("auto" dtype is bfloat16
@@ -88,7 +93,7 @@ class EngineConfig:
     compile: bool = False
     attention_table: str = ""
     kernel_tokens: int = 512
-    quantization: str = "none"
+    quantization: str = "auto"
     fp8_min_tokens: int = 1024
 
     def __post_init__(self):
@@ -146,6 +151,8 @@ class Engine:
         family = model_class(spec)
         self.spec = family.serving(spec)  # the family's defaults where the directory is silent
         self.device = cfg.torch_device()
+        fp8 = read_format(self.spec.config)  # an fp8 checkpoint's layout (None: none; other quantisations refused)
+        self.cfg = cfg = replace(cfg, quantization=resolve(cfg.quantization, cfg.dtype, fp8, family, self.device))
         self.dtype = cfg.torch_dtype(self.device)
         with torch.device("meta"):
             model = family(self.spec.config)
@@ -153,7 +160,8 @@ class Engine:
             log.warning("engine: %s is a preset: RANDOM WEIGHTS, its outputs are meaningless", self.spec.path.name)
             self.model = random_weights(model, self.device, self.dtype)
         else:
-            self.model = load_weights(model, self.spec.path, self.device, self.dtype)
+            self._fp8 = Fp8Reader(fp8, self.spec.path, keep=cfg.quantization == "fp8") if fp8 else None
+            self.model = load_weights(model, self.spec.path, self.device, self.dtype, self._fp8)
         self.causal = self.model.causal
         # a cross-encoder: scores per sequence from its classification head (0: an embedding model), or
         # from a causal LM's head through LogitScore (one score, at the last token)
@@ -313,7 +321,11 @@ class Engine:
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             raise ValueError(f"quantization fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); "
                              f"{torch.cuda.get_device_name(self.device)} has none")
-        added = self.model.use_fp8(self.cfg.fp8_min_tokens)
+        reader, self._fp8 = getattr(self, "_fp8", None), None
+        given = reader.given(self.model, self.device) if reader else None  # an fp8 checkpoint's own weights
+        added = self.model.use_fp8(self.cfg.fp8_min_tokens, given)
+        if reader:
+            reader.log_coverage(self.model, given)
         log.info("engine: fp8 weights %.1f MB beside the bf16 ones, for steps of >= %d tokens", added / 1e6,
                  self.cfg.fp8_min_tokens)
         return self.cfg.fp8_min_tokens

@@ -53,8 +53,9 @@ def random_weights(model: Family, device: torch.device, dtype: torch.dtype, seed
     return _finish(model, device)
 
 
-def load_weights(model: Family, path: Path, device: torch.device, dtype: torch.dtype) -> Family:
-    """Materialise `model` (built on meta) on `device` in `dtype` from path/*.safetensors."""
+def load_weights(model: Family, path: Path, device: torch.device, dtype: torch.dtype, fp8=None) -> Family:
+    """Materialise `model` (built on meta) on `device` in `dtype` from path/*.safetensors. `fp8`: an fp8
+    checkpoint's `rose.layers.fp8_checkpoint.Fp8Reader` (its weights dequantised, their scales read past)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
@@ -66,6 +67,8 @@ def load_weights(model: Family, path: Path, device: torch.device, dtype: torch.d
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
+                    if fp8 is not None and fp8.skip(key):
+                        continue
                     mapped = _map_name(model, key)
                     if mapped is None:
                         continue
@@ -80,6 +83,10 @@ def load_weights(model: Family, path: Path, device: torch.device, dtype: torch.d
                         start = sum(rows[:shard])
                         target = param[start:start + rows[shard]]
                     tensor = f.get_tensor(key)
+                    if fp8 is not None:
+                        tensor = fp8.tensor(key, tensor, name, shard)
+                    elif tensor.dtype.is_floating_point and tensor.element_size() == 1:  # never read codes as values
+                        raise ValueError(f"{file.name}: {key} is {tensor.dtype} but config.json has no quantization_config")
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(
                             f"{file.name}: {key} has shape {tuple(tensor.shape)}, "

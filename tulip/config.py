@@ -39,10 +39,12 @@ class TulipConfig:
     compile: bool = field(False, "fuse each layer's post-attention work with torch.compile (CUDA; slower start)")
     kernel_tokens: int = field(512, "steps of up to this many tokens run ROSE's Triton small-batch path (CUDA, half "
                                "precision, Triton installed; Qwen3 caps it at 256); 0: torch's path for every step")
-    quantization: str = field("none", "fp8: the encoder blocks' GEMMs in float8 e4m3 for steps of at least "
+    quantization: str = field("auto", "fp8: the encoder blocks' GEMMs in float8 e4m3 for steps of at least "
                               "--fp8-min-tokens tokens (BERT / XLM-RoBERTa / Qwen3 blocks; weights quantised per "
                               "channel at load, kept beside the bf16 ones; activations per row; attention and norms "
-                              "bf16; a GPU of compute capability 8.9+); none: bf16 throughout",
+                              "bf16; a GPU of compute capability 8.9+); none: bf16 throughout (a checkpoint published "
+                              "in fp8 dequantised); auto: fp8 for a checkpoint published in fp8 (compressed-tensors, "
+                              "fbgemm_fp8; its weights as published) where that path runs, else none",
                               choices=QUANTIZATIONS)
     fp8_min_tokens: int = field(1024, "with --quantization fp8: the smallest step (tokens) whose GEMMs run in fp8; "
                                 "smaller steps keep bf16 (python -m benchmarks.fp8's row sweep measures the "

@@ -132,6 +132,10 @@ def _lm_head_rows(path: Path, tokens: tuple[int, ...]) -> torch.Tensor:
         with safe_open(str(file), framework="pt") as f:
             if "lm_head.weight" in f.keys():
                 t = f.get_slice("lm_head.weight")
-                return torch.cat([t[i:i + 1] for i in tokens])
+                rows = torch.cat([t[i:i + 1] for i in tokens])
+                if rows.dtype.is_floating_point and rows.element_size() == 1:  # fp8 codes are not values
+                    raise ValueError(f"{path}: lm_head.weight is {rows.dtype}: LogitScore reads its rows unquantised "
+                                     "(a checkpoint that keeps lm_head in bf16, compressed-tensors' usual ignore)")
+                return rows
     raise ValueError(f"{path}: no lm_head.weight to read the LogitScore rows from (and tie_word_embeddings is not "
                      "set in config.json)")
