@@ -87,7 +87,9 @@ def test_a_wait_no_earlier_tile_satisfies_is_counted():
     ws.qkv.zero_()
     ws.sync[0] = P.tile_counts(hidden, ffn, heads, 16, c)["qkv"]
     got = P.persistent_layer(x, P.LayerWeights.from_bert(layer), ws, c)
-    assert ws.err.item() == P.tile_counts(hidden, ffn, heads, 16, c)["attention"]
+    failed, attention = ws.err.item(), P.tile_counts(hidden, ffn, heads, 16, c)["attention"]
+    # on a GPU, tiles that wait on the stuck attention tiles may give up too
+    assert failed == attention if DEV.type == "cpu" else failed >= attention
     assert rel(got, eager(layer, x)) > 0.05
     assert not ws.sync.any()
 

@@ -61,7 +61,8 @@ class PersistentConfig:
     programs: the grid (None: one per SM; 4 under the interpreter);
     prefetch: L2 prefetch of a tile's weights as it is taken (CUDA only: inline PTX);
     lookahead: take the next tile (and prefetch it) before computing the current one;
-    max_spins: polls of one wait before it gives up and counts in `err` (None: 2^20 on CUDA, 0 interpreted).
+    max_spins: polls of one wait before it gives up and counts in `err` (None: 2^17 on CUDA, ~0.05-0.1 s
+    against waits of microseconds; 0 interpreted).
     """
 
     block_n: int = 64
@@ -115,7 +116,18 @@ class LayerWeights:
 
 
 @triton.jit
-def _wait(sync_ptr, idx, target, err_ptr, max_spins):
+def _now():
+    """The GPU's global nanosecond timer (comparable across SMs)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _smid():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait(sync_ptr, idx, target, err_ptr, max_spins, prof_ptr, PROFILE: tl.constexpr):
     """Spin until counter `idx` reaches `target` (volatile polls by every thread, then one acquire load
     that synchronizes with the publishers' releases, then a CTA barrier so every thread reads after it)."""
     spins = 0
@@ -125,6 +137,8 @@ def _wait(sync_ptr, idx, target, err_ptr, max_spins):
     if seen < target:
         tl.atomic_add(err_ptr, 1)  # gave up: counted, the result is garbage
     tl.debug_barrier()
+    if PROFILE:
+        tl.store(prof_ptr, _now())  # when the tile's inputs were ready
 
 
 @triton.jit
@@ -212,14 +226,14 @@ def _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1: tl.constexpr, E2: tl.constexpr
 
 @triton.jit
 def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr,
-                  g2_ptr, be2_ptr, qkv_ws, a_ws, o_ws, h1_ptr, f_ws, d_ws, y_ptr, sync_ptr, err_ptr,
+                  g2_ptr, be2_ptr, qkv_ws, a_ws, o_ws, h1_ptr, f_ws, d_ws, y_ptr, sync_ptr, err_ptr, prof_ptr,
                   M, eps1, eps2, qk_scale, max_spins,
                   H: tl.constexpr, F: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_H: tl.constexpr, BN: tl.constexpr, BN_UP: tl.constexpr, BK: tl.constexpr,
                   S_QKV: tl.constexpr, S_O: tl.constexpr, S_D: tl.constexpr, ATT_BM: tl.constexpr,
                   LN_ROWS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_TARGET: tl.constexpr,
                   GELU_TANH: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, LINE: tl.constexpr,
-                  SYNC_BLOCK: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
+                  SYNC_BLOCK: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr, USE_GDC: tl.constexpr):
     DT = x_ptr.dtype.element_ty
     N3: tl.constexpr = 3 * H
     KC_Q: tl.constexpr = H // S_QKV
@@ -254,6 +268,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
     if PREFETCH:
         _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE)
     while t < TOTAL:
+        if PROFILE:  # per tile: taken, inputs ready, done (global ns), SM
+            tl.store(prof_ptr + t * 4, _now())
         nxt = TOTAL
         if LOOKAHEAD:
             nxt = tl.atomic_add(sync_ptr, 1)
@@ -264,6 +280,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
             p = (t // S_QKV) % 3
             g = t // (S_QKV * 3)
             n0 = p * H + g * BN
+            if PROFILE:
+                tl.store(prof_ptr + t * 4 + 1, _now())
             acc = _gemm(x_ptr, H, wqkv_ptr, H, M, n0, s * KC_Q, KC_Q, BLOCK_M, BN, BK, STAGES)
             cols = n0 + tl.arange(0, BN)
             tl.store(qkv_ws + s * BLOCK_M * N3 + offs_m[:, None] * N3 + cols[None, :], acc, mask=mask_m)
@@ -272,7 +290,7 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         elif t < E1:  # attention: head h, query block qb, every key of the one sequence at once
             h = (t - E0) // NQB
             qb = (t - E0) % NQB
-            _wait(sync_ptr, HEAD0 + h, HEAD_TARGET, err_ptr, max_spins)
+            _wait(sync_ptr, HEAD0 + h, HEAD_TARGET, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             rows = qb * ATT_BM + tl.arange(0, ATT_BM)
             q = _load_qkv(qkv_ws, bqkv_ptr, rows, M, h * D, ATT_BM, BLOCK_M, N3, D, S_QKV, DT)
             k = _load_qkv(qkv_ws, bqkv_ptr, offs_m, M, H + h * D, BLOCK_M, BLOCK_M, N3, D, S_QKV, DT)
@@ -287,19 +305,19 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         elif t < E2:  # output projection: columns n, K chunk s (the heads of that chunk) -> float32 partials
             s = (t - E1) // (H // BN)
             n0 = ((t - E1) % (H // BN)) * BN
-            _wait(sync_ptr, ACH0 + s, (KC_O // D) * NQB, err_ptr, max_spins)
+            _wait(sync_ptr, ACH0 + s, (KC_O // D) * NQB, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             acc = _gemm(a_ws, H, wo_ptr, H, M, n0, s * KC_O, KC_O, BLOCK_M, BN, BK, STAGES)
             cols = n0 + tl.arange(0, BN)
             tl.store(o_ws + s * BLOCK_M * H + offs_m[:, None] * H + cols[None, :], acc, mask=mask_m)
             _publish(sync_ptr, OUT)
         elif t < E3:  # bias + residual (the layer's input) + LayerNorm, on every output tile
-            _wait(sync_ptr, OUT, (H // BN) * S_O, err_ptr, max_spins)
+            _wait(sync_ptr, OUT, (H // BN) * S_O, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             _add_norm(o_ws, bo_ptr, x_ptr, g1_ptr, be1_ptr, h1_ptr, (t - E2) * LN_ROWS, M, eps1, BLOCK_M, H,
                       BLOCK_H, S_O, LN_ROWS)
             _publish(sync_ptr, LN1)
         elif t < E4:  # up projection + bias + GELU, on every LayerNorm row
             n0 = (t - E3) * BN_UP
-            _wait(sync_ptr, LN1, NL, err_ptr, max_spins)
+            _wait(sync_ptr, LN1, NL, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             acc = _gemm(h1_ptr, H, wu_ptr, H, M, n0, 0, H, BLOCK_M, BN_UP, BK, STAGES)
             cols = n0 + tl.arange(0, BN_UP)
             acc += tl.load(bu_ptr + cols).to(tl.float32)[None, :]
@@ -312,15 +330,19 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         elif t < E5:  # down projection: columns n, K chunk s (the up tiles of that chunk) -> float32 partials
             s = (t - E4) // (H // BN)
             n0 = ((t - E4) % (H // BN)) * BN
-            _wait(sync_ptr, UCH0 + s, KC_D // BN_UP, err_ptr, max_spins)
+            _wait(sync_ptr, UCH0 + s, KC_D // BN_UP, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             acc = _gemm(f_ws, F, wd_ptr, F, M, n0, s * KC_D, KC_D, BLOCK_M, BN, BK, STAGES)
             cols = n0 + tl.arange(0, BN)
             tl.store(d_ws + s * BLOCK_M * H + offs_m[:, None] * H + cols[None, :], acc, mask=mask_m)
             _publish(sync_ptr, DOWN)
         else:  # bias + residual (LayerNorm 1's output) + LayerNorm: the layer's output
-            _wait(sync_ptr, DOWN, (H // BN) * S_D, err_ptr, max_spins)
+            _wait(sync_ptr, DOWN, (H // BN) * S_D, err_ptr, max_spins, prof_ptr + t * 4 + 1, PROFILE)
             _add_norm(d_ws, bd_ptr, h1_ptr, g2_ptr, be2_ptr, y_ptr, (t - E5) * LN_ROWS, M, eps2, BLOCK_M, H,
                       BLOCK_H, S_D, LN_ROWS)
+        if PROFILE:
+            tl.debug_barrier()
+            tl.store(prof_ptr + t * 4 + 2, _now())
+            tl.store(prof_ptr + t * 4 + 3, _smid().to(tl.int64))
         if LOOKAHEAD:
             t = nxt
         else:
@@ -389,9 +411,11 @@ def default_programs(device: torch.device) -> int:
 
 
 def persistent_layer(x: torch.Tensor, w: LayerWeights, ws: Workspace, config: PersistentConfig = PersistentConfig(),
-                     gelu: str = "tanh") -> torch.Tensor:
+                     gelu: str = "tanh", profile: torch.Tensor | None = None) -> torch.Tensor:
     """One post-norm BERT layer on x [M, hidden] (one sequence, M <= 128; weights in x's dtype) -> [M, hidden],
-    in one launch. gelu: "tanh" (what ROSE's GPU paths apply for BERT's "gelu") or "erf"."""
+    in one launch. gelu: "tanh" (what ROSE's GPU paths apply for BERT's "gelu") or "erf". profile (CUDA only):
+    int64 [tiles, 4] that gets each tile's (taken, inputs ready, done) global-timer nanoseconds and SM, in
+    queue order (`tile_counts`)."""
     M, H = x.shape
     F = w.wu.shape[0]
     c = config
@@ -403,16 +427,18 @@ def persistent_layer(x: torch.Tensor, w: LayerWeights, ws: Workspace, config: Pe
     y = torch.empty_like(x)
     programs = c.programs or default_programs(x.device)
     interp = interpreted() or x.device.type != "cuda"
-    max_spins = c.max_spins if c.max_spins is not None else (0 if interp else 1 << 20)
+    if profile is not None and (interp or profile.shape != (sum(tile_counts(H, F, w.heads, M, c).values()), 4)):
+        raise ValueError(f"persistent layer: profile {tuple(profile.shape)} is not [tiles, 4] int64 on CUDA")
+    max_spins = c.max_spins if c.max_spins is not None else (0 if interp else 1 << 17)
     launch(_layer_kernel, (programs,), x, w.wqkv, w.bqkv, w.wo, w.bo, w.g1, w.b1, w.wu, w.bu, w.wd, w.bd, w.g2, w.b2,
-           ws.qkv, ws.a, ws.o, ws.h1, ws.f, ws.d, y, ws.sync, ws.err, M, w.eps1, w.eps2,
+           ws.qkv, ws.a, ws.o, ws.h1, ws.f, ws.d, y, ws.sync, ws.err, profile if profile is not None else ws.sync, M, w.eps1, w.eps2,
            math.log2(math.e) / math.sqrt(D), max_spins,
            H=H, F=F, HEADS=w.heads, D=D, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(H), BN=c.block_n,
            BN_UP=c.block_n_up, BK=c.block_k, S_QKV=c.split_qkv, S_O=c.split_out, S_D=c.split_down,
            ATT_BM=min(c.attn_block_m, bm), LN_ROWS=c.ln_rows, HEADS_PER_TILE=max(1, c.block_n // D),
            HEAD_TARGET=3 * max(1, D // c.block_n) * c.split_qkv, GELU_TANH=gelu == "tanh",
            PREFETCH=c.prefetch and not interp, LOOKAHEAD=c.lookahead, LINE=128 // x.element_size(),
-           SYNC_BLOCK=triton.next_power_of_2(ws.sync.numel()), STAGES=c.num_stages, num_warps=c.num_warps, num_stages=c.num_stages)
+           SYNC_BLOCK=triton.next_power_of_2(ws.sync.numel()), STAGES=c.num_stages, PROFILE=profile is not None, num_warps=c.num_warps, num_stages=c.num_stages)
     return y
 
 
