@@ -41,16 +41,16 @@ TINY = dict(hidden_size=64, num_attention_heads=2, intermediate_size=128, hidden
 TINY_TILES = dict(block_n=32, block_n_up=32, block_k=32, attn_block_m=32, split_out=2, split_down=2)
 
 # (name, config fields, PDL); each a kernel compile (~5-15 s); grids are swept without recompiling
-VARIANTS = [
+VARIANTS = [  # most telling first: a sweep cut short by --max-seconds drops the tail
     ("default", {}, True),
     ("no-prefetch", dict(prefetch=False), True),
     ("no-lookahead", dict(lookahead=False), True),
-    ("no-pdl", {}, False),
-    ("warps8", dict(num_warps=8), True),
-    ("stages4", dict(num_stages=4), True),
     ("bn128-split2", dict(block_n=128, split_qkv=2, split_out=2, split_down=2), True),
-    ("bn32-bk128", dict(block_n=32, block_n_up=32, block_k=128), True),
     ("qkv-split2-out8", dict(split_qkv=2, split_out=8, split_down=8), True),
+    ("warps8", dict(num_warps=8), True),
+    ("bn32-bk128", dict(block_n=32, block_n_up=32, block_k=128), True),
+    ("no-pdl", {}, False),
+    ("stages4", dict(num_stages=4), True),
 ]
 
 
@@ -235,8 +235,11 @@ def run(args) -> int:
                     best = row
         if not dry and best is not None:
             for cell in {(best["variant"], best["programs"]), ("default", sms)}:
-                profile(cell, dict(VARIANTS_BY_NAME[cell[0]][0]), VARIANTS_BY_NAME[cell[0]][1], x, weights, H, F,
-                        heads, M, P, rec, base)
+                try:
+                    profile(cell, dict(VARIANTS_BY_NAME[cell[0]][0]), VARIANTS_BY_NAME[cell[0]][1], x, weights, H, F,
+                            heads, M, P, rec, base)
+                except Exception as e:  # the timestamps' inline PTX on a Triton that refuses it: the rest stands
+                    print(f"# profile {cell}: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr)
     small = next(r for r in rec.rows if r["impl"] == "small_step")
     read = next(r for r in rec.rows if r["impl"] == "read")
     print("\n# us per layer (weights %.1f MB): read floor %.2f, small_step %.2f" % (nbytes / 1e6, read["us"], small["us"]))
@@ -300,7 +303,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timings per cell (the median is reported)")
     ap.add_argument("--grids", default="", help="programs per launch, comma-separated (default: SMs/2, SMs, 2 SMs)")
     ap.add_argument("--variants", default="", help=f"comma-separated, of {[v[0] for v in VARIANTS]} (default: all)")
-    ap.add_argument("--max-seconds", type=float, default=110.0,
+    ap.add_argument("--max-seconds", type=float, default=75.0,
                     help="start no new variant after this many seconds of the sweep (compiles take most of it)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print resource usage")
     ap.add_argument("--dry-run", action="store_true", help="the same code on CPU under Triton's interpreter at a "
