@@ -22,6 +22,8 @@
 # .whl/ or $EXTRA_WHEELS where there, else downloaded with pip (cp312, manylinux). 44 MB; with the tree (~9 MB)
 # under a call's 64 MiB.
 # Then call the device with carry [".img"] and the command:  bash benchmarks/images_gpu.sh
+# (or `bash benchmarks/images_gpu.sh stages`: benchmarks/images_stages.py alone, the CLIP preset on the GPU, rows in
+# $OUT/images_stages.jsonl: Ivy's stages and CPU per request, gRPC back to back and after 8 ms idle, the thread steps)
 set -o pipefail
 EXTRA="pillow-13.0.0 uvloop-0.23.0 annotated_doc-0.0.7"  # not in .whl; the versions `make test`'s venv runs
 if [ "${1:-}" = prep ]; then
@@ -55,6 +57,11 @@ export TRELLIS_GIT_REV="${TRELLIS_GIT_REV:-$(git rev-parse --short HEAD 2>/dev/n
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, PIL; print('torch', torch.__version__, 'transformers', transformers.__version__, 'Pillow', PIL.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 echo "revision $TRELLIS_GIT_REV, $(nproc) cores" | tee -a "$OUT/gpu.txt"
+if [ "${1:-}" = stages ]; then  # where one JPEG's time goes in Ivy before a GPU Tulip (CLIP preset), not the cells below
+  timeout 400 python3 -m benchmarks.images_stages --device cuda --n 1000 --rounds 5 --out "$OUT" \
+    --work /tmp/images-stages 2>&1 | grep -v "RANDOM WEIGHTS\|Writing model shards" | tee "$OUT/run.log"
+  exit "${PIPESTATUS[0]}"
+fi
 {
   for m in preset:clip-vit-base-patch16 preset:siglip-base-patch16-224; do
     echo "== benchmarks.images $m"

@@ -430,7 +430,10 @@ async def load_all(sources: list[str], labels: list[str], limits: Limits, prep: 
 
 
 async def all_or_none(coros: list) -> list:
-    """Each coroutine's result, run at once; the first failure cancels the others and is raised."""
+    """Each coroutine's result, run at once; the first failure cancels the others and is raised. One coroutine
+    is awaited in the caller's task (no task, no wait: a request of images alone, or of texts alone)."""
+    if len(coros) == 1:
+        return [await coros[0]]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
