@@ -5,8 +5,8 @@
         --online-length 128 --n 400 --gap-ms 5 --online-batch-step-tokens 0 1024 [--base .prio-base]
     python -m benchmarks.priority --tulip 127.0.0.1:50051       (a running Tulip)
 
-Phases on one Tulip: `idle` (online probes alone), `job-alone` (the job alone for `--alone-s`: its rate with no
-online work beside it), `job-batch` (a job keeps `--bulk` requests of `--seqs` x `--length` tokens outstanding at
+Phases on one Tulip: `job-alone` (the job alone for `--alone-s`: its rate with no online work beside it, first
+by default so that no online request came before it), `idle` (online probes alone), `job-batch` (a job keeps `--bulk` requests of `--seqs` x `--length` tokens outstanding at
 PRIORITY_BATCH, as `trellis embed` does, while the probes run) and `job-online` (the same job at PRIORITY_ONLINE:
 one first-come-first-served queue, what every request got before the classes; slow beside a big job, so not in the
 default `--phases`). The probes are single sequences of `--online-length` tokens, one at a time on a client of their
@@ -57,8 +57,8 @@ async def phase(target: str, name: str, args, vocab: int) -> dict:
             done += len(seqs)
 
     async with TulipClient(target) as job, TulipClient(target) as online:
-        for _ in range(3):  # the probe's stream open, its graph captured
-            await online.embed(list(probe))
+        for _ in range(3 if name != "job-alone" else 0):  # the probe's stream open, its graph captured (job-alone:
+            await online.embed(list(probe))                # none, no online work live in Tulip, ONLINE_LIVE_S)
         workers = [asyncio.ensure_future(worker(job, s)) for s in job_seqs] if job_priority is not None else []
         await asyncio.sleep(args.settle_s)  # the job's queue filled
         d0, t0 = done, time.perf_counter()
@@ -101,8 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--base", type=Path, default=None,
                     help="a directory of tulip/*.py files (e.g. the scheduler and loop before a change): one more "
                          "Tulip, first, with this tree's tulip package but those files; its rows say tulip: base")
-    ap.add_argument("--phases", default="idle,job-alone,job-batch", help="which phases to run, in order "
-                    "(idle, job-alone, job-batch, job-online)")
+    ap.add_argument("--phases", default="job-alone,idle,job-batch", help="which phases to run, in order "
+                    "(idle, job-alone, job-batch, job-online; job-alone first: no online work was ever live)")
     args = ap.parse_args(argv)
     unknown = set(args.phases.split(",")) - set(CLASSES)
     if unknown:
