@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -109,6 +110,8 @@ def main(argv=None) -> None:
         ap.error(f"--phases: unknown {sorted(unknown)}; choose from {sorted(CLASSES)}")
     if args.base is not None and not sorted(args.base.glob("*.py")):
         ap.error(f"--base {args.base}: no *.py files there")
+    if args.base is not None and sys.version_info < (3, 11):  # (older ones ignore PYTHONSAFEPATH: see base_tulip)
+        ap.error("--base needs Python 3.11 or later")
     rec = Recorder(args.out, "priority")  # one file for every Tulip of the run
     if args.tulip:
         return run(rec, args, args.tulip, {"tulip": "given"})
