@@ -53,7 +53,8 @@ class TulipConfig:
                                     "A-BxL: every N from A to B (e.g. 1-16x512, the batches 16 concurrent callers "
                                     "form); NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
     max_inflight: int = field(2, "engine steps in flight: batch N+1 is formed and launched while batch N runs "
-                              "(once a quarter of --max-batch-tokens is waiting)")
+                              "(once a quarter of --max-batch-tokens is waiting); batch-only steps one at a time while "
+                              "online work is live (--online-batch-step-tokens)")
     spin_ms: float = field(10.0, "poll a running step's completion from the event loop for up to this long, then "
                            "wait in a thread, and keep the loop polling this long after each step (lowest latency, "
                            "one busy core meanwhile); 0: always a thread, no polling")
