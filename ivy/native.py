@@ -69,29 +69,39 @@ def cache_dir() -> Path:
     return cache_root() / "ivy"
 
 
-def built_name() -> str:
-    return f"native-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+FLAGS = ("-O2",)
 
 
-def build(path: Path, flags: tuple[str, ...] = ("-O2",)) -> Path:
-    """Compile ivy/native.c into `path` with `flags` (atomically: processes building at once each get
-    a whole file). ImportError without a C compiler or when the build fails."""
+def built_name(source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> str:
+    """The file name of `source`'s build with `flags`: its stem and a hash of the source (and of the flags where they
+    are not FLAGS), so an edited source or other flags never load an old build."""
+    digest = hashlib.sha256(source.read_bytes())
+    if flags != FLAGS:
+        digest.update("\0".join(flags).encode())
+    return f"{source.stem}-{digest.hexdigest()[:16]}.so"
+
+
+def build(path: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Path:
+    """Compile `source` (ivy/native.c, or another of Ivy's C sources: ivy/resample.c) into `path` with `flags`
+    (atomically: processes building at once each get a whole file). ImportError without a C compiler or when the
+    build fails."""
+    name = f"ivy/{source.name}"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise ImportError("no C compiler (cc / gcc, or $CC) to build ivy/native.c")
+        raise ImportError(f"no C compiler (cc / gcc, or $CC) to build {name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         try:
-            run = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+            run = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source), "-lm"],
                                  capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise ImportError(f"building ivy/native.c with {cc} failed: {e}") from e
+            raise ImportError(f"building {name} with {cc} failed: {e}") from e
         if run.returncode:
-            raise ImportError(f"building ivy/native.c failed: {run.stderr.strip()[:500]}")
+            raise ImportError(f"building {name} failed: {run.stderr.strip()[:500]}")
         os.replace(tmp, path)
-        for old in path.parent.glob("native-*.so"):  # builds of earlier sources
+        for old in path.parent.glob(f"{source.stem}-*.so"):  # builds of earlier sources
             if old != path:
                 old.unlink(missing_ok=True)
     finally:
@@ -100,18 +110,24 @@ def build(path: Path, flags: tuple[str, ...] = ("-O2",)) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.PyDLL:
-    """The compiled encoders: built beside the source (`python -m ivy.native`, as the gateway image
-    does), else in the cache directory, built there on first use. PyDLL: calls hold the GIL, so one
-    instance is never entered twice at once. ImportError when it cannot be built."""
-    name = built_name()
-    path = SOURCE.with_name(name)
+def compiled(source: Path = SOURCE, flags: tuple[str, ...] = FLAGS, name: str | None = None) -> Path:
+    """`source`'s build with `flags` (file `name`, else `built_name`'s): beside the source (`python -m ivy.native`,
+    as the gateway image does), else in the cache directory, built there on first use. ImportError when it cannot
+    be built."""
+    name = name or built_name(source, flags)
+    path = source.with_name(name)
     if not path.is_file():
         path = cache_dir() / name
         if not path.is_file():
-            build(path)
-    return load(path)
+            build(path, flags, source)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.PyDLL:
+    """The compiled encoders (`compiled`). PyDLL: calls hold the GIL, so one instance is never entered twice at
+    once. ImportError when it cannot be built."""
+    return load(compiled(SOURCE, FLAGS, built_name()))
 
 
 def load(path: Path) -> ctypes.PyDLL:
@@ -489,5 +505,8 @@ class NativeEncoder:
         return dict(zip(("hits", "misses", "resets", "words", "nodes"), map(int, out)), fallbacks=self.fallbacks)
 
 
-if __name__ == "__main__":  # python -m ivy.native: build the encoders beside their source (images)
+if __name__ == "__main__":  # python -m ivy.native: build Ivy's C beside its sources (the gateway image)
+    from ivy.resample import FLAGS as RESAMPLE_FLAGS, SOURCE as RESAMPLE
+
     print(build(SOURCE.with_name(built_name())))
+    print(build(RESAMPLE.with_name(built_name(RESAMPLE, RESAMPLE_FLAGS)), RESAMPLE_FLAGS, RESAMPLE))

@@ -1,7 +1,8 @@
 """ivy.images' resize (issue 51): `resize_crop` computes only what the centre crop keeps and must give Pillow's
 whole resize + transformers' centre crop byte for byte (tests/test_images_ivy.py compares whole requests with
 transformers' processors; these are the geometries that take each of its branches: both of Pillow's pass orders,
-up- and downscaling, crops of odd sizes, every filter), and its base64 decoding stays strict."""
+up- and downscaling, crops of odd sizes, every filter), through ivy.resample's C and through Pillow's passes apart
+(tests/test_images_resample.py fuzzes the C alone), and its base64 decoding stays strict."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from PIL import Image
 
 import ivy.images as images
+import ivy.resample as native_resample
 from ivy.errors import APIError
 from ivy.images import Limits, b64_bytes, center_crop, resize_crop
 
@@ -26,7 +28,13 @@ def shortest(w: int, h: int, side: int) -> tuple[int, int]:
     return (side, int(side * h / w)) if w <= h else (int(side * w / h), side)
 
 
-def test_resize_crop_equals_pillows_whole_resize():
+@pytest.mark.parametrize("way", ["c", "pillow"])
+def test_resize_crop_equals_pillows_whole_resize(way, monkeypatch):
+    """Both of resize_crop's ways: ivy.resample's C (where it is usable: RGB) and Pillow's passes apart."""
+    if way == "pillow":
+        monkeypatch.setattr(native_resample, "_USABLE", [False])
+    else:
+        assert native_resample.usable(images._vertical_first), "ivy/resample.c is not usable here"
     assert images._exact()  # this Pillow takes resize_crop's own way (else the cases below test the fallback)
     rng = np.random.default_rng(51)
     cases = 0
@@ -53,12 +61,17 @@ def test_resize_crop_equals_pillows_whole_resize():
         assert np.array_equal(resize_crop(img, (42, 32), 3, (32, 32)), pillow(img, (42, 32), 3, (32, 32))), mode
 
 
-def test_a_pillow_that_resizes_otherwise_takes_the_plain_way(monkeypatch):
-    """`_exact` checks resize_crop's reading of Pillow's pass order once; a wrong reading (here: rows first
-    always, as Pillow before 13) is found and every resize then is Pillow's own, the same pixels."""
+def test_a_pillow_that_resizes_otherwise_takes_the_plain_way(monkeypatch, caplog):
+    """`_exact` and ivy.resample's `check` test resize_crop's reading of Pillow's pass order once; a wrong reading
+    (here: rows first always, as Pillow before 13) is found by both, each says so, and every resize then is
+    Pillow's own, the same pixels."""
     monkeypatch.setattr(images, "_EXACT", [])
+    monkeypatch.setattr(native_resample, "_USABLE", [])
     monkeypatch.setattr(images, "_vertical_first", lambda *_: images._PILLOW < (13, 0))
-    assert images._exact() is False
+    with caplog.at_level("WARNING"):
+        assert native_resample.usable(images._vertical_first) is False
+        assert images._exact() is False
+    assert "ivy/resample.c resizes" in caplog.text and "resizes otherwise than ivy.images.resize_crop" in caplog.text
     img = Image.fromarray(np.random.default_rng(3).integers(0, 256, (300, 100, 3), dtype=np.uint8))
     assert np.array_equal(resize_crop(img, (32, 96), 3, (32, 32)), pillow(img, (32, 96), 3, (32, 32)))
 
