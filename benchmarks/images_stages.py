@@ -23,6 +23,8 @@ one JSON object each (`bench: "images-stages"`):
 - `cell: "thread"`: `ivy.images`' steps of that JPEG on this thread, p50 each (microseconds): base64, Image.open
   (header), load (the JPEG decode), EXIF transpose, RGB, resize_crop, copy into the request's array, pixels_of
   (all but base64 again), and `cpu` (the thread's CPU time for one image); back to back and after `--gap-ms`;
+  `resize`: "c" (ivy.resample's C, Ivy's way where it builds) or "pillow" (the C switched off: Pillow's resize, the
+  way before it; back to back, in turns with "c");
 - `cell: "handoff"`: an empty function through Ivy's image pool and back, on a uvloop event loop, p50: what a
   thread hop costs (each way together) with nothing else running.
 """
@@ -53,11 +55,14 @@ def _p50(xs) -> float:
 
 
 class ThreadSteps:
-    """Each of ivy.images' steps on this thread, one after the other per run (`run(n)`), microseconds."""
+    """Each of ivy.images' steps on this thread, one after the other per run (`run(n)`), microseconds; the resize
+    by ivy.resample's C (`resize` "c", Ivy's way where it builds) or by Pillow (`resize` "pillow": the C switched
+    off while this one runs, the way before it)."""
 
-    def __init__(self, jpeg: bytes, directory: Path):
+    def __init__(self, jpeg: bytes, directory: Path, resize: str = "c"):
         self.uri = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
         self.directory = directory
+        self.resize = resize
         self.t: dict[str, list[float]] = {k: [] for k in ("base64", "open", "load", "exif", "rgb", "resize_crop",
                                                            "copy", "pixels_of")}
         self.cpu: list[float] = []  # one image's thread CPU time, microseconds
@@ -66,6 +71,16 @@ class ThreadSteps:
             v.clear()
 
     def run(self, n: int, gap_s: float = 0.0) -> None:
+        from ivy import images, resample
+
+        was = list(resample._USABLE)
+        resample._USABLE[:] = [resample.usable(images._vertical_first) and self.resize == "c"]
+        try:
+            self._run(n, gap_s)
+        finally:
+            resample._USABLE[:] = was
+
+    def _run(self, n: int, gap_s: float) -> None:
         from PIL import Image, ImageOps
 
         from ivy.images import FORMATS, Limits, b64_bytes, pixels_of, preprocessor, to_rgb
@@ -251,9 +266,13 @@ def main(argv=None) -> int:
         def cpu_s(proc) -> float:  # its threads' user + system seconds (uvicorn's worker is a child process)
             return sum(tree_cpu_s(proc.pid).values())
 
+        from ivy import images as ivy_images, resample
+
+        resample_c = resample.usable(ivy_images._vertical_first)  # ivy.resample's C built and checked here
         cpu0 = {ivy.label: cpu_s(ivy.proc) for ivy in ivys}
         per = max(1, args.n // args.rounds)
         steps, cold = ThreadSteps(jpeg, directory), ThreadSteps(jpeg, directory)
+        pillow = ThreadSteps(jpeg, directory, "pillow")
         for _ in range(args.rounds):  # the Ivys and the direct calls in turns
             for _ in range(per):  # one request of each Ivy in turn
                 for ivy in ivys:
@@ -262,6 +281,7 @@ def main(argv=None) -> int:
             if args.gap_ms:
                 run_client(direct(per, args.gap_ms / 1e3))
             steps.run(per)
+            pillow.run(per)
             if args.gap_ms:
                 cold.run(per, args.gap_ms / 1e3)
         for ivy in ivys:
@@ -269,9 +289,11 @@ def main(argv=None) -> int:
         for gap, ms in grpc_ms.items():
             rec.emit(**common, cell="grpc", path="trellis.client stream, one image's pixels", gap_ms=gap,
                      **percentiles(ms))
-        rec.emit(**common, cell="thread", gap_ms=0, steps_us=steps.p50())
+        rec.emit(**common, cell="thread", gap_ms=0, resize="c" if resample_c else "pillow", steps_us=steps.p50())
+        rec.emit(**common, cell="thread", gap_ms=0, resize="pillow", steps_us=pillow.p50())
         if args.gap_ms:
-            rec.emit(**common, cell="thread", gap_ms=args.gap_ms, steps_us=cold.p50())
+            rec.emit(**common, cell="thread", gap_ms=args.gap_ms, resize="c" if resample_c else "pillow",
+                     steps_us=cold.p50())
         rec.emit(**common, cell="handoff", p50_us=handoff(args.n))
     finally:
         for ivy in ivys:

@@ -174,8 +174,9 @@ KERNEL static void vline(const uint8_t *base, ptrdiff_t stride, const int32_t *k
    from 8-bit lanes into scalar code). Output pixel i then reads `e` values from wide + start[i] * px (its taps'
    pixels, every channel, the window widened to a multiple of 8 values with zero weights: kx holds each weight once
    per channel), 8 at a time as one vector of 8 sums (GCC / Clang vector extensions: the compiler's SIMD for each
-   target, SSE2 to AVX-512, no intrinsics); its channel c is the sum of the lanes l = c (mod px), stored as 32 bits,
-   and one vectorised loop shifts and clips the row's sums to bytes (px a pixel). */
+   target, SSE2 to AVX-512, no intrinsics); its channel c is the sum of the lanes l = c (mod px), stored as 32 bits
+   (RGB packed: oc = 3 sums a pixel), and one vectorised loop shifts and clips the row's sums to bytes. Rows go two
+   at a time. */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint32_t v4u __attribute__((vector_size(16)));
 
