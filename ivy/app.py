@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ivy import errors
+from ivy import errors, images
 from ivy.accesslog import AccessLog
 from ivy.batches import BatchService
 from ivy.batches import routes as batch_routes
@@ -59,6 +59,7 @@ def create_app(cfg: IvyConfig) -> FastAPI:
     async def lifespan(app):
         models.start()  # gRPC channels must be made on the server's event loop
         batches.start()  # the batch runner (with --batch-dir), on the same loop
+        images.warm(m.path for m in models.all)  # the resampler's C built now, not at the first image
         if tracing is not None:
             tracing.instrument(models)
         gc.collect()

@@ -116,3 +116,20 @@ def test_without_a_compiler_ivy_says_why_and_resizes_with_pillow(monkeypatch, tm
         assert np.array_equal(images.resize_crop(img, (42, 32), 3, (32, 32)), want)
     finally:
         resample.library.cache_clear()
+
+
+def test_ivy_builds_the_resampler_at_start_for_image_models(monkeypatch, tmp_path):
+    """Ivy's lifespan calls images.warm with its models' directories: where one preprocesses images the C is built
+    and checked on a thread then (not by the first image request); for text models nothing starts."""
+    import json
+
+    monkeypatch.setattr(resample, "_USABLE", [])
+    text, clip = tmp_path / "text", tmp_path / "clip"
+    text.mkdir(), clip.mkdir()
+    (clip / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32}, "crop_size": 32, "resample": 3}))
+    assert images.warm([text]) is None and resample._USABLE == []
+    t = images.warm([text, clip])
+    assert t is not None and t.name == "ivy-resample-build"
+    t.join(60)
+    assert resample._USABLE == [True]
