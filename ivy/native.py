@@ -505,8 +505,5 @@ class NativeEncoder:
         return dict(zip(("hits", "misses", "resets", "words", "nodes"), map(int, out)), fallbacks=self.fallbacks)
 
 
-if __name__ == "__main__":  # python -m ivy.native: build Ivy's C beside its sources (the gateway image)
-    from ivy.resample import FLAGS as RESAMPLE_FLAGS, SOURCE as RESAMPLE
-
+if __name__ == "__main__":  # python -m ivy.native: build the encoders beside their source (the gateway image)
     print(build(SOURCE.with_name(built_name())))
-    print(build(RESAMPLE.with_name(built_name(RESAMPLE, RESAMPLE_FLAGS)), RESAMPLE_FLAGS, RESAMPLE))

@@ -1,5 +1,5 @@
 """Ivy's resampler (`ivy/resample.c`, built as ivy.native builds its C: with the system's C compiler on first use,
-kept by source hash in the cache directory, or beside the source by `python -m ivy.native` in the gateway image):
+kept by source hash in the cache directory, or beside the source by `python -m ivy.resample` in the gateway image):
 Pillow's resize of an RGB or L image followed by a crop, only the crop's pixels computed, Pillow's bytes exactly
 (the C file says why by hand, and why exact). `ivy.images.resize_crop` takes it where `usable()` (it built, and on
 this Pillow it gave Pillow's pixels on `check`'s images), else Pillow's own resize.
@@ -141,3 +141,7 @@ def usable(vfirst: Callable[[int, int, int, int], bool]) -> bool:
                     ok = False
                 _USABLE.append(ok)
     return _USABLE[0]
+
+
+if __name__ == "__main__":  # python -m ivy.resample: build the resampler beside its source (the gateway image)
+    print(native.build(SOURCE.with_name(native.built_name(SOURCE, FLAGS)), FLAGS, SOURCE))
