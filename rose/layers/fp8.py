@@ -49,6 +49,33 @@ def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+SCALE_STEPS = 16  # scales tried per weight channel: amax / 448 * (1 + j / 16), j = 0 .. 15
+
+
+def quantize_weight(w: torch.Tensor, steps: int = SCALE_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for a weight [N, K], with each output channel's scale chosen, among amax / 448 * c for
+    c in [1, 2) (`steps` values), as the one whose e4m3 rounding of the channel has the least squared
+    error. Why: e4m3's error is relative (3 mantissa bits), so amax / 448 is only one of the grids that
+    cover the channel without clipping (c = 2 is c = 1 a binade down); which one rounds a given channel
+    best depends on where its values fall. A weight's rounding error is the same for every token (a fixed
+    change of the model, not noise that averages out in pooling): on real all-MiniLM-L6-v2 it was the
+    larger share of fp8's error (docs/performance.md). 16 steps: 7.5% less rms error on its weights than
+    amax / 448 (32: 8.7%, 64: 9.3%, at a pass over the weights each, once at load). c = 1 is `quantize`'s
+    scale, so no channel rounds worse."""
+    w = w.float()
+    base = w.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    best_s = best_err = None
+    for j in range(steps):
+        s = base * (1 + j / steps)
+        # |w / s| <= 448 for c >= 1 (to rounding, which the conversion rounds back to 448): no clamp needed
+        err = ((w / s).to(FP8).float() * s - w).square_().sum(dim=1, keepdim=True)
+        if best_s is None:
+            best_s, best_err = s, err
+        else:
+            best_s, best_err = torch.where(err < best_err, s, best_s), torch.minimum(err, best_err)
+    return (w / best_s).clamp(-FP8_MAX, FP8_MAX).to(FP8), best_s
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
@@ -107,6 +134,22 @@ def fp8_ops() -> frozenset:
     return frozenset(env.split(",")) & OPS if env else OPS
 
 
+BF16_BLOCKS = (0,)  # the recipe's blocks kept in bf16 (negative: from the end); see `layer_ops`
+
+
+def layer_ops(n: int) -> list[frozenset]:
+    """Per block of n, the GEMMs that run in fp8: `fp8_ops()`, but none in the blocks `BF16_BLOCKS` names
+    (or ROSE_FP8_BF16_LAYERS: comma-separated block indices, negative from the end, empty for none; a knob
+    for measurements). Why the first block: measured on real all-MiniLM-L6-v2 (docs/performance.md), it
+    is the one block whose fp8 costs the most of the worst vector's cosine; on a 24-block model it is
+    1/24 of the GEMMs' time."""
+    env = os.environ.get("ROSE_FP8_BF16_LAYERS")
+    keep = BF16_BLOCKS if env is None else [int(v) for v in env.split(",") if v.strip()]
+    kept = {k % n for k in keep if -n <= k < n}
+    ops = fp8_ops()
+    return [frozenset() if i in kept else ops for i in range(n)]
+
+
 class _Gemms:
     """A block's four GEMMs: fp8 from (q, scale), or, for one ROSE_FP8_OPS leaves out, bf16 from the bf16 input."""
 
@@ -131,7 +174,7 @@ class Fp8Linear:
     @classmethod
     def of(cls, linear: nn.Linear, given: tuple[torch.Tensor, torch.Tensor] | None = None) -> Fp8Linear:
         """Quantised from the layer's weight, or `given` as (e4m3 [N, K], scales [N, 1]) (a checkpoint's)."""
-        q, s = given if given is not None else quantize(linear.weight)
+        q, s = given if given is not None else quantize_weight(linear.weight)
         if q.shape != linear.weight.shape:
             raise ValueError(f"fp8 weight of shape {tuple(q.shape)} for a layer of {tuple(linear.weight.shape)}")
         return cls(q.contiguous(), s.float().reshape(1, -1).contiguous(), linear.bias)
@@ -182,10 +225,16 @@ def post_norm_forward(model, x: torch.Tensor, meta, attn, rows: torch.Tensor | N
     quantised, out GEMM (+bias), add + LayerNorm (bf16 residual and fp8), up GEMM (+bias), activation +
     quant, down GEMM (+bias), add + LayerNorm (bf16 and, but for the last block, fp8)."""
     quant_rows, norm_quant = _ops(x)
-    xq, xs = quant_rows(x)  # the embeddings' LayerNorm is not ours to fuse here: one small pass
     layers = model.blocks
-    n, ops = len(layers), fp8_ops()
-    for i, (layer, w) in enumerate(zip(layers, model.fp8_layers)):
+    n = len(layers)
+    every = layer_ops(n)
+    xq = xs = None
+    for i, (layer, w, ops) in enumerate(zip(layers, model.fp8_layers, every)):
+        if not ops:  # a block kept in bf16 (`layer_ops`): the bf16 engine's own block
+            x, xq = layer(x, meta, attn, rows if i == n - 1 else None), None
+            continue
+        if xq is None:  # the embeddings' LayerNorm (or a bf16 block's) is not ours to fuse: one small pass
+            xq, xs = quant_rows(x)
         sa, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
         gemm = _Gemms(w, model.fp8_linears(layer) if ops != OPS else None, ops)
         T, h = x.shape
@@ -199,7 +248,8 @@ def post_norm_forward(model, x: torch.Tensor, meta, attn, rows: torch.Tensor | N
         uq, us = quant_rows(u, act) if act else quant_rows(inter.act(u).contiguous())
         f = inter.act(u) if "down" not in ops else None
         ln = out.LayerNorm
-        _, x, xq, xs = norm_quant(gemm("down", uq, us, f), x, ln.weight, ln.bias, ln.eps, quant=i < n - 1)
+        _, x, xq, xs = norm_quant(gemm("down", uq, us, f), x, ln.weight, ln.bias, ln.eps,
+                                  quant=i < n - 1 and bool(every[i + 1]))
     return x
 
 
@@ -212,11 +262,12 @@ def pre_norm_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, me
     cos_sin = model.rotary.lookup(positions, x.dtype)
     quant_rows, norm_quant = _ops(x)
     layers = model.layers
-    n, ops = len(layers), fp8_ops()
-    bf16 = ops != OPS  # a GEMM in bf16 (ROSE_FP8_OPS) reads the norms' bf16 outputs too
+    n, every = len(layers), layer_ops(len(layers))
+    # a GEMM in bf16 (ROSE_FP8_OPS, a block `layer_ops` keeps in bf16) reads the norms' bf16 outputs too
+    bf16 = any(ops != OPS for ops in every)
     norm = layers[0].input_layernorm
     _, h, hq, hs = norm_quant(x, None, norm.weight, None, norm.eps, rms=True, out=bf16)
-    for i, (layer, w, window) in enumerate(zip(layers, model.fp8_layers, model.windows)):
+    for i, (layer, w, window, ops) in enumerate(zip(layers, model.fp8_layers, model.windows, every)):
         sa = layer.self_attn
         gemm = _Gemms(w, model.fp8_linears(layer) if bf16 else None, ops)
         T = x.shape[0]
