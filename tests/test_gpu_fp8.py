@@ -2,11 +2,13 @@
 the unfused torch maths in bf16 at real widths, the fp8 GEMM against its dequantised product and bf16's,
 graph replay equal to the eager fp8 step, and real all-MiniLM-L6-v2's fidelity held to a floor.
 
-The floor, from the CPU measurement (benchmarks/fp8_fidelity.py, 1,000 sentences, 2026-12-06, 2-core CPU
-machine; benchmarks/results/2026-12-06_cpu_fp8-fidelity/): fp8 against bf16 min cosine 0.99355, p01 0.99552,
-Spearman of pairwise similarities 0.99778, top-10 neighbour overlap 0.970. The GPU's bf16 reference is not
-the CPU's (cuBLASLt's tanh GELU, other accumulation orders) and e4m3 ties fall either way, so the floor
-keeps about half of fp8's own distance as margin: min cosine 0.99, p01 0.994, Spearman 0.995, overlap 0.95."""
+The floor, from the CPU measurement of the recipe (first block bf16, searched weight scales; benchmarks/fp8_fidelity.py,
+1,000 sentences, 2026-12-06, 2-core CPU machine): fp8 against bf16 min cosine 0.99625, p01 0.99699, Spearman of
+pairwise similarities 0.99839, top-10 neighbour overlap 0.973 (the recipe before: 0.99355 / 0.99552 / 0.99778 /
+0.970). The min's floor is issue 52's target, 0.995; the others keep about half of fp8's own distance below the
+CPU figures as margin (the GPU's bf16 reference is not the CPU's: cuBLASLt's tanh GELU, other accumulation orders;
+e4m3 ties fall either way): p01 0.996, Spearman 0.998, overlap 0.96. Not yet run on a GPU with this recipe (the
+recipe before measured a min 0.0011 lower on an H100 than on this CPU at 3,000 sentences)."""
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ pytestmark = [
                        reason="fp8 GEMMs need compute capability 8.9+"),
 ]
 
-FLOOR = {"cos_min": 0.99, "cos_p01": 0.994, "spearman_pairwise": 0.995, "top10_overlap_mean": 0.95}
+FLOOR = {"cos_min": 0.995, "cos_p01": 0.996, "spearman_pairwise": 0.998, "top10_overlap_mean": 0.96}
 STEP = 2.0 ** -3
 
 
@@ -101,7 +103,7 @@ def test_fp8_graph_replay_equals_eager_and_stays_near_bf16(model):
         assert (got - want).abs().max().item() < 1e-3
     bf16 = Engine(EngineConfig(model=model, device="cuda"))
     ref = bf16.step(batch).synchronize().clone()
-    # random weights: a sanity bound only (on the CPU, 4 x 64: min cosine 0.990 bge-m3, 0.985 pplx-embed)
+    # random weights: a sanity bound only (on the CPU, 4 x 64: min cosine 0.991 bge-m3, 0.994 pplx-embed)
     assert F.cosine_similarity(outs[-1], ref).min().item() > 0.97
     small = Batch.from_sequences(seqs(1, 128, 30000, seed=1))
     assert torch.equal(graphed.step(small).synchronize(), bf16.step(small).synchronize())
