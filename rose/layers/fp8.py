@@ -3,8 +3,8 @@ through `torch._scaled_mm`, for steps of at least `fp8_tokens` tokens (smaller o
 
 Weights: each block's q/k/v, attention output, up (or gate/up) and down projections, quantised once at
 load with one scale per output channel (`quantize_weight`: amax / 448 x [1, 2), searched) and kept
-BESIDE the bf16 weights, which steps under the threshold (the small step, the bf16 blocks) still read: +1 byte per weight (bge-m3:
-~300 MB; the embeddings and heads are not quantised).
+BESIDE the bf16 weights, which steps under the threshold (the small step, the bf16 blocks) still read:
++1 byte per weight (bge-m3: ~300 MB; the embeddings and heads are not quantised).
 Activations: one scale per row, written by the kernel that produced the row (`rose.kernels.quant`): the
 residual add + LayerNorm (post-norm, BERT / XLM-R) or + RMSNorm (pre-norm, Qwen3), the FFN's activation
 (GELU, SwiGLU) before the down projection; the attention output and BERT's embeddings are quantised by a
@@ -19,7 +19,8 @@ Families: `post_norm_forward` (BERT, XLM-RoBERTa, RoBERTa, CamemBERT, ELECTRA: B
 `pre_norm_forward` (Qwen3, pplx-embed's Qwen3), each through the `Fp8Blocks` mixin.
 The fidelity recipe (issue 52, docs/performance.md): weight channels' scales searched at load
 (`quantize_weight`), the first block in bf16 (`BF16_BLOCKS`, `layer_ops`).
-Knobs for measurements: ROSE_FP8_BF16_LAYERS (blocks kept in bf16); ROSE_FP8_FAST_ACCUM=1 makes `_scaled_mm` accumulate in its fast mode;
+Knobs for measurements: ROSE_FP8_BF16_LAYERS (blocks kept in bf16); ROSE_FP8_FAST_ACCUM=1 makes
+`_scaled_mm` accumulate in its fast mode;
 ROSE_FP8_OPS (comma-separated of qkv, out, up, down) runs only those GEMMs in fp8, the others in bf16
 from the same kernels' bf16 outputs (what each GEMM costs in fidelity and gains in speed).
 """
