@@ -119,13 +119,12 @@ class Stages:
 
 # Bodies above this size are handled while watching for the client to disconnect: its handler is
 # then cancelled, which cancels its Tulip requests (Tulip drops their queued work). Smaller requests
-# usually finish in about a step and skip the watch (a task and a future per request), unless their
+# usually finish in about a step and skip the watch (a task per request), unless their
 # work is large whatever their bytes (16,000 commas are 16,000 tokens, chunked into 32 windows):
 # a handler that is about to send more than WATCH_TOKENS tokens to Tulip starts the watch itself
 # (`watch_disconnect`, called by ivy.routes.common.tulip_call).
 WATCH_BYTES = 16 << 10
 WATCH_TOKENS = 1024
-_GONE = object()
 
 
 def watch_disconnect() -> bool:
@@ -147,24 +146,6 @@ def watch_disconnect() -> bool:
 
     call.watcher = asyncio.ensure_future(watch())
     return True
-
-
-async def _unless_disconnected(work, receive):
-    """`work`'s result, or _GONE (work cancelled) if `receive` says the client disconnected first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(receive())
-    done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        watch.cancel()
-        return task.result()
-    if watch.result()["type"] == "http.disconnect":
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        return _GONE
-    return await task  # a server that answers receive() with something else: no watch
 
 
 class Front:
@@ -255,26 +236,20 @@ class Front:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         stamp("receive")
         try:
-            if len(body) > WATCH_BYTES:  # big enough to be worth cancelling if its caller leaves
-                result = await _unless_disconnected(handler(body, stamp), receive)
-                if result is _GONE:
-                    self.count(route, 499, call.model)  # the client closed the connection: its work is dropped
-                    log.info("request %s: the client disconnected; its work was dropped", rid)
-                    return
-                status, payload = 200, result
-            else:
-                call.receive = receive  # the handler may start a watch (watch_disconnect)
-                try:
-                    status, payload = 200, await handler(body, stamp)
-                except asyncio.CancelledError:
-                    if not call.gone:
-                        raise
-                    asyncio.current_task().uncancel()
-                    self.count(route, 499, call.model)
-                    log.info("request %s: the client disconnected; its work was dropped", rid)
-                    return
-                finally:
-                    call.stop_watch()
+            call.receive = receive  # the handler may start a watch (watch_disconnect)
+            if len(body) > WATCH_BYTES:  # big enough to be worth cancelling if its caller leaves: watched from now
+                watch_disconnect()
+            try:
+                status, payload = 200, await handler(body, stamp)
+            except asyncio.CancelledError:
+                if not call.gone:
+                    raise
+                asyncio.current_task().uncancel()
+                self.count(route, 499, call.model)  # the client closed the connection: its work is dropped
+                log.info("request %s: the client disconnected; its work was dropped", rid)
+                return
+            finally:
+                call.stop_watch()
         except APIError as e:
             status, payload = e.status, e.body()
             if status >= 500:  # the server's side failed (no replica, a deadline): worth a line
