@@ -19,7 +19,8 @@
 #                        target p99 <= 2x idle), then the 100k x 512 job (target >= 0.95 x the engine).
 #   kernels  carry [".whl", ".gpu"]    ~4 min. Issue 52: the persistent one-kernel layer against today's small step
 #                        (benchmarks.persistent: us per layer, GB/s, WINS/LOSES), pplx-embed's bf16 100 x 512 in
-#                        benchmarks.engine (500 emb/s in benchmarks.fp8 against the issue's 861: which is right).
+#                        benchmarks.engine (500 emb/s in benchmarks.fp8 against the issue's 861: which is right), the
+#                        kernels of a 256-image CLIP step (benchmarks.profile_step --images).
 #   ray      carry [".ray"]  after `serve` on the same warm machine   ~4 min. Issue 50: the job on a local Ray
 #                        with one GPU actor against in-process (target >= 0.90).
 #   (fp8: benchmarks/fp8_gpu.sh, carry [".fp8"]: the new recipe's GPU test and fidelity at 3,000 sentences.)
@@ -83,7 +84,10 @@ kernels)
     | grep -v -e '^{' -e Warning -e warn_once
   echo "== pplx-embed bf16 in benchmarks.engine"
   timeout 90 python3 -m benchmarks.engine --model preset:pplx-embed-1-0.6b --device cuda --lengths 512 --scoring "" \
-    --iters 20 --repeats 3 2>&1 | tail -6 ;;
+    --iters 20 --repeats 3 2>&1 | tail -6
+  echo "== issue 51: where a 256-image CLIP step's time goes (ROSE 7,262 img/s < transformers eager 8,572 on an H100)"
+  timeout 90 python3 -m benchmarks.profile_step --model preset:clip-vit-base-patch16 --images 256 --rows 15 2>&1 \
+    | grep -v "RANDOM WEIGHTS\|Writing model" | tail -22 ;;
 ray)
   tar -xJf .ray/ray-stripped.tar.xz -C /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .ray/whl/*.whl 2>&1 | grep -v "already exists" | tail -3
