@@ -14,7 +14,7 @@ PORT ?= 8000
 # make test: pytest-xdist workers, each taking whole files (module-scoped servers stay one per file)
 TEST_WORKERS ?= 2
 
-.PHONY: install serve test proto clean
+.PHONY: install serve test test-slow proto clean
 
 # deploy/constraints.txt pins every version (python -m deploy.lock writes it); the images install the same.
 $(BIN)/.installed: pyproject.toml deploy/constraints.txt
@@ -39,6 +39,10 @@ tests/node/node_modules/.installed: tests/node/package.json tests/node/package-l
 
 test: install $(if $(NPM),tests/node/node_modules/.installed)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The tests marked slow too (the benchmark harness's own features; ~2 minutes more).
+test-slow: install $(if $(NPM),tests/node/node_modules/.installed)
+	TRELLIS_SLOW=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Regenerate the gRPC stubs from proto/ (grpcio-tools pinned in pyproject.toml).
 proto: install

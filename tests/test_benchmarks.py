@@ -85,6 +85,7 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rerank_benchmark_cross_encoder_beside_bi_encoder(tiny_cross_encoder, tmp_path):
     """benchmarks.rerank end to end on CPU: a cross-encoder and a bi-encoder (MiniLM) each behind
     deploy.local, the gate (float32 served = float32 reference), 1- and 4-client cells, the chart."""
@@ -139,6 +140,7 @@ def test_rerank_gate_aborts_when_served_scores_differ(tiny_cross_encoder, tmp_pa
     assert rows[0]["max_abs_diff_logits"] > rows[0]["tolerance"]
 
 
+@pytest.mark.slow
 def test_run_resumes_where_it_stopped(tiny, tmp_path):
     """`--max-minutes` starts no new part once spent; `--resume` with the same command skips what is done
     (nothing is appended twice) and finishes the rest; other arguments start over."""
@@ -176,6 +178,7 @@ def test_run_takes_several_models_each_with_its_suites(tiny, tmp_path):
     assert not list(out.glob(f"engine_{tiny.name}*.jsonl"))
 
 
+@pytest.mark.slow
 def test_offline_run_script_drives_the_one_command(tiny, tmp_path):
     """`offline.sh run` (what a lent GPU machine is given, call after call) passes its flags to
     `benchmarks run` as they are today, and tars the results into $OUT every call."""
@@ -234,6 +237,7 @@ def test_readme_performance_table_matches_the_committed_results():
         assert abs(quoted - value) <= (0.5 if bench == "bulk" else 0.006), (label, quoted, value)
 
 
+@pytest.mark.slow
 def test_gateway_benchmark_measures_ivy_alone(tmp_path):
     """benchmarks.gateway on CPU: Ivy in front of the stand-in Tulip, latency and saturation rows with
     the worker's CPU per request, then the per-stage rows from Ivy's IVY_STAGES stamps."""
