@@ -24,6 +24,7 @@ def tiny(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_all_suites_end_to_end_on_cpu(tiny, tmp_path, model_path):
     shutil.copy(model_path / "tokenizer.json", tiny / "tokenizer.json")  # the concurrency suite sends text
     out = tmp_path / "results"
@@ -343,6 +344,7 @@ def test_gpu_sampler_summarises_nvidia_smi_and_is_empty_without_it(tmp_path):
     assert gpu.summary() == {}
 
 
+@pytest.mark.slow
 def test_images_benchmark_smoke_runs_every_cell(tmp_path):
     """benchmarks.images --smoke (issue 51): tiny CLIP towers built and saved by transformers, on the CPU: the gate
     (ROSE's image vectors against transformers' on the same weights), ROSE's steps, transformers eager and
