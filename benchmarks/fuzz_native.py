@@ -203,6 +203,29 @@ def _child(args: argparse.Namespace, so: Path) -> int:
     return 1 if failed else 0
 
 
+def sanitized(source: Path, flags: tuple[str, ...], mark: str, module: str, args: list[str]) -> int | None:
+    """`source` (one of Ivy's C files) built with `flags` (ASan + UBSan) in a temporary directory, then
+    `python -m module --so BUILD *args` run with the sanitizers' runtime preloaded and `mark` set (the child
+    loads that build): its exit status; None (said on stderr) without a C compiler or ASan's runtime."""
+    from ivy import native
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        print("no C compiler", file=sys.stderr)
+        return None
+    runtime = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isfile(runtime):
+        print(f"{cc} has no libasan.so ({runtime!r})", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        so = native.build(Path(tmp) / f"{source.stem}-sanitized.so", flags, source)
+        env = dict(os.environ, **{mark: "1", "LD_PRELOAD": os.path.realpath(runtime),
+                                  "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+                                  "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
+        argv = [sys.executable, "-m", module, "--so", str(so), *args]
+        return subprocess.run(argv, env=env, cwd=Path(__file__).resolve().parent.parent).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=20000, help="fuzzed texts per model")
@@ -213,24 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get(MARK):
         return _child(args, Path(args.so))
-    from ivy.native import build
+    from ivy.native import SOURCE
 
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        print("no C compiler", file=sys.stderr)
+    rc = sanitized(SOURCE, SANITIZE, MARK, "benchmarks.fuzz_native",
+                   ["--texts", str(args.texts), "--seed", str(args.seed), "--models", args.models]
+                   + (["--exact"] if args.exact else []))
+    if rc is None:
         return 2
-    runtime = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isfile(runtime):
-        print(f"{cc} has no libasan.so ({runtime!r})", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        so = build(Path(tmp) / "native-sanitized.so", SANITIZE)
-        env = dict(os.environ, **{MARK: "1", "LD_PRELOAD": os.path.realpath(runtime),
-                                  "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
-                                  "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
-        argv = [sys.executable, "-m", "benchmarks.fuzz_native", "--so", str(so), "--texts", str(args.texts),
-                "--seed", str(args.seed), "--models", args.models] + (["--exact"] if args.exact else [])
-        rc = subprocess.run(argv, env=env, cwd=Path(__file__).resolve().parent.parent).returncode
     print("clean: no sanitizer report" if rc == 0 else f"FAILED: exit status {rc}", flush=True)
     return rc
 

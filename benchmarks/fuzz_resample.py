@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -129,25 +126,13 @@ def main(argv: list[str] | None = None) -> int:
 
         lib = load(Path(args.so))
     elif args.sanitize:
-        from ivy.native import build
+        from benchmarks.fuzz_native import sanitized
         from ivy.resample import SOURCE
 
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if not cc:
-            print("no C compiler", file=sys.stderr)
+        rc = sanitized(SOURCE, SANITIZE, MARK, "benchmarks.fuzz_resample",
+                       ["--cases", str(args.cases), "--seed", str(args.seed)])
+        if rc is None:
             return 2
-        runtime = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-        if not os.path.isfile(runtime):
-            print(f"{cc} has no libasan.so ({runtime!r})", file=sys.stderr)
-            return 2
-        with tempfile.TemporaryDirectory() as tmp:
-            so = build(Path(tmp) / "resample-sanitized.so", SANITIZE, SOURCE)
-            env = dict(os.environ, **{MARK: "1", "LD_PRELOAD": os.path.realpath(runtime),
-                                      "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
-                                      "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
-            argv = [sys.executable, "-m", "benchmarks.fuzz_resample", "--so", str(so), "--cases", str(args.cases),
-                    "--seed", str(args.seed)]
-            rc = subprocess.run(argv, env=env, cwd=Path(__file__).resolve().parent.parent).returncode
         print("clean: no sanitizer report, no difference" if rc == 0 else f"FAILED: exit status {rc}", flush=True)
         return rc
     t0 = time.monotonic()
