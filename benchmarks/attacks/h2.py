@@ -58,7 +58,8 @@ def rss_kib(pid: int) -> int:
 class Tulip:
     def __init__(self, root: Path, log: Path, device: str = "cpu", model: str = "default", batch_tokens: int = 0):
         self.port, self.metrics_port = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+                   PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # the tree first, then what the caller had
         self.p = subprocess.Popen([sys.executable, "-m", "tulip", "--model", model, "--device", device,
                                    "--port", str(self.port), "--max-queued-tokens", "200000",
                                    "--metrics-port", str(self.metrics_port)]
