@@ -168,7 +168,6 @@ class EngineLoop:
             lambda: len(self.scheduler) + (len(self.images) if self.images is not None else 0))
         self.metrics.by_class(self.scheduler)
         self._inflight: deque[_Step] = deque()
-        self._batch_steps = 0  # of which batch-only steps
         self._online_until = 0.0  # monotonic: online work is live until then (ONLINE_LIVE_S after an arrival)
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
@@ -208,7 +207,6 @@ class EngineLoop:
                         len(self._inflight), timeout)
             while self._inflight:
                 self._fail(self._inflight.popleft().slots, RuntimeError("the server is stopping"))
-            self._batch_steps = 0
         if self._executor:
             self._executor.shutdown(wait=False)
 
@@ -315,7 +313,7 @@ class EngineLoop:
                 picked = sched
             else:
                 break
-            if live and self._batch_steps and not picked.online_live:
+            if live and not picked.online_live and any(s.batch_only for s in self._inflight):
                 break  # online work is live: one batch-only step in flight at a time
             slots = picked.next_batch(live)
             if not slots:
@@ -349,7 +347,6 @@ class EngineLoop:
                 self._fail(slots, e)
                 continue
             self._inflight.append(step := _Step(slots, lazy, launched, tokens))
-            self._batch_steps += step.batch_only
             if self.tracing is not None:
                 self.tracing.launched(step)
         if self._inflight and not self._watching:
@@ -390,7 +387,6 @@ class EngineLoop:
         if not self._inflight or self._inflight[0] is not step:
             return  # stop() already failed it
         self._inflight.popleft()
-        self._batch_steps -= step.batch_only
         if self.stages is not None:
             _stamp(step.slots, WAIT)
         if self.tracing is not None:
