@@ -99,7 +99,7 @@ class NullEngine:
         self.sparse_rows = False
         self.attention = types.SimpleNamespace(name="none")
 
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         import torch
 
         from rose.lazy import LazyTensor

@@ -14,7 +14,8 @@ own, `--gap-ms` apart. One JSON object per phase (the probes' p50 / p99 ms, the 
 phase), then a `priority-summary` object per Tulip: idle and beside-the-job p99, their ratio (issue 50's target:
 at most 2) and the job's rate alone and beside the probes.
 
-A Tulip is started per (`--batch-step-tokens`, `--online-batch-step-tokens`) pair; `--base DIR` adds one more
+A Tulip is started per (`--batch-step-tokens`, `--online-batch-step-tokens`, `--online-lane-tokens`: the online
+lane, online steps on a CUDA stream of their own beside the job's) triple; `--base DIR` adds one more
 whose `tulip` package is this tree's with DIR's `*.py` files in place of its own (e.g. the scheduler and engine
 loop before a change), so a before / after pair runs on the same machine in one call (rows `tulip: base`).
 """
@@ -99,6 +100,9 @@ def main(argv=None) -> None:
     ap.add_argument("--online-batch-step-tokens", type=int, nargs="*", default=[0],
                     help="the started Tulip's --online-batch-step-tokens (0: its default), one Tulip per value "
                          "(and per --batch-step-tokens value)")
+    ap.add_argument("--online-lane-tokens", type=int, nargs="*", default=[0],
+                    help="the started Tulip's --online-lane-tokens (0: one stream), one Tulip per value (and per "
+                         "value of the two above)")
     ap.add_argument("--base", type=Path, default=None,
                     help="a directory of tulip/*.py files (e.g. the scheduler and loop before a change): one more "
                          "Tulip, first, with this tree's tulip package but those files; its rows say tulip: base")
@@ -115,20 +119,22 @@ def main(argv=None) -> None:
     rec = Recorder(args.out, "priority")  # one file for every Tulip of the run
     if args.tulip:
         return run(rec, args, args.tulip, {"tulip": "given"})
-    runs = [("base", cap, 0) for cap in args.batch_step_tokens] if args.base is not None else []
-    runs += [("tree", cap, live) for cap in args.batch_step_tokens for live in args.online_batch_step_tokens]
-    for which, cap, live in runs:
+    runs = [("base", cap, 0, 0) for cap in args.batch_step_tokens] if args.base is not None else []
+    runs += [("tree", cap, live, lane) for cap in args.batch_step_tokens for live in args.online_batch_step_tokens
+             for lane in args.online_lane_tokens]
+    for which, cap, live, lane in runs:
         port = free_port()
         tmp = Path(tempfile.mkdtemp(prefix="priority-"))
         flags = ["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []
         flags += ["--batch-step-tokens", str(cap)] if cap else []
         flags += ["--online-batch-step-tokens", str(live)] if live else []
+        flags += ["--online-lane-tokens", str(lane)] if lane else []
         with base_tulip(args.base, tmp) if which == "base" else _nothing():
             proc = spawn_until_ready(["tulip", "--model", args.model, "--device", args.device, "--port", str(port),
                                       *flags], "TULIP_READY", tmp / "tulip.log")
         try:
             run(rec, args, f"127.0.0.1:{port}",
-                {"tulip": which, "batch_step_tokens": cap, "online_batch_step_tokens": live})
+                {"tulip": which, "batch_step_tokens": cap, "online_batch_step_tokens": live, "online_lane_tokens": lane})
         finally:
             stop(proc)
             shutil.rmtree(tmp, ignore_errors=True)

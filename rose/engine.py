@@ -25,7 +25,7 @@ import torch
 from rose.backends import QUANTIZATIONS
 from rose.batch import Batch
 from rose.extras import Extra
-from rose.graphs import GraphConfig, GraphRunner
+from rose.graphs import CudaOps, GraphConfig, GraphRunner
 from rose.images import ImageProcessing, ImageTower
 from rose.layers.attention import AttentionBackend, AttentionMetadata, select_backend, with_window_support
 from rose.layers.attention_table import builtin_table, load_table
@@ -81,6 +81,11 @@ class EngineConfig:
                then, on a CPU too); on CUDA a GPU of compute capability 8.9 or more (Ada, Hopper).
     fp8_min_tokens: with quantization "fp8", the smallest step (tokens; a graph's token bucket) that
                runs it (`python -m benchmarks.fp8`'s row sweep measures where fp8 starts to win per GPU).
+    online_lane_tokens: on CUDA with graphs, `step(..., urgent=True)` of up to this many tokens runs in the
+               online lane: a second graph runner on a stream of the highest CUDA priority, with its own
+               graphs, memory pool, staging buffers and attention plans, so that an online step launched
+               while a bulk step runs is computed beside it (its blocks scheduled first as SMs free up)
+               instead of queued behind it; 0: one stream (urgent steps queue like any other).
     """
 
     model: str = "default"
@@ -95,6 +100,7 @@ class EngineConfig:
     kernel_tokens: int = 512
     quantization: str = "auto"
     fp8_min_tokens: int = 1024
+    online_lane_tokens: int = 0
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -105,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"quantization fp8 runs in bfloat16: dtype {self.dtype!r} (choose auto or bfloat16)")
         if self.kernel_tokens < 0:
             raise ValueError(f"kernel_tokens {self.kernel_tokens} must be >= 0")
+        if self.online_lane_tokens < 0:
+            raise ValueError(f"online_lane_tokens {self.online_lane_tokens} must be >= 0 (0: no online lane)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.graphs not in ("lazy", "eager-all", "off"):
@@ -188,17 +196,9 @@ class Engine:
         self.sparse_rows = family.vocab_output(self.spec.config)
         self._output_dim = self.spec.embedding_dim if self.spec.dense else family.output_dim(self.spec.config)
         self.attention = self._select_attention(family)
-        self.runner: GraphRunner | None = None
-        if self.device.type == "cuda" and cfg.graphs != "off":
-            if self.attention.capturable:
-                gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
-                self.runner = GraphRunner(self._scores if self.num_labels else self._forward, self.attention.prepare,
-                                          self.num_labels or self.embedding_dim, self.device, gcfg,
-                                          forward_extras=self._forward_extras if self.heads is not None else None,
-                                          segments=bool(self.num_labels))
-            else:
-                log.info("engine: CUDA graphs off: attention %s cannot be captured; every step runs eagerly",
-                         self.attention.name)
+        # CUDA graphs: the main runner, and the online lane's (`online_lane_tokens`)
+        self.runner, self.lane = self._graph_runners(family) if self.device.type == "cuda" and cfg.graphs != "off" \
+            else (None, None)
         self.images = self._image_tower(family)  # CLIP / SigLIP: `step_images`
         log.info(
             "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s, "
@@ -208,8 +208,36 @@ class Engine:
             " -> ".join(f"{d.in_features}x{d.out_features}" for d in self.spec.dense) or "none", self.spec.normalize,
             (f"<= {self.kernels} tokens" if self.kernels else "off") +
             (f", fp8 GEMMs >= {self.fp8_tokens} tokens" if self.fp8_tokens else ""), cfg.compile,
-            cfg.graphs if self.runner is not None else "off",
+            (cfg.graphs if self.runner is not None else "off") +
+            (f", online lane <= {self.lane.cfg.max_tokens} tokens" if self.lane is not None else ""),
         )
+
+    def _graph_runners(self, family) -> tuple[GraphRunner | None, GraphRunner | None]:
+        """The main graph runner and the online lane's (None where `online_lane_tokens` is 0); none where the
+        attention backend cannot be captured."""
+        cfg = self.cfg
+        if not self.attention.capturable:
+            log.info("engine: CUDA graphs off: attention %s cannot be captured; every step runs eagerly",
+                     self.attention.name)
+            return None, None
+        gcfg = GraphConfig(mode=cfg.graphs, max_tokens=cfg.max_graph_tokens, max_seqs=cfg.max_graph_seqs)
+        runner = self._runner(self.attention, gcfg)
+        lane_tokens = gcfg.token_bucket(min(cfg.online_lane_tokens, cfg.max_graph_tokens)) or 0
+        # Its own attention backend: a backend's plans (FlashInfer's workspace and indptr buffers) are written
+        # by `prepare` for the next replay, which may be the other runner's, running.
+        lane = self._runner(self._select_attention(family),
+                            replace(gcfg, max_tokens=lane_tokens, max_seqs=min(gcfg.max_seqs, lane_tokens)),
+                            priority=-1) if lane_tokens else None  # (torch's high-priority stream pool)
+        return runner, lane
+
+    def _runner(self, attention: AttentionBackend, gcfg: GraphConfig, priority: int = 0) -> GraphRunner:
+        """A graph runner whose forwards read `attention` (each runner's own plans), on a stream of `priority`."""
+        kw = {"attention": attention}
+        fwd = self._scores if self.num_labels else self._forward
+        return GraphRunner(functools.partial(fwd, **kw), attention.prepare, self.num_labels or self.embedding_dim,
+                           self.device, gcfg, ops=CudaOps(self.device, priority),
+                           forward_extras=functools.partial(self._forward_extras, **kw) if self.heads is not None else None,
+                           segments=bool(self.num_labels))
 
     def _select_attention(self, family, heads: tuple[int, int, int] | None = None,
                           causal: bool | None = None) -> AttentionBackend:
@@ -340,21 +368,25 @@ class Engine:
         """A cross-encoder's float32 [N, num_labels] logits -> its scores, as CrossEncoder.predict gives them."""
         return ACTIVATIONS[self.activation](logits)
 
-    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None, token_type_ids=None, rows=None) -> torch.Tensor:
-        """Device tensors in, token states [T, hidden] out (or the states at `rows` [N]: `Family.forward`)."""
+    def _encode(self, ids, positions, cu, max_seqlen, seq_lens=None, token_type_ids=None, rows=None,
+                attention: AttentionBackend | None = None) -> torch.Tensor:
+        """Device tensors in, token states [T, hidden] out (or the states at `rows` [N]: `Family.forward`);
+        `attention`: a graph runner's backend (None: the engine's)."""
         meta = AttentionMetadata(cu, max_seqlen, seq_lens, self.causal)
         kw = {} if rows is None else {"rows": rows}
+        attention = attention or self.attention
         if token_type_ids is None:
-            return self.model(ids, positions, meta, self.attention, **kw)
-        return self.model(ids, positions, meta, self.attention, token_type_ids, **kw)
+            return self.model(ids, positions, meta, attention, **kw)
+        return self.model(ids, positions, meta, attention, token_type_ids, **kw)
 
-    def _scores(self, ids, positions, seq_ids, cu, max_seqlen, segment_starts=None, seq_lens=None) -> torch.Tensor:
+    def _scores(self, ids, positions, seq_ids, cu, max_seqlen, segment_starts=None, seq_lens=None,
+                attention=None) -> torch.Tensor:
         """A cross-encoder's step: device tensors in (`segment_starts` int64 [N + 1], 0: one segment, or
         None), float32 [N, num_labels] logits of the head on each sequence's first token (or mean:
         `Family.classifier_pooling`) out."""
         types = None if segment_starts is None else token_types(positions, seq_ids, segment_starts)
         rows = kept_rows(cu, ids.shape[0], self._head_pool)  # the head reads the first token's state alone
-        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types, rows)
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, types, rows, attention)
         first = hidden if rows is not None else pool(hidden, cu, seq_ids, self._head_pool)
         return self._classify(first.to(hidden.dtype)).float()
 
@@ -375,19 +407,20 @@ class Engine:
             out = self.dense(out)
         return normalize(out) if self.spec.normalize else out.float()
 
-    def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None) -> torch.Tensor:
+    def _forward(self, ids, positions, seq_ids, cu, max_seqlen, seq_lens=None, attention=None) -> torch.Tensor:
         """Device tensors in, float32 [N, dim] embeddings out (pooled, through any Dense modules, normalised
         where the model says)."""
         # CLS / last-token pooling reads one state per sequence: the last block computes those alone
         rows = None if self.sparse_rows else self._pool_rows(ids, cu, seq_ids) if self._pool_rows is not None \
             else kept_rows(cu, ids.shape[0], self._pool_mode)
-        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, rows=rows)
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, rows=rows, attention=attention)
         return self._pooled(hidden, cu, seq_ids, positions, ids.shape[0], rows is not None)
 
-    def _forward_extras(self, ids, positions, seq_ids, cu, max_seqlen, extras: frozenset, seq_lens=None):
+    def _forward_extras(self, ids, positions, seq_ids, cu, max_seqlen, extras: frozenset, seq_lens=None,
+                        attention=None):
         """As `_forward`, plus the token-level outputs named in `extras` from the same hidden states:
         (dense [N, dim], float32 weights [T] or empty, float32 vectors [T, colbert_dim] or empty)."""
-        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens)
+        hidden = self._encode(ids, positions, cu, max_seqlen, seq_lens, attention=attention)
         empty = torch.empty(0, device=hidden.device)
         return (self._pooled(hidden, cu, seq_ids, positions, ids.shape[0], False),
                 self.heads.token_weights(hidden) if Extra.SPARSE in extras else empty,
@@ -403,7 +436,7 @@ class Engine:
         return tuple(n for n, m in ((Extra.SPARSE, h and h.sparse), (Extra.COLBERT, h and h.colbert)) if m is not None)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, extras: frozenset = frozenset()) -> LazyTensor:
+    def step(self, batch: Batch, extras: frozenset = frozenset(), urgent: bool = False) -> LazyTensor:
         """Run one ragged batch; return float32 [N, dim] pooled (and normalised) embeddings, or a
         cross-encoder's raw logits [N, num_labels] (the batch's `segment_starts` give token types).
 
@@ -412,16 +445,24 @@ class Engine:
         with `sparse_rows` (SPLADE) returns its rows alone: their nonzero entries are the sparse output.
         On CUDA a batch goes through the GraphRunner (padded to its bucket, graph replayed; a
         batch with extras through graphs of its own); bigger batches and any batch on CPU run eagerly.
+        `urgent` (an online request's step): through the online lane where the engine has one and the batch
+        fits its buckets (`EngineConfig.online_lane_tokens`), beside whatever the main stream is running.
         """
         if extras and (unknown := set(extras) - set(self.extra_outputs)):
             raise ValueError(f"this model has no {sorted(map(str, unknown))} output")
         if self.sparse_rows:
             extras = frozenset()  # the caller takes the sparse output from the rows (`sparse_rows`)
+        if urgent and self.lane is not None:
+            lazy = self.lane.step(batch, frozenset(extras))
+            if lazy is not None:
+                return lazy
         if self.runner is not None:
             lazy = self.runner.step(batch, frozenset(extras))
             if lazy is not None:
                 return lazy
         dev = self.device
+        if self.runner is not None:
+            self.runner.ops.use_stream()  # the main stream, not the online lane's a step before left current
         self.attention.prepare(None, batch.cu_seqlens.numpy(), batch.num_tokens)
         args = (batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
                 batch.seq_ids.to(dev, non_blocking=True), batch.cu_seqlens.to(dev, non_blocking=True),

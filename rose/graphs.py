@@ -163,9 +163,12 @@ class CudaOps:
     stream, ordered as torch's would be; the buffers are the runner's own (never freed), and the
     graphs draw no random numbers (which is all `replay` adds to the launch)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, priority: int = 0):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        # priority: CUDA's stream priority (lower is more urgent; 0 is the default and least urgent); where
+        # two runners' steps are on the device at once, the more urgent stream's blocks are scheduled first
+        # as SMs free up (`Engine`'s online lane)
+        self.stream = torch.cuda.Stream(device, priority=priority)
         self.pool = torch.cuda.graph_pool_handle()
         drv = _driver()
         self._copy, self._launch = drv or (None, None)

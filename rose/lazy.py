@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-# One thread is enough: it only ever sleeps inside cudaEventSynchronize, which
-# releases the GIL.
-_WAITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rose-lazy-wait")
+# Its threads only ever sleep inside cudaEventSynchronize, which releases the GIL. More than one: with an
+# online lane (`Engine.lane`) a step can finish before the one launched ahead of it, and its wait must not
+# queue behind that step's (Tulip waits on at most `max_inflight` steps at once).
+_WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rose-lazy-wait")
 
 
 class LazyTensor:

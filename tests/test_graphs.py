@@ -366,3 +366,46 @@ def test_shape_classes_cover_every_class_a_step_can_fall_in():
         for batch in class_batches(n, length, 16384):
             assert batch.num_tokens <= 16384
             assert shape_class(len(batch.seq_lens), batch.max_seqlen) == (n, max(64, length)) or length == 8192
+
+
+def test_the_online_lane_runs_urgent_steps_in_graphs_attention_and_a_stream_of_its_own(tmp_path, monkeypatch):
+    """`online_lane_tokens`: urgent steps that fit the lane's buckets replay the lane's own graphs, planned by its
+    own attention backend, on a stream of higher priority; bigger ones and the rest go to the main runner; the
+    vectors are the eager step's either way. (CUDA-only parts with fake ops: no GPU here.)"""
+    from rose import engine as eng
+    from rose.engine import Engine, EngineConfig
+    from rose.models import model_class
+    from tests.checkpoints import save_checkpoint
+
+    made = []
+
+    class Ops(FakeOps):
+        def __init__(self, device, priority=0):
+            super().__init__()
+            self.priority = priority
+            made.append(self)
+
+    monkeypatch.setattr(eng, "CudaOps", Ops)
+    path, _ = save_checkpoint("bert", tmp_path / "bert")
+    e = Engine(EngineConfig(model=str(path), device="cpu", attention="padded", online_lane_tokens=100))
+    assert e.runner is None and e.lane is None  # on a CPU: no graphs
+    eager = {n: e.step(Batch.from_sequences(seqs_of(*([n] * 3), vocab=500))).synchronize() for n in (9, 60)}
+    e.runner, e.lane = e._graph_runners(model_class(e.spec))
+    assert [o.priority for o in made] == [0, -1]  # the main runner's stream, then the lane's more urgent one
+    assert e.lane.cfg.max_tokens == 128 and e.runner.cfg.max_tokens == 16384  # the lane: 100 up to its bucket
+    assert e.lane.prepare.__self__ is not e.attention and e.runner.prepare.__self__ is e.attention
+    for _ in range(3):  # eager, capture, replay
+        small = e.step(Batch.from_sequences(seqs_of(9, 9, 9, vocab=500)), urgent=True).synchronize()
+        big = e.step(Batch.from_sequences(seqs_of(60, 60, 60, vocab=500)), urgent=True).synchronize()  # 180 tokens
+        plain = e.step(Batch.from_sequences(seqs_of(9, 9, 9, vocab=500))).synchronize()
+    # (a capture replays once) the small urgent step in the lane; the big one there counted oversize
+    assert (e.lane.stats.keys, e.lane.stats.replays, e.lane.stats.oversize) == (1, 2, 3)
+    assert (e.runner.stats.keys, e.runner.stats.replays) == (2, 4)  # the big urgent step and the plain one
+    from tulip.metrics import TulipMetrics
+    from prometheus_client import generate_latest
+
+    text = generate_latest(TulipMetrics(e).registry).decode()
+    assert "tulip_graph_replays 4.0" in text and "tulip_graph_lane_replays 2.0" in text
+    assert "tulip_graph_lane_oversize 3.0" in text
+    for got, want in ((small, eager[9]), (plain, eager[9]), (big, eager[60])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

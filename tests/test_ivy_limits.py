@@ -155,7 +155,7 @@ class _SlowCpu:
     def __init__(self):
         self.ran, self.started = [], threading.Event()
 
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         self.ran.append(int(batch.num_tokens))
         self.started.set()
         time.sleep(0.2)

@@ -42,7 +42,7 @@ class FakeGpuEngine:
         self.sparse_rows = False
         self.image_size = 0  # text only
 
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         now = time.monotonic()
         with self.tl.lock:
             done = max(now, self.tl.free_at) + STEP_S
@@ -99,7 +99,7 @@ class FailingEvent(TimedEvent):
 class PoisonEngine(FakeGpuEngine):
     """Token 666 fails the step at launch, token 777 fails it on the device; others succeed."""
 
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         ids = set(batch.input_ids.tolist())
         if 666 in ids:
             raise RuntimeError("launch failed")
@@ -208,7 +208,7 @@ class StickyErrorEvent(TimedEvent):
 
 
 class StickyEngine(FakeGpuEngine):
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         lazy = super().step(batch, extras)
         return LazyTensor(lazy._host, StickyErrorEvent(lazy._event.t))
 
@@ -230,7 +230,7 @@ def test_an_event_that_raises_fails_the_requests_instead_of_hanging(spin_ms):
 
 def test_stop_fails_what_is_still_running_after_its_timeout():
     class Wedged(FakeGpuEngine):
-        def step(self, batch, extras=frozenset()):
+        def step(self, batch, extras=frozenset(), urgent=False):
             lazy = super().step(batch, extras)
             return LazyTensor(lazy._host, TimedEvent(time.monotonic() + 0.5))  # outlives stop()
 

@@ -16,6 +16,8 @@ import torch
 
 import tulip.loop
 from rose.batch import Batch
+from benchmarks.hop import TimedEvent
+from rose.lazy import LazyTensor
 from tests.test_overlap import STEP_S, FakeGpuEngine, Timeline
 from tulip.config import TulipConfig
 from tulip.loop import EngineLoop, Request
@@ -31,7 +33,7 @@ class Recording(FakeGpuEngine):
         super().__init__(tl)
         self.ids: list[set] = []
 
-    def step(self, batch, extras=frozenset()):
+    def step(self, batch, extras=frozenset(), urgent=False):
         lazy = super().step(batch, extras)
         self.ids.append(set(batch.input_ids.tolist()))
         return lazy
@@ -85,6 +87,69 @@ def test_an_online_arrival_waits_for_at_most_one_batch_step(monkeypatch):
     assert overlapping(tl, kinds, arrivals[-1] + live_s + 2 * STEP_S, float("inf")) == 2  # the window passed
     assert sum(kinds) == len(kinds) - probes  # every job step was batch-only: 80 x 4 x 128 in 80 steps
     assert len(kinds) == 80 + probes
+
+
+class TwoLanes(Recording):
+    """The fake device with an online lane (`Engine.lane`): an urgent step runs beside the bulk steps on a
+    timeline of its own (taking LANE_S, a small step's time), so it can finish before a step launched earlier."""
+
+    LANE_S = STEP_S / 4
+
+    def __init__(self, tl: Timeline):
+        super().__init__(tl)
+        self.lane = Timeline()
+        self.urgent: list[bool] = []
+
+    def step(self, batch, extras=frozenset(), urgent=False):
+        self.urgent.append(urgent)
+        if not urgent:
+            return super().step(batch, extras)
+        now = time.monotonic()
+        with self.lane.lock:
+            done = max(now, self.lane.free_at) + self.LANE_S
+            self.lane.free_at = done
+        self.ids.append(set(batch.input_ids.tolist()))
+        out = batch.input_ids[batch.cu_seqlens[:-1].long()].float().unsqueeze(1).repeat(1, 4)
+        return LazyTensor(out, TimedEvent(done))
+
+
+def test_with_an_online_lane_a_probe_completes_before_the_bulk_step_ahead_of_it():
+    """Steps complete out of launch order where the engine runs online steps beside the rest: a probe that
+    arrives while a bulk step runs is answered in about its own step's time (LANE_S), not after that step
+    (STEP_S); every bulk request still gets its own rows. On a one-stream engine the loop kept FIFO completion,
+    and each probe waited for the bulk step ahead of it."""
+    tl = Timeline()
+    engine = TwoLanes(tl)
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
+    probes = 6
+
+    async def main():
+        loop = EngineLoop(engine, cfg)
+        loop.start()
+        job = [Request(np.full(512, JOB, dtype=np.int32), [128] * 4, priority=BATCH) for _ in range(40)]
+        done = [asyncio.ensure_future(loop.submit(r)) for r in job]
+        await asyncio.sleep(3 * STEP_S)
+        waits = []
+        for p in range(probes):
+            t = time.monotonic()
+            row = await loop.submit(Request(np.full(64, 900 + p, dtype=np.int32), [64]))
+            waits.append(time.monotonic() - t)
+            assert int(row[0, 0]) == 900 + p
+            await asyncio.sleep(1.3 * STEP_S)
+        rows = await asyncio.gather(*done)
+        await loop.stop()
+        assert all(r.shape == (4, 4) and (r == JOB).all() for r in rows)
+        return waits
+
+    waits = asyncio.run(main())
+    kinds = [ids == {JOB} for ids in engine.ids]
+    assert len(tl.launched) == 40 and engine.urgent == [not k for k in kinds]  # probes (alone in their steps) urgent, the job's steps not
+    assert sum(engine.urgent) == probes
+    # a bulk step was on the device at each probe's arrival, yet each probe came back in well under one
+    assert max(waits) < 0.7 * STEP_S, [round(w / STEP_S, 2) for w in waits]
+    # and the job kept two steps in flight throughout (the lane's steps are not on its timeline)
+    assert overlapping(tl, [True] * len(tl.launched), 0.0, float("inf")) == 2
+    assert min(sum(1 for j in range(k) if tl.done_at[j] > t) for k, t in enumerate(tl.launched) if k > 1) == 1
 
 
 def test_on_the_cpu_an_online_request_runs_in_a_step_of_its_own(engine):

@@ -100,3 +100,24 @@ def test_held_work_waits_in_place_and_goes_back_to_the_front():
     assert s.drop(h) and h.cancelled and s.held_tokens == 0 and not s.drop(h)
     s.resume([h])
     assert s.next_batch() == [] and s.queued_tokens == 0
+
+
+def test_the_online_lane_asks_for_online_and_batch_steps_apart():
+    """With an online lane the loop takes an online step without batch fill (`fill=False`, even where the
+    fourth online step in a row would fill) and a batch-only step while online work waits (`batch_only`)."""
+    from tulip.scheduler import BATCH, ONLINE_STEPS_PER_FILL
+
+    s = Scheduler(512, batch_step_tokens=256)
+    job = Entry([128] * 8, priority=BATCH)
+    s.add(job)
+    for _ in range(ONLINE_STEPS_PER_FILL):  # one online request at each step: the fourth would fill
+        e = Entry([64])
+        s.add(e)
+        assert s.next_batch(fill=False) == [(e, 0)]
+    last = Entry([64])
+    s.add(last)
+    assert s.next_batch(batch_only=True) == [(job, 0), (job, 1)]  # online work waits; batch_step_tokens 256
+    assert s.online_live == 1 and s.next_batch(fill=False) == [(last, 0)]
+    assert s.queued_tokens == 6 * 128 and s.batch_tokens == 6 * 128
+    s.add(e := Entry([64]))
+    assert s.next_batch() == [(e, 0)]  # steps taken with fill=False left the one-stream count of steps alone

@@ -49,6 +49,9 @@ class TulipConfig:
     fp8_min_tokens: int = field(1024, "with --quantization fp8: the smallest step (tokens) whose GEMMs run in fp8; "
                                 "smaller steps keep bf16 (python -m benchmarks.fp8's row sweep measures the "
                                 "crossover per GPU)")
+    online_lane_tokens: int = field(0, "CUDA: online steps of up to this many tokens run on a stream of their own "
+                                    "at the highest priority, with their own graphs, beside the bulk steps in flight "
+                                    "instead of behind them (rose.engine.EngineConfig.online_lane_tokens); 0: one stream")
     warmup: tuple[str, ...] = field((), "shapes NxL to run before reporting SERVING, e.g. --warmup 1x128 --warmup 32x512; "
                                     "A-BxL: every N from A to B (e.g. 1-16x512, the batches 16 concurrent callers "
                                     "form); NxL+sparse+colbert also warms the graphs of steps with those outputs (BGE-M3)")
@@ -101,7 +104,7 @@ class TulipConfig:
                 f"max_queued_tokens {self.max_queued_tokens} must be >= max_batch_tokens {self.max_batch_tokens}"
             )
         warmup_shapes(self.warmup)
-        for name in ("batch_step_tokens", "online_batch_step_tokens"):
+        for name in ("batch_step_tokens", "online_batch_step_tokens", "online_lane_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0 (0: see its help)")
         if self.max_inflight < 1:

@@ -124,11 +124,12 @@ def _stamp(slots, point: int) -> None:
 
 
 class _Step:
-    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only")
+    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only", "waited")
 
     def __init__(self, slots: list, lazy, launched: float, tokens: int):
         self.slots, self.lazy, self.launched, self.tokens = slots, lazy, launched, tokens  # lazy: LazyTensor / StepThread
         self.watched_from = 0.0
+        self.waited = False  # a _wait task owns it
         self.batch_only = slots[0][0].priority != ONLINE  # online slots come first
 
 
@@ -168,6 +169,9 @@ class EngineLoop:
             lambda: len(self.scheduler) + (len(self.images) if self.images is not None else 0))
         self.metrics.by_class(self.scheduler)
         self._inflight: deque[_Step] = deque()
+        # the engine runs online steps on a stream of their own beside the rest (`Engine.lane`): steps in flight
+        # can complete out of launch order
+        self._lane = getattr(engine, "lane", None) is not None
         self._online_until = 0.0  # monotonic: online work is live until then (ONLINE_LIVE_S after an arrival)
         # On CPU the forward runs in the step; keep it off the event loop.
         self._executor = ThreadPoolExecutor(1, "tulip-step") if engine.device.type == "cpu" else None
@@ -184,7 +188,7 @@ class EngineLoop:
         self._special = np.asarray(engine.spec.special_token_ids, dtype=np.int32)
         self._sparse_rows = engine.sparse_rows  # SPLADE: the sparse output is a row's nonzero entries
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self._watching = False  # a _watch callback or _wait task owns the oldest step
+        self._polling = False  # a _watch callback is due
         self._pump_soon = False  # a _pump is due on the next turn (resume)
         # After a step completes the loop stays awake for spin_ms, so the next request (and the
         # replies being written) are picked up without an epoll wake-up.
@@ -300,12 +304,16 @@ class EngineLoop:
                 by_class[r.priority].observe(waited)
         m.step_seconds.observe(done - step.launched)
 
+    def _count(self, batch_only: bool) -> int:
+        """Steps in flight of one kind: batch-only, or carrying online work."""
+        return sum(1 for s in self._inflight if s.batch_only == batch_only)
+
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free (a model with an image tower: a step is text or
         images, and while both wait they take turns)."""
         sched, images = self.scheduler, self.images
         live = bool(self._online_until) and time.monotonic() < self._online_until  # (a job alone reads no clock)
-        while len(self._inflight) < self._max_inflight:
+        while True:
             if (images is not None and len(images) and (self._image_turn or not len(sched))
                     and (not self._inflight or images.queued_tokens >= self._overlap_tokens)):
                 picked = images
@@ -313,9 +321,20 @@ class EngineLoop:
                 picked = sched
             else:
                 break
-            if live and not picked.online_live and any(s.batch_only for s in self._inflight):
-                break  # online work is live: one batch-only step in flight at a time
-            slots = picked.next_batch(live)
+            if self._lane and picked is sched:  # (image steps run on the main stream)
+                # The online lane: online steps and batch-only steps have `max_inflight` in flight each, since
+                # an online step runs beside the batch steps, not behind them; it takes no batch work (batch
+                # work has steps of its own, so it is not starved), and the job keeps its steps in flight.
+                online = picked.online_live > 0 and self._count(False) < self._max_inflight
+                if not online and not (picked.batch_live and self._count(True) < self._max_inflight):
+                    break
+                slots = picked.next_batch(live, fill=False) if online else picked.next_batch(live, batch_only=True)
+            else:
+                if len(self._inflight) >= self._max_inflight:
+                    break
+                if live and not picked.online_live and any(s.batch_only for s in self._inflight):
+                    break  # online work is live: one batch-only step in flight at a time
+                slots = picked.next_batch(live)
             if not slots:
                 break
             launched = time.monotonic()
@@ -325,8 +344,8 @@ class EngineLoop:
                     tokens = batch.num_tokens
                     if self.stages is not None:
                         _stamp(slots, BATCH)
-                    if self._executor is None:
-                        lazy = self.engine.step(batch, extras)
+                    if self._executor is None:  # a step with online work: the engine's online lane where it has one
+                        lazy = self.engine.step(batch, extras, urgent=slots[0][0].priority == ONLINE)
                     elif tokens > CPU_PIECE_TOKENS and len(slots) > 1 and not extras:
                         lazy = StepThread(self._executor.submit(run_pieces, self.engine, slots))
                     else:
@@ -349,30 +368,41 @@ class EngineLoop:
             self._inflight.append(step := _Step(slots, lazy, launched, tokens))
             if self.tracing is not None:
                 self.tracing.launched(step)
-        if self._inflight and not self._watching:
-            self._watching = True
+        if self._inflight and not self._polling:
+            self._polling = True
             self._aloop.call_soon(self._watch)
 
     def _watch(self) -> None:
-        """Complete the oldest step if it is done; otherwise poll again on the next loop
-        iteration, or hand the wait to a thread once it has run for `spin_ms`."""
+        """Complete a watched step that is done, else poll again on the next loop iteration, handing a step to a
+        waiter task (a thread's wait) once it has been watched for `spin_ms`. One stream: the oldest step is
+        watched (the rest finish after it), its spin budget counted from when it became the oldest. With an
+        online lane (`Engine.lane`) every step in flight is: an online step runs beside the bulk step ahead of
+        it and can finish first."""
+        self._polling = False
         if not self._inflight:  # stop() gave up on the steps
-            self._watching = False
             return
-        step = self._inflight[0]
         now = time.monotonic()
-        if step.watched_from == 0.0:
-            step.watched_from = now  # the spin budget counts from when a step becomes the oldest
-        try:
-            ready = step.lazy.ready()
-        except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
-            ready = True
-        if ready:
-            self._complete(step)
-        elif now - step.watched_from < self._spin_s:
+        spinning = False
+        for step in (self._inflight if self._lane else (self._inflight[0],)):
+            if step.waited:
+                continue
+            if step.watched_from == 0.0:
+                step.watched_from = now
+            try:
+                ready = step.lazy.ready()
+            except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
+                ready = True
+            if ready:
+                self._complete(step)
+                return
+            if now - step.watched_from < self._spin_s:
+                spinning = True
+            else:
+                step.waited = True
+                self._aloop.create_task(self._wait(step))
+        if spinning:
+            self._polling = True
             self._aloop.call_soon(self._watch)
-        else:
-            self._aloop.create_task(self._wait(step))
 
     async def _wait(self, step: _Step) -> None:
         try:
@@ -382,11 +412,10 @@ class EngineLoop:
         self._complete(step)
 
     def _complete(self, step: _Step) -> None:
-        self._watching = False
         self._idle.kick()
-        if not self._inflight or self._inflight[0] is not step:
+        if step not in self._inflight:
             return  # stop() already failed it
-        self._inflight.popleft()
+        self._inflight.remove(step)
         if self.stages is not None:
             _stamp(step.slots, WAIT)
         if self.tracing is not None:

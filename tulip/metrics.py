@@ -18,17 +18,21 @@ class GraphCollector:
         self.engine = engine
 
     def collect(self):
-        runner = getattr(self.engine, "runner", None)
-        if runner is None:
-            return
-        s = runner.stats
-        for name, doc, value in (("keys", "graph keys seen", s.keys), ("eager", "eager warm-up runs", s.eager),
-                                 ("captures", "graphs captured", s.captures), ("replays", "graph replays", s.replays),
-                                 ("oversize", "steps too big for any graph", s.oversize),
-                                 ("capture_ms", "total capture time, ms", s.capture_ms)):
-            g = GaugeMetricFamily(f"tulip_graph_{name}", doc)
-            g.add_metric([], value)
-            yield g
+        # the main runner's as tulip_graph_*, the online lane's (rose.engine.EngineConfig.online_lane_tokens, where
+        # on) as tulip_graph_lane_*: its oversize counts online steps too big for the lane (run on the main stream)
+        for prefix, runner in (("tulip_graph", getattr(self.engine, "runner", None)),
+                               ("tulip_graph_lane", getattr(self.engine, "lane", None))):
+            if runner is None:
+                continue
+            s = runner.stats
+            for name, doc, value in (("keys", "graph keys seen", s.keys), ("eager", "eager warm-up runs", s.eager),
+                                     ("captures", "graphs captured", s.captures), ("replays", "graph replays", s.replays),
+                                     ("oversize", "steps too big for any graph", s.oversize),
+                                     ("capture_ms", "total capture time, ms", s.capture_ms)):
+                g = GaugeMetricFamily(f"{prefix}_{name}", doc + (" (the online lane)" if runner is not self.engine.runner
+                                                                 else ""))
+                g.add_metric([], value)
+                yield g
 
 
 class TulipMetrics:

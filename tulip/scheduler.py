@@ -158,12 +158,18 @@ class Scheduler:
         for entry in reversed(front):
             (self._batch if entry.priority else self._queue).appendleft(entry)
 
-    def next_batch(self, live: bool = False) -> list[tuple[Entry, int]]:
+    def next_batch(self, live: bool = False, fill: bool = True, batch_only: bool = False) -> list[tuple[Entry, int]]:
         """Pop the next batch as (entry, sequence index) slots: online work in arrival order; batch work
         in arrival order only where there is no online work, or in the budget left by one step in
         `ONLINE_STEPS_PER_FILL` that carry online work in a row. `live`: online work is live (the engine
-        loop's clock says), batch work takes at most `online_batch_step_tokens`."""
+        loop's clock says), batch work takes at most `online_batch_step_tokens`. With an online lane (the
+        engine runs online steps beside batch steps) the loop asks for the two kinds apart: `fill=False`,
+        a step of online work and no batch work; `batch_only`, a step of batch work whatever online work
+        waits."""
         slots: list[tuple[Entry, int]] = []
+        if batch_only:
+            self._fill(slots, 0, self.online_batch_step_tokens if live else self.batch_step_tokens)
+            return slots
         tokens = 0
         budget = self.max_batch_tokens
         q = self._queue
@@ -188,7 +194,7 @@ class Scheduler:
                 q.popleft()
                 entry.queued = False
                 self._live -= 1
-        if self._batch:  # the online-only case pays this one test
+        if self._batch and fill:  # the online-only case pays this one test
             if not slots or self._unfilled >= ONLINE_STEPS_PER_FILL - 1:
                 self._unfilled = 0
                 self._fill(slots, tokens, self.online_batch_step_tokens if live else self.batch_step_tokens)

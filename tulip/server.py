@@ -70,7 +70,8 @@ async def serve(cfg: TulipConfig) -> int:
     log.log(logging.WARNING if ref.random_weights else logging.INFO, "model %s", ref.describe())
     engine = Engine(EngineConfig(str(ref.path), cfg.device, cfg.dtype, cfg.attention, cfg.graphs, compile=cfg.compile,
                                  attention_table=cfg.attention_table, kernel_tokens=cfg.kernel_tokens,
-                                 quantization=cfg.quantization, fp8_min_tokens=cfg.fp8_min_tokens))
+                                 quantization=cfg.quantization, fp8_min_tokens=cfg.fp8_min_tokens,
+                                 online_lane_tokens=cfg.online_lane_tokens))
     if not cfg.max_batch_tokens:
         budget = max(DEFAULT_BATCH_TOKENS, engine.spec.max_seq_len)
         if cfg.max_queued_tokens < budget:

@@ -55,7 +55,7 @@ def warm_up(engine: Engine, specs: tuple[str, ...], max_tokens: int = 16384) -> 
     class, its first time) cost an independent caller 1,930 ms; the same attack again, compiled: 306-369 ms
     (benchmarks/attacks/ivy.py). Triton's on-disk cache makes a restart's compile cheap.
     Then run each --warmup shape (`warmup_shapes`: N sequences of L tokens, with the outputs after "+")
-    three times: eager, capture, replay. A model without an asked output raises ValueError."""
+    three times: eager, capture, replay (and in the online lane where the engine has one). A model without an asked output raises ValueError."""
     if engine.device.type == "cuda":
         t0 = time.perf_counter()
         classes = shape_classes(engine.spec.max_seq_len, max_tokens)
@@ -67,7 +67,8 @@ def warm_up(engine: Engine, specs: tuple[str, ...], max_tokens: int = 16384) -> 
         length = min(length, engine.spec.max_seq_len)
         batch = Batch.from_sequences([np.full(length, 5, dtype=np.int64)] * n)
         t0 = time.perf_counter()
-        for _ in range(3):
-            engine.step(batch, extras).synchronize()
+        for urgent in (False, True) if engine.lane is not None else (False,):  # the online lane's graphs too
+            for _ in range(3):
+                engine.step(batch, extras, urgent=urgent).synchronize()
         log.info("warmed up %dx%d%s in %.0f ms", n, length, "".join(f"+{e}" for e in sorted(extras)),
                  (time.perf_counter() - t0) * 1e3)
