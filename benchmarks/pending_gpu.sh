@@ -21,6 +21,7 @@
 #                        (benchmarks.persistent: us per layer, GB/s, WINS/LOSES), pplx-embed's bf16 100 x 512 in
 #                        benchmarks.engine (500 emb/s in benchmarks.fp8 against the issue's 861: which is right), the
 #                        kernels of a 256-image CLIP step (benchmarks.profile_step --images).
+#   job      carry [".img"]    ~4 min. Issue 50: serve's last part alone, the 100k x 512 job (target >= 0.95 x the engine).
 #   lane     carry [".img"]    ~8 min. Issue 50: the online lane (online steps on a high-priority CUDA stream with
 #                        graphs of their own): tests/test_gpu_lane.py (an online step launched behind a bulk step
 #                        finishes first; both equal their steps alone), then benchmarks.priority one stream vs the
@@ -51,7 +52,7 @@ if [ "$mode" = prep ]; then
   rm -f .ray/whl/numpy-*.whl; rm -rf "$tmp"; du -sh .ray; exit 0
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-wheels=.whl; [ "$mode" = serve ] || [ "$mode" = lane ] && wheels=.img/whl
+wheels=.whl; case "$mode" in serve|job|lane) wheels=.img/whl ;; esac
 [ "$mode" = ray ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$wheels"/*.whl 2>&1 | grep -v "already exists" | tail -3
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1 TRELLIS_CACHE=/tmp/trellis-cache
@@ -92,6 +93,10 @@ kernels)
   echo "== issue 51: where a 256-image CLIP step's time goes (ROSE 7,262 img/s < transformers eager 8,572 on an H100)"
   timeout 90 python3 -m benchmarks.profile_step --model preset:clip-vit-base-patch16 --images 256 --rows 15 2>&1 \
     | grep -v "RANDOM WEIGHTS\|Writing model" | tail -22 ;;
+job)
+  echo "== issue 50: the 100k x 512 job"
+  timeout 400 python3 -m benchmarks.embed_job --model preset:bge-m3 --device cuda --rows 100000 --length 512 --runs 1 \
+    --out "$OUT/embed_job.json" 2>&1 | tail -8 ;;
 lane)
   echo "== issue 50: the online lane's GPU test"
   timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 180 tests/test_gpu_lane.py 2>&1 | tail -4
@@ -104,5 +109,5 @@ ray)
     --no-cache-dir --upgrade --target /tmp/site .ray/whl/*.whl 2>&1 | grep -v "already exists" | tail -3
   timeout 330 python3 -m benchmarks.embed_job --model preset:bge-m3 --device cuda --rows 20000 --length 512 --runs 1 \
     --engine-rows 5000 --ray --ray-actors 1 --out "$OUT/embed_job_ray.json" 2>&1 | tail -10 ;;
-*) echo "mode: prep | suite | serve | kernels | lane | ray"; exit 2 ;;
+*) echo "mode: prep | suite | serve | kernels | job | lane | ray"; exit 2 ;;
 esac
