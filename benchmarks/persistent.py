@@ -16,7 +16,8 @@ config and grid, `max_abs_err` / `rel_err` of layer 0 against the eager bf16 for
 torch / triton versions and the date. Then a summary table.
 
 `--compile-only` (no GPU needed) compiles the kernel's variants for sm_90 and prints registers, shared
-memory and spills (`cuobjdump`), to choose configs without a device.
+memory and spills (`cuobjdump`), to choose configs without a device, and the tests' small shapes (exit status 1
+if any cell fails to compile; `--variants` picks cells).
 """
 
 from __future__ import annotations
@@ -257,7 +258,10 @@ def run(args) -> int:
 
 
 def compile_only(args) -> int:
-    """Each variant compiled for sm_90 on this machine (no GPU): registers, shared memory, spills."""
+    """Each variant compiled for sm_90 on this machine (no GPU): registers, shared memory, spills. The variants
+    at bge-m3's shape, then the tests' small shapes (`TINY`: hidden 64, whose K chunks are under one 128-byte
+    line; the interpreter never reaches the CUDA-only prefetch, so only a compile checks it) and BERT-base's
+    (hidden 768: chunks not in a power of two of lines); all with the constexprs `persistent_layer` launches with."""
     import subprocess
     from pathlib import Path
 
@@ -271,28 +275,45 @@ def compile_only(args) -> int:
     names = kern.arg_names
     ptrs = {"qkv_ws": "*fp32", "o_ws": "*fp32", "d_ws": "*fp32", "sync_ptr": "*i32", "err_ptr": "*i32", "prof_ptr": "*i64"}
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    for name, fields, pdl in VARIANTS + [("profile", {}, True)]:
+    bge = (BGE_M3["hidden_size"], BGE_M3["intermediate_size"], BGE_M3["num_attention_heads"], 128)
+    tiny = (TINY["hidden_size"], TINY["intermediate_size"], TINY["num_attention_heads"])
+    small = TINY_TILES
+    cells = [(name, bge, fields, pdl) for name, fields, pdl in VARIANTS + [("profile", {}, True)]] + [
+        ("tiny-split2", (*tiny, 40), dict(small, split_qkv=2), True),  # tests/test_persistent.py's shapes
+        ("tiny-16rows", (*tiny, 16), small, True),
+        ("tiny-heads4", (64, 128, 4, 64), dict(small, split_out=1, lookahead=False), True),
+        ("bert-base", (768, 3072, 12, 128), {}, True),
+    ]
+    names_wanted = args.variants.split(",") if args.variants else None
+    failed = 0
+    for name, (H, F, heads, rows), fields, pdl in cells:
+        if names_wanted and name not in names_wanted:
+            continue
         c = P.PersistentConfig(**fields)
-        cons = dict(H=1024, F=4096, HEADS=16, D=64, BLOCK_M=128, BLOCK_H=1024, BN=c.block_n, BN_UP=c.block_n_up,
-                    BK=c.block_k, S_QKV=c.split_qkv, S_O=c.split_out, S_D=c.split_down, ATT_BM=c.attn_block_m,
-                    LN_ROWS=c.ln_rows, HEADS_PER_TILE=max(1, c.block_n // 64),
-                    HEAD_TARGET=3 * max(1, 64 // c.block_n) * c.split_qkv, GELU_TANH=True, PREFETCH=c.prefetch,
-                    LOOKAHEAD=c.lookahead, LINE=64, SYNC_BLOCK=32, STAGES=c.num_stages, USE_GDC=pdl,
-                    PROFILE=name == "profile")
+        cons = dict(P.kernel_constexprs(H, F, heads, rows, c, 2, profile=name == "profile"), USE_GDC=pdl)
         sig = {n: "constexpr" if n in cons else ptrs.get(n, "*bf16") if n.endswith(("_ptr", "_ws"))
                else "i32" if n in ("M", "max_spins") else "fp32" for n in names}
         # pointers 16-byte aligned, as the JIT specialises them (without it, no cp.async pipelining)
         src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in cons.items()},
                         attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c.num_warps,
-                                                                               num_stages=c.num_stages))
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c.num_warps,
+                                                                                   num_stages=c.num_stages))
+        except Exception as e:  # report the cell and go on to the next: its innermost cause names the fault
+            failed += 1
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            print(f"{name:16s} FAILED: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}")
+            continue
         Path("/tmp/persistent.cubin").write_bytes(k.asm["cubin"])
         use = subprocess.run([str(cuobjdump), "--dump-resource-usage", "/tmp/persistent.cubin"], capture_output=True,
                              text=True).stdout
         regs = next((w for w in use.split() if w.startswith("REG:")), "?")
         local = next((w for w in use.split() if w.startswith("LOCAL:")), "?")
-        print(f"{name:16s} {regs:8s} {local:8s} shared {k.metadata.shared} B, cp.async {k.asm['ptx'].count('cp.async.cg')}")
-    return 0
+        print(f"{name:16s} {regs:8s} {local:8s} shared {k.metadata.shared} B, cp.async {k.asm['ptx'].count('cp.async.cg')}, "
+              f"L2 prefetches {k.asm['ptx'].count('prefetch.global.L2')}  (H {H}, rows {rows}, triton {triton.__version__})")
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:

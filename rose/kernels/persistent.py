@@ -149,12 +149,17 @@ def _publish(sync_ptr, idx):
 
 
 @triton.jit
-def _prefetch(w_ptr, stride_w, n0, k0, BN: tl.constexpr, KC: tl.constexpr, LINE: tl.constexpr):
+def _prefetch(w_ptr, stride_w, n0, k0, BN: tl.constexpr, KC: tl.constexpr, LINE: tl.constexpr,
+              LANES: tl.constexpr):
     """Ask the L2 for the weight tile [n0:n0+BN, k0:k0+KC], one prefetch per 128-byte line (LINE elements):
-    the HBM stream of a tile that may have to wait starts before the wait."""
+    the HBM stream of a tile that may have to wait starts before the wait. LANES (`prefetch_lanes`): the
+    lines of a row's chunk rounded up to a power of two (tl.arange's sizes), at least one."""
     rows = n0 + tl.arange(0, BN)
-    lines = tl.arange(0, KC // LINE)
-    ptrs = w_ptr + rows[:, None] * stride_w + k0 + lines[None, :] * LINE
+    lines = tl.arange(0, LANES)
+    if LANES * LINE > KC:  # a chunk under one line, or not in whole lines: the spare lanes take its last line again
+        ptrs = w_ptr + rows[:, None] * stride_w + k0 + tl.minimum(lines * LINE, KC - 1)[None, :]
+    else:
+        ptrs = w_ptr + rows[:, None] * stride_w + k0 + lines[None, :] * LINE
     tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -212,16 +217,18 @@ def _add_norm(p_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, out_ptr, r0, M, eps, BLOCK_M
 @triton.jit
 def _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
                    E4: tl.constexpr, E5: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
-                   BN: tl.constexpr, BN_UP: tl.constexpr, KC_O: tl.constexpr, KC_D: tl.constexpr, LINE: tl.constexpr):
-    """The weights of tile t, for the stages that wait before reading them (out, up, down)."""
+                   BN: tl.constexpr, BN_UP: tl.constexpr, KC_O: tl.constexpr, KC_D: tl.constexpr, LINE: tl.constexpr,
+                   PF_O: tl.constexpr, PF_U: tl.constexpr, PF_D: tl.constexpr):
+    """The weights of tile t, for the stages that wait before reading them (out, up, down); PF_*: their
+    prefetch lanes per row (`prefetch_lanes` of KC_O, H, KC_D)."""
     if (t >= E1) & (t < E2):
         j = t - E1
-        _prefetch(wo_ptr, H, (j % (H // BN)) * BN, (j // (H // BN)) * KC_O, BN, KC_O, LINE)
+        _prefetch(wo_ptr, H, (j % (H // BN)) * BN, (j // (H // BN)) * KC_O, BN, KC_O, LINE, PF_O)
     elif (t >= E3) & (t < E4):
-        _prefetch(wu_ptr, H, (t - E3) * BN_UP, 0, BN_UP, H, LINE)
+        _prefetch(wu_ptr, H, (t - E3) * BN_UP, 0, BN_UP, H, LINE, PF_U)
     elif (t >= E4) & (t < E5):
         j = t - E4
-        _prefetch(wd_ptr, F, (j % (H // BN)) * BN, (j // (H // BN)) * KC_D, BN, KC_D, LINE)
+        _prefetch(wd_ptr, F, (j % (H // BN)) * BN, (j // (H // BN)) * KC_D, BN, KC_D, LINE, PF_D)
 
 
 @triton.jit
@@ -233,7 +240,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
                   S_QKV: tl.constexpr, S_O: tl.constexpr, S_D: tl.constexpr, ATT_BM: tl.constexpr,
                   LN_ROWS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_TARGET: tl.constexpr,
                   GELU_TANH: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, LINE: tl.constexpr,
-                  SYNC_BLOCK: tl.constexpr, STAGES: tl.constexpr, PROFILE: tl.constexpr, USE_GDC: tl.constexpr):
+                  PF_O: tl.constexpr, PF_U: tl.constexpr, PF_D: tl.constexpr, SYNC_BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr, PROFILE: tl.constexpr, USE_GDC: tl.constexpr):
     DT = x_ptr.dtype.element_ty
     N3: tl.constexpr = 3 * H
     KC_Q: tl.constexpr = H // S_QKV
@@ -266,7 +274,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         tl.extra.cuda.gdc_wait()
     t = tl.atomic_add(sync_ptr, 1)
     if PREFETCH:
-        _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE)
+        _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE,
+                       PF_O, PF_U, PF_D)
     while t < TOTAL:
         if PROFILE:  # per tile: taken, inputs ready, done (global ns), SM
             tl.store(prof_ptr + t * 4, _now())
@@ -274,7 +283,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         if LOOKAHEAD:
             nxt = tl.atomic_add(sync_ptr, 1)
             if PREFETCH:
-                _prefetch_tile(nxt, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE)
+                _prefetch_tile(nxt, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE,
+                               PF_O, PF_U, PF_D)
         if t < E0:  # q/k/v: column group g of part p (q, k, v), K split s; its inputs are the layer's
             s = t % S_QKV
             p = (t // S_QKV) % 3
@@ -348,7 +358,8 @@ def _layer_kernel(x_ptr, wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, g1_ptr, be1_ptr, wu
         else:
             t = tl.atomic_add(sync_ptr, 1)
             if PREFETCH:
-                _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE)
+                _prefetch_tile(t, wo_ptr, wu_ptr, wd_ptr, E1, E2, E3, E4, E5, H, F, BN, BN_UP, KC_O, KC_D, LINE,
+                               PF_O, PF_U, PF_D)
     # out of tiles: the last program out resets the counters (no other program touches them any more)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 1, 1) == tl.num_programs(0) - 1:
@@ -431,15 +442,38 @@ def persistent_layer(x: torch.Tensor, w: LayerWeights, ws: Workspace, config: Pe
         raise ValueError(f"persistent layer: profile {tuple(profile.shape)} is not [tiles, 4] int64 on CUDA")
     max_spins = c.max_spins if c.max_spins is not None else (0 if interp else 1 << 17)
     launch(_layer_kernel, (programs,), x, w.wqkv, w.bqkv, w.wo, w.bo, w.g1, w.b1, w.wu, w.bu, w.wd, w.bd, w.g2, w.b2,
-           ws.qkv, ws.a, ws.o, ws.h1, ws.f, ws.d, y, ws.sync, ws.err, profile if profile is not None else ws.sync, M, w.eps1, w.eps2,
-           math.log2(math.e) / math.sqrt(D), max_spins,
-           H=H, F=F, HEADS=w.heads, D=D, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(H), BN=c.block_n,
-           BN_UP=c.block_n_up, BK=c.block_k, S_QKV=c.split_qkv, S_O=c.split_out, S_D=c.split_down,
-           ATT_BM=min(c.attn_block_m, bm), LN_ROWS=c.ln_rows, HEADS_PER_TILE=max(1, c.block_n // D),
-           HEAD_TARGET=3 * max(1, D // c.block_n) * c.split_qkv, GELU_TANH=gelu == "tanh",
-           PREFETCH=c.prefetch and not interp, LOOKAHEAD=c.lookahead, LINE=128 // x.element_size(),
-           SYNC_BLOCK=triton.next_power_of_2(ws.sync.numel()), STAGES=c.num_stages, PROFILE=profile is not None, num_warps=c.num_warps, num_stages=c.num_stages)
+           ws.qkv, ws.a, ws.o, ws.h1, ws.f, ws.d, y, ws.sync, ws.err, profile if profile is not None else ws.sync, M,
+           w.eps1, w.eps2, math.log2(math.e) / math.sqrt(D), max_spins,
+           **kernel_constexprs(H, F, w.heads, M, c, x.element_size(), gelu=gelu, prefetch=c.prefetch and not interp,
+                               profile=profile is not None),
+           num_warps=c.num_warps, num_stages=c.num_stages)
     return y
+
+
+def prefetch_lanes(kc: int, line: int) -> int:
+    """Prefetches per weight row of a K chunk of `kc` elements: one per `line`-element (128-byte) line, rounded
+    up to a power of two (tl.arange's sizes; the spare lanes repeat the chunk's last line), at least one: a chunk
+    under one line (hidden 64 in two K splits of bf16: 32 elements against 64) had asked for tl.arange(0, 0),
+    and hidden 768 or 384 for 12 or 6 lanes, neither of which compiles. Counted here, not in the kernel: there
+    triton.next_power_of_2 is callable only from Triton 3.5 (a constexpr_function), and we take Triton >= 3.2."""
+    return triton.next_power_of_2(-(-kc // line))
+
+
+def kernel_constexprs(hidden: int, ffn: int, heads: int, rows: int, config: PersistentConfig, element_size: int,
+                      gelu: str = "tanh", prefetch: bool | None = None, profile: bool = False) -> dict:
+    """`_layer_kernel`'s compile-time arguments (all but USE_GDC, which `launch` adds) for a step of `rows`
+    rows in a dtype of `element_size` bytes: what `persistent_layer` launches with and
+    `benchmarks.persistent --compile-only` compiles. prefetch: None takes the config's."""
+    c, H, F = config, hidden, ffn
+    bm, D, line = max(16, triton.next_power_of_2(rows)), H // heads, 128 // element_size
+    return dict(H=H, F=F, HEADS=heads, D=D, BLOCK_M=bm, BLOCK_H=triton.next_power_of_2(H), BN=c.block_n,
+                BN_UP=c.block_n_up, BK=c.block_k, S_QKV=c.split_qkv, S_O=c.split_out, S_D=c.split_down,
+                ATT_BM=min(c.attn_block_m, bm), LN_ROWS=c.ln_rows, HEADS_PER_TILE=max(1, c.block_n // D),
+                HEAD_TARGET=3 * max(1, D // c.block_n) * c.split_qkv, GELU_TANH=gelu == "tanh",
+                PREFETCH=c.prefetch if prefetch is None else prefetch, LOOKAHEAD=c.lookahead, LINE=line,
+                PF_O=prefetch_lanes(H // c.split_out, line), PF_U=prefetch_lanes(H, line),
+                PF_D=prefetch_lanes(F // c.split_down, line),
+                SYNC_BLOCK=triton.next_power_of_2(sync_size(heads, c)), STAGES=c.num_stages, PROFILE=profile)
 
 
 def tile_counts(hidden: int, ffn: int, heads: int, rows: int, config: PersistentConfig) -> dict[str, int]:
