@@ -134,7 +134,6 @@ def test_gpu_bge_m3_layer_matches_eager_and_repeats_bit_for_bit(rows):
     assert rel(first, want) < TOL
 
 
-@pytest.mark.slow
 def test_the_tests_small_shapes_compile_for_sm_90_with_the_l2_prefetch():
     """The interpreter never reaches the CUDA-only prefetch, so only a compile checks it: the tests' shapes (hidden
     64 in two K splits of bf16: a chunk of 32 elements under one 128-byte line of 64) had asked for
