@@ -52,3 +52,11 @@ def test_an_online_step_beside_a_bulk_step_finishes_first_and_both_equal_their_s
         torch.testing.assert_close(big.synchronize(), want_bulk, atol=1e-3, rtol=0)
     assert e.lane.stats.replays == replays + rounds
     assert first >= 0.8 * rounds, f"the online step finished first in {first} of {rounds} rounds"
+    # (review of 6dce07e) the lane's captures cleared cuBLAS's workspaces, the main runner's among them (CudaOps
+    # .capture); a main-runner capture after them may be handed that freed workspace's memory: the main runner's
+    # older graph and the new one both still give their vectors
+    other = Batch.from_sequences(seqs_of([256] * 8, seed=9))
+    want_other = [e.step(other).synchronize().clone() for _ in range(3)]  # eager, capture, replay
+    torch.testing.assert_close(want_other[2], want_other[0], atol=1e-3, rtol=0)
+    torch.testing.assert_close(e.step(bulk).synchronize(), want_bulk, atol=1e-3, rtol=0)
+    torch.testing.assert_close(e.step(other).synchronize(), want_other[0], atol=1e-3, rtol=0)

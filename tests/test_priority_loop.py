@@ -194,3 +194,111 @@ def test_on_the_cpu_an_online_request_runs_in_a_step_of_its_own(engine):
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=0)
     want = engine.step(Batch.from_sequences([job[2][i * 128:(i + 1) * 128] for i in range(4)])).synchronize()
     torch.testing.assert_close(torch.from_numpy(rows[2]), want, atol=1e-5, rtol=0)
+
+
+def test_with_an_online_lane_a_probe_is_launched_beside_a_bulk_step_whatever_the_queue_holds():
+    """Review of 6dce07e: the overlap rule (a step launched while another runs waits for a quarter of the budget
+    queued) held a probe back behind the bulk step in flight when the job had nothing more queued; with a lane
+    the probe's step runs beside the bulk step, so a probe with no online step in flight goes at once."""
+    engine = TwoLanes(Timeline())
+
+    async def main():
+        loop = EngineLoop(engine, TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0))
+        loop.start()
+        job = [asyncio.ensure_future(loop.submit(Request(np.full(512, JOB, dtype=np.int32), [128] * 4,
+                                                         priority=BATCH))) for _ in range(2)]
+        await asyncio.sleep(0.2 * STEP_S)  # both job steps in flight, nothing queued
+        t = time.monotonic()
+        row = await loop.submit(Request(np.full(16, 900, dtype=np.int32), [16]))
+        wait = time.monotonic() - t
+        await asyncio.gather(*job)
+        await loop.stop()
+        return row, wait
+
+    row, wait = asyncio.run(main())
+    assert int(row[0, 0]) == 900 and engine.urgent == [False, False, True]
+    # (before: 2.06, behind both bulk steps; its own step takes 0.25)
+    assert wait < STEP_S, f"the probe waited {wait / STEP_S:.2f} bulk steps"
+
+
+class Stretched(TwoLanes):
+    """TwoLanes whose first bulk step takes 5 STEP_S and whose waiter sees it done 3 STEP_S late (a waiter thread
+    busy elsewhere): the bulk step launched after it is on the same stream, so it is done later, and is found by
+    polling while the first still waits in its thread."""
+
+    def step(self, batch, extras=frozenset(), urgent=False):
+        lazy = super().step(batch, extras, urgent)
+        if not urgent and len(self.tl.launched) == 1:
+            done = self.tl.done_at[0] + 4 * STEP_S
+            self.tl.done_at[0] = self.tl.free_at = done
+            late = TimedEvent(done)
+            late.synchronize = lambda: time.sleep(max(0.0, done + 3 * STEP_S - time.monotonic()))
+            lazy = LazyTensor(lazy._host, late)
+        return lazy
+
+
+def test_with_an_online_lane_steps_of_one_stream_complete_in_launch_order():
+    """Review of 6dce07e: with a lane a step found done by polling was completed while an older step of the same
+    stream (done before it: stream order) still waited in a thread; that older step's result lives in a ring slot
+    (rose.graphs: reused `ring` launches later) that the steps launched meanwhile could overwrite before it is
+    copied. A step completes only after the older ones that are done."""
+    engine = Stretched(Timeline())
+    order = []
+
+    class Completed:  # the loop's tracing hooks (tulip.tracing)
+        @staticmethod
+        def launched(step):
+            pass
+
+        @staticmethod
+        def completed(step, now):
+            order.append(int(step.slots[0][0].ids[0]))
+
+    async def main():
+        # spin 4 STEP_S: the first step (5) goes to its waiter, the second (done at 6) is polled from 3
+        loop = EngineLoop(engine, TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=4000 * STEP_S))
+        loop.start()
+        loop.tracing = Completed
+        first = asyncio.ensure_future(loop.submit(Request(np.full(512, 1, dtype=np.int32), [512], priority=BATCH)))
+        await asyncio.sleep(3 * STEP_S)
+        second = loop.submit(Request(np.full(512, 2, dtype=np.int32), [512], priority=BATCH))
+        rows = await asyncio.gather(first, second)
+        await loop.stop()
+        return rows
+
+    rows = asyncio.run(main())
+    assert [int(r[0, 0]) for r in rows] == [1, 2]
+    assert order == [1, 2], order
+
+
+def test_one_stream_a_request_schedules_no_poll_while_the_oldest_step_waits_in_its_thread():
+    """Review of 6dce07e: on a one-stream engine the loop polls the oldest step alone; while its waiter thread
+    owns it, a request's arrival (each runs `_pump`) scheduled a `_watch` that found nothing to poll (one callback
+    per request on the event loop). As before 6dce07e: one poll per step handed over."""
+    engine = FakeGpuEngine(Timeline())
+    calls = 0
+
+    async def main():
+        nonlocal calls
+        loop = EngineLoop(engine, TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0))
+        loop.start()
+        watch = loop._watch
+
+        def counted():
+            nonlocal calls
+            calls += 1
+            watch()
+
+        loop._watch = counted
+        reqs = [asyncio.ensure_future(loop.submit(Request(np.full(512, 1, dtype=np.int32), [512])))]
+        await asyncio.sleep(0.2 * STEP_S)  # launched, in its waiter thread
+        for _ in range(40):  # too few tokens to launch a second step beside it: they wait and go together
+            reqs.append(asyncio.ensure_future(loop.submit(Request(np.full(2, 2, dtype=np.int32), [2]))))
+            await asyncio.sleep(0)
+        rows = await asyncio.gather(*reqs)
+        await loop.stop()
+        return rows
+
+    rows = asyncio.run(main())
+    assert [int(r[0, 0]) for r in rows] == [1] + [2] * 40
+    assert len(engine.tl.launched) == 2 and calls <= 2 * len(engine.tl.launched), calls

@@ -123,6 +123,13 @@ def _stamp(slots, point: int) -> None:
             r.stamps[point] = t
 
 
+def _ready(step) -> bool:
+    try:
+        return step.lazy.ready()
+    except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
+        return True
+
+
 class _Step:
     __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only", "waited")
 
@@ -317,7 +324,9 @@ class EngineLoop:
             if (images is not None and len(images) and (self._image_turn or not len(sched))
                     and (not self._inflight or images.queued_tokens >= self._overlap_tokens)):
                 picked = images
-            elif len(sched) and (not self._inflight or sched.queued_tokens >= self._overlap_tokens):
+            elif len(sched) and (not self._inflight or sched.queued_tokens >= self._overlap_tokens
+                                 # the lane: online work with no online step in flight runs beside the rest
+                                 or (self._lane and sched.online_live and not self._count(False))):
                 picked = sched
             else:
                 break
@@ -368,9 +377,16 @@ class EngineLoop:
             self._inflight.append(step := _Step(slots, lazy, launched, tokens))
             if self.tracing is not None:
                 self.tracing.launched(step)
-        if self._inflight and not self._polling:
+        if self._inflight and not self._polling and self._unwaited():
             self._polling = True
             self._aloop.call_soon(self._watch)
+
+    def _unwaited(self) -> bool:
+        """Whether a step `_watch` polls has no waiter task yet (else a poll would find nothing to do: one
+        callback per `_pump`, i.e. per request, while a waiter thread has the oldest step)."""
+        if not self._lane:
+            return not self._inflight[0].waited
+        return any(not s.waited for s in self._inflight)
 
     def _watch(self) -> None:
         """Complete a watched step that is done, else poll again on the next loop iteration, handing a step to a
@@ -388,11 +404,7 @@ class EngineLoop:
                 continue
             if step.watched_from == 0.0:
                 step.watched_from = now
-            try:
-                ready = step.lazy.ready()
-            except Exception:  # e.g. a sticky CUDA error: synchronize() raises it again in _complete
-                ready = True
-            if ready:
+            if _ready(step):
                 self._complete(step)
                 return
             if now - step.watched_from < self._spin_s:
@@ -415,6 +427,18 @@ class EngineLoop:
         self._idle.kick()
         if step not in self._inflight:
             return  # stop() already failed it
+        if self._lane and self._inflight[0] is not step:
+            # Steps of one stream finish in launch order, and a result's page-locked memory is reused `ring`
+            # launches later (rose.graphs): a step launched earlier that is done (one of this step's stream, or
+            # not) is completed first, not left to a waiter thread while steps launched meanwhile reuse its slot.
+            older = []
+            for s in self._inflight:  # (in launch order)
+                if s is step:
+                    break
+                older.append(s)
+            for s in older:
+                if _ready(s):
+                    self._complete(s)
         self._inflight.remove(step)
         if self.stages is not None:
             _stamp(step.slots, WAIT)
