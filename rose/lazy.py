@@ -16,8 +16,8 @@ import torch
 
 # Its threads only ever sleep inside cudaEventSynchronize, which releases the GIL. More than one: with an
 # online lane (`Engine.lane`) a step can finish before the one launched ahead of it, and its wait must not
-# queue behind that step's (Tulip waits on at most `max_inflight` steps at once).
-_WAITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rose-lazy-wait")
+# queue behind that step's (Tulip then waits on up to 2 x `max_inflight` steps at once: 8 covers 4 each).
+_WAITER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rose-lazy-wait")
 
 
 class LazyTensor:
