@@ -48,32 +48,40 @@ def overlapping(tl: Timeline, kinds: list, start: float, end: float) -> int:
     return most
 
 
+def job_with_probes(engine, jobs: int, settle_steps: float, probes: int, gap_steps: float):
+    """A job of `jobs` batch requests (4 x 128 tokens of JOB) on a loop of max_inflight 2; after `settle_steps`
+    step times, `probes` online requests of 64 tokens one at a time, `gap_steps` apart. Checks every reply's rows;
+    returns each probe's (arrival, wait)."""
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
+
+    async def main():
+        loop = EngineLoop(engine, cfg)
+        loop.start()
+        job = [Request(np.full(512, JOB, dtype=np.int32), [128] * 4, priority=BATCH) for _ in range(jobs)]
+        done = [asyncio.ensure_future(loop.submit(r)) for r in job]
+        await asyncio.sleep(settle_steps * STEP_S)
+        times = []
+        for p in range(probes):
+            t = time.monotonic()
+            row = await loop.submit(Request(np.full(64, 900 + p, dtype=np.int32), [64]))
+            times.append((t, time.monotonic() - t))
+            assert int(row[0, 0]) == 900 + p
+            await asyncio.sleep(gap_steps * STEP_S)
+        rows = await asyncio.gather(*done)
+        await loop.stop()
+        assert all(r.shape == (4, 4) and (r == JOB).all() for r in rows)
+        return times
+
+    return asyncio.run(main())
+
+
 def test_an_online_arrival_waits_for_at_most_one_batch_step(monkeypatch):
     live_s = 0.25
     monkeypatch.setattr(tulip.loop, "ONLINE_LIVE_S", live_s)  # (1 s in Tulip: shortened to keep the test short)
     tl = Timeline()
     engine = Recording(tl)
-    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
     probes = 6
-
-    async def main():
-        loop = EngineLoop(engine, cfg)
-        loop.start()
-        job = [Request(np.full(512, JOB, dtype=np.int32), [128] * 4, priority=BATCH) for _ in range(80)]
-        done = [asyncio.ensure_future(loop.submit(r)) for r in job]
-        await asyncio.sleep(10 * STEP_S)  # the job alone
-        arrivals = []
-        for p in range(probes):
-            arrivals.append(time.monotonic())
-            row = await loop.submit(Request(np.full(64, 900 + p, dtype=np.int32), [64]))
-            assert int(row[0, 0]) == 900 + p
-            await asyncio.sleep(1.5 * STEP_S)
-        rows = await asyncio.gather(*done)
-        await loop.stop()
-        assert all(r.shape == (4, 4) and (r == JOB).all() for r in rows)
-        return arrivals
-
-    arrivals = asyncio.run(main())
+    arrivals = [t for t, _ in job_with_probes(engine, 80, 10, probes, 1.5)]  # 10 steps of the job alone first
     kinds = [ids == {JOB} for ids in engine.ids]  # batch-only steps
     ahead = []
     for p, t in enumerate(arrivals):
@@ -120,28 +128,8 @@ def test_with_an_online_lane_a_probe_completes_before_the_bulk_step_ahead_of_it(
     and each probe waited for the bulk step ahead of it."""
     tl = Timeline()
     engine = TwoLanes(tl)
-    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
     probes = 6
-
-    async def main():
-        loop = EngineLoop(engine, cfg)
-        loop.start()
-        job = [Request(np.full(512, JOB, dtype=np.int32), [128] * 4, priority=BATCH) for _ in range(40)]
-        done = [asyncio.ensure_future(loop.submit(r)) for r in job]
-        await asyncio.sleep(3 * STEP_S)
-        waits = []
-        for p in range(probes):
-            t = time.monotonic()
-            row = await loop.submit(Request(np.full(64, 900 + p, dtype=np.int32), [64]))
-            waits.append(time.monotonic() - t)
-            assert int(row[0, 0]) == 900 + p
-            await asyncio.sleep(1.3 * STEP_S)
-        rows = await asyncio.gather(*done)
-        await loop.stop()
-        assert all(r.shape == (4, 4) and (r == JOB).all() for r in rows)
-        return waits
-
-    waits = asyncio.run(main())
+    waits = [w for _, w in job_with_probes(engine, 40, 3, probes, 1.3)]
     kinds = [ids == {JOB} for ids in engine.ids]
     assert len(tl.launched) == 40 and engine.urgent == [not k for k in kinds]  # probes (alone in their steps) urgent, the job's steps not
     assert sum(engine.urgent) == probes
