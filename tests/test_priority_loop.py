@@ -290,3 +290,44 @@ def test_one_stream_a_request_schedules_no_poll_while_the_oldest_step_waits_in_i
     rows = asyncio.run(main())
     assert [int(r[0, 0]) for r in rows] == [1] + [2] * 40
     assert len(engine.tl.launched) == 2 and calls <= 2 * len(engine.tl.launched), calls
+
+
+class WithImages(TwoLanes):
+    """The two-lane fake with an image tower: an image step runs on the main timeline, as the engine's do."""
+
+    def __init__(self, tl: Timeline):
+        super().__init__(tl)
+        self.image_size, self.image_tokens, self.image_batch = 2, 16, 8
+
+    def step_images(self, pixels):
+        now = time.monotonic()
+        with self.tl.lock:
+            done = max(now, self.tl.free_at) + STEP_S
+            self.tl.free_at = done
+            self.tl.launched.append(now)
+            self.tl.done_at.append(done)
+        return LazyTensor(torch.zeros(pixels.shape[0], 4), TimedEvent(done))
+
+
+def test_with_an_online_lane_text_goes_beside_image_steps_that_have_the_turn():
+    """Image steps hold max_inflight and still wait (their turn): an online text request goes to the lane at once,
+    not after an image step completes (the image branch used to end the pump where it had no room)."""
+    engine = WithImages(Timeline())
+    cfg = TulipConfig(max_batch_tokens=512, max_inflight=2, spin_ms=0.0)
+
+    async def main():
+        loop = EngineLoop(engine, cfg)
+        loop.start()
+        pictures = [Request(None, [16] * 8, pixels=np.zeros((8, 2, 2, 3), np.uint8)) for _ in range(4)]
+        done = [asyncio.ensure_future(loop.submit(r)) for r in pictures]
+        await asyncio.sleep(0.2 * STEP_S)  # two image steps in flight, two requests of images waiting
+        assert len(loop._inflight) == 2 and len(loop.images) == 2
+        t = time.monotonic()
+        row = await loop.submit(Request(np.full(64, 901, dtype=np.int32), [64]))
+        wait = time.monotonic() - t
+        await asyncio.gather(*done)
+        await loop.stop()
+        return row, wait
+
+    row, wait = asyncio.run(main())
+    assert int(row[0, 0]) == 901 and wait < 0.7 * STEP_S, wait / STEP_S

@@ -131,13 +131,14 @@ def _ready(step) -> bool:
 
 
 class _Step:
-    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only", "waited")
+    __slots__ = ("slots", "lazy", "launched", "watched_from", "tokens", "batch_only", "waited", "urgent")
 
     def __init__(self, slots: list, lazy, launched: float, tokens: int):
         self.slots, self.lazy, self.launched, self.tokens = slots, lazy, launched, tokens  # lazy: LazyTensor / StepThread
         self.watched_from = 0.0
         self.waited = False  # a _wait task owns it
         self.batch_only = slots[0][0].priority != ONLINE  # online slots come first
+        self.urgent = False  # an online text step sent to the engine's online lane (`Engine.lane`)
 
 
 class EngineLoop:
@@ -311,9 +312,9 @@ class EngineLoop:
                 by_class[r.priority].observe(waited)
         m.step_seconds.observe(done - step.launched)
 
-    def _count(self, batch_only: bool) -> int:
-        """Steps in flight of one kind: batch-only, or carrying online work."""
-        return sum(1 for s in self._inflight if s.batch_only == batch_only)
+    def _urgent(self) -> int:
+        """Online-lane steps in flight (the rest are on the main stream: batch-only, image and CPU steps)."""
+        return sum(1 for s in self._inflight if s.urgent) if self._lane else 0
 
     def _pump(self) -> None:
         """Launch FCFS batches while a step slot is free (a model with an image tower: a step is text or
@@ -322,11 +323,12 @@ class EngineLoop:
         live = bool(self._online_until) and time.monotonic() < self._online_until  # (a job alone reads no clock)
         while True:
             if (images is not None and len(images) and (self._image_turn or not len(sched))
-                    and (not self._inflight or images.queued_tokens >= self._overlap_tokens)):
+                    and (not self._inflight or images.queued_tokens >= self._overlap_tokens)
+                    and len(self._inflight) - self._urgent() < self._max_inflight):  # (else the lane's online text)
                 picked = images
             elif len(sched) and (not self._inflight or sched.queued_tokens >= self._overlap_tokens
                                  # the lane: online work with no online step in flight runs beside the rest
-                                 or (self._lane and sched.online_live and not self._count(False))):
+                                 or (self._lane and sched.online_live and not self._urgent())):
                 picked = sched
             else:
                 break
@@ -334,8 +336,9 @@ class EngineLoop:
                 # The online lane: online steps and batch-only steps have `max_inflight` in flight each, since
                 # an online step runs beside the batch steps, not behind them; it takes no batch work (batch
                 # work has steps of its own, so it is not starved), and the job keeps its steps in flight.
-                online = picked.online_live > 0 and self._count(False) < self._max_inflight
-                if not online and not (picked.batch_live and self._count(True) < self._max_inflight):
+                urgent = self._urgent()
+                online = picked.online_live > 0 and urgent < self._max_inflight
+                if not online and not (picked.batch_live and len(self._inflight) - urgent < self._max_inflight):
                     break
                 slots = picked.next_batch(live, fill=False) if online else picked.next_batch(live, batch_only=True)
             else:
@@ -375,6 +378,7 @@ class EngineLoop:
                 self._fail(slots, e)
                 continue
             self._inflight.append(step := _Step(slots, lazy, launched, tokens))
+            step.urgent = self._lane and picked is sched and not step.batch_only
             if self.tracing is not None:
                 self.tracing.launched(step)
         if self._inflight and not self._polling and self._unwaited():
