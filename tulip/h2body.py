@@ -10,9 +10,6 @@ request path. A message is now copied once, into a numpy buffer (numpy asks for 
 large arrays: the same copy costs ~11 ms there), which stays writable, so its pixels reach the
 engine as a view of it (tulip.messages.decode_request cuts them out of the message).
 
-Once the buffer is made, the socket reads into it (`room`, `filled`: tulip.h2conn's get_buffer while a DATA
-frame's payload is the message's), so the kernel's copy is the only one of the rest of the message.
-
 Bounds: a piece that is less than half of the socket read it came in is copied (small), so the
 bytes held alive are at most about twice the message's bytes received (no view pins a large read
 for a few bytes of it); nothing is allocated for the bytes a message announces until they came."""
@@ -64,19 +61,6 @@ class Pieces:
         self.size += n
         if self.arrays and self.size >= FILL:
             self._fill()
-
-    def room(self, limit: int):
-        """Where the message's next bytes (at most `limit`) may be read straight from the socket: a writable
-        view of its own buffer, once it has one (None before: the reads go to the server's scratch buffer)."""
-        into = self.into
-        if into is None:
-            return None
-        n = min(limit, self.need - self.size)
-        return into[self.size:self.size + n] if n > 0 else None
-
-    def filled(self, n: int) -> None:
-        """`n` bytes were read into `room`'s view: the message's next bytes, in place."""
-        self.size += n
 
     def _fill(self) -> None:
         """The message's buffer, what came so far copied in. (Made only once FILL bytes of the message came:

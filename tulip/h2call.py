@@ -416,29 +416,6 @@ class Call:
                 body = self._body
         if error is not None:
             return self.reset_with(*error)
-        self._account(before)
-
-    def room(self, limit: int):
-        """A writable view of the partial message's own buffer for its next bytes (at most `limit`), where the
-        socket may read them in place (tulip.h2conn's get_buffer); None where it has none."""
-        body = self._body
-        return body.room(limit) if body is not None and not self.over else None
-
-    def filled(self, n: int) -> None:
-        """`n` bytes of the message `room` gave a view of were read into it: as `message` with those bytes."""
-        body = self._body
-        if body is None:  # (nothing runs between get_buffer and buffer_updated: cannot happen)
-            return
-        before = len(self._prefix) + body.size
-        body.filled(n)
-        if body.size == body.need:
-            self._body = None
-            self._prefix.clear()
-            self._deliver(body.take(self._arrays))
-        self._account(before)
-
-    def _account(self, before: int) -> None:
-        """What `message` / `filled` leave held: the partial message's bytes (`before`: held when they began)."""
         if self.over:  # a request the handler refused: what is left goes
             return self.drop_input()
         conn = self.conn
@@ -449,7 +426,7 @@ class Call:
         if pending:
             self.partial_at = time.monotonic()
             conn.partial[self.sid] = self
-            if (body := self._body) is not None:
+            if body is not None:
                 conn.progress(self, body.need - body.size)
         elif before:
             conn.partial.pop(self.sid, None)

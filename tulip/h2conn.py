@@ -27,7 +27,7 @@ _HTTP1 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\nconnection: 
 _HTTP1_BODY = b"this port speaks gRPC (HTTP/2 with prior knowledge); Ivy's HTTP API is on its own port\n"
 
 
-class Connection(Framing, asyncio.BufferedProtocol):
+class Connection(Framing, asyncio.Protocol):
     """One client connection: its HTTP/2 framing and its calls."""
 
     def __init__(self, server):  # a tulip.h2server.Server
@@ -41,7 +41,6 @@ class Connection(Framing, asyncio.BufferedProtocol):
         self.out: list[bytes] = []
         self._write_pending = False
         self._buf = b""
-        self._direct = False  # the socket's last read went into a message's own buffer (get_buffer)
         self._preface = True  # the client's preface not yet checked
         self.paused = False  # the transport is above its write high-water mark
         self._reading = True
@@ -230,31 +229,6 @@ class Connection(Framing, asyncio.BufferedProtocol):
             self._write()
 
     # --- reading ---------------------------------------------------------------------------------
-
-    def get_buffer(self, sizehint: int):
-        """Where the socket's next read goes. Why a BufferedProtocol: while a DATA frame's payload is the rest
-        of a big message that has its own buffer (tulip.h2body, FILL), the read goes straight into it, so a
-        38.5 MB image request is copied by the kernel alone, not again by us from each read (~10 ms of
-        Tulip's CPU a request on the 2-core CPU machine); at most the frame's and the message's bytes still
-        to come, both already checked against the windows and the message limit (`data_begin`, the prefix):
-        nothing is allocated here. Every other read goes to the server's scratch buffer (one per server,
-        not per connection), whose bytes `buffer_updated` copies out, as the event loop's own reads did."""
-        if self._data_left and (call := self._data_call) is not None and \
-                (room := call.room(self._data_left)) is not None:
-            self._direct = True
-            return room
-        self._direct = False
-        return self.server.scratch
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if not self._direct:
-            return self.data_received(self.server.scratch_view[:nbytes].tobytes())
-        self._direct = False
-        if self.closed:
-            return
-        self.data_bytes(None, nbytes)
-        if not self.closed:
-            self._write()
 
     def data_received(self, data: bytes) -> None:
         if self.closed:

@@ -207,8 +207,7 @@ class Framing:
 
     def data_bytes(self, payload, n: int = 0) -> None:
         """Bytes of the DATA frame `data_begin` began (`n`: what they count against the windows, padding
-        included; 0: their length), to its call; the call's END_STREAM once the frame is all here. `payload`
-        None: `n` bytes the socket read in place into the call's message (`tulip.h2conn`'s get_buffer)."""
+        included; 0: their length), to its call; the call's END_STREAM once the frame is all here."""
         n = n or len(payload)
         self.recv_window -= n
         self._data_left -= n
@@ -216,10 +215,7 @@ class Framing:
         if call is not None:
             call.recv_window -= n
             if not call.over:
-                if payload is None:
-                    call.filled(n)
-                else:
-                    call.message(payload)
+                call.message(payload)
         self.topup(call)
         if not self._data_left:
             self._data_call = None

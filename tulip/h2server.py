@@ -57,7 +57,6 @@ log = logging.getLogger("tulip.h2server")
 __all__ = ["Call", "Connection", "Direct", "Limits", "Server"]
 
 SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_HEADER_LIST_SIZE = 0x3, 0x6
-SCRATCH = 256 << 10  # a socket read's most bytes, but for a big message's read in place (asyncio's and uvloop's size)
 TICK_S = 1.0  # how often the server looks at its connections' deadlines
 _nofile_raised = False
 
@@ -89,10 +88,6 @@ class Server:
         self._refused_told = 0
         self._idle: asyncio.Event | None = None
         self._ticker: asyncio.TimerHandle | None = None
-        # where the connections' socket reads go (tulip.h2conn's get_buffer), copied out at once: one for the
-        # server, since its connections are read one at a time on its loop (the size of the loops' own reads)
-        self.scratch = bytearray(SCRATCH)
-        self.scratch_view = memoryview(self.scratch)
 
     # grpcio's registration calls (generated add_*_to_server functions make them)
     def add_generic_rpc_handlers(self, handlers) -> None:
