@@ -10,8 +10,9 @@ bf16 itself is), plus the machine, versions, revision and date. On a CPU the fp8
 `_scaled_mm`, slowly) with the fused kernels' maths in torch (`rose.layers.fp8`); on CUDA the Triton kernels.
 Sentences: generated, varied (questions, statements, product and support queries, code, numbers, several
 languages), seeded; steps of up to `--step-tokens` tokens.
-The recipe is `rose.layers.fp8`'s (first block bf16, searched weight scales); ROSE_FP8_OPS (GEMMs) and
-ROSE_FP8_BF16_LAYERS (blocks kept in bf16, e.g. "" for none: the recipe before) attribute the loss.
+The recipe is `rose.layers.fp8`'s (first block's FFN and last block's qkv / out in bf16, searched weight scales);
+ROSE_FP8_OPS (GEMMs) and ROSE_FP8_BF16_LAYERS (blocks or GEMMs kept in bf16, e.g. "0" the first block whole, "-1:qkv"
+the last block's qkv, "" none) attribute the loss.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 the unfused torch maths in bf16 at real widths, the fp8 GEMM against its dequantised product and bf16's,
 graph replay equal to the eager fp8 step, and real all-MiniLM-L6-v2's fidelity held to a floor.
 
-The floor, from the CPU measurement of the recipe (first block bf16, searched weight scales; benchmarks/fp8_fidelity.py,
-1,000 sentences, 2026-12-06, 2-core CPU machine): fp8 against bf16 min cosine 0.99625, p01 0.99699, Spearman of
-pairwise similarities 0.99839, top-10 neighbour overlap 0.973 (the recipe before: 0.99355 / 0.99552 / 0.99778 /
-0.970). The min's floor is issue 52's target, 0.995; the others keep about half of fp8's own distance below the
-CPU figures as margin (the GPU's bf16 reference is not the CPU's: cuBLASLt's tanh GELU, other accumulation orders;
-e4m3 ties fall either way): p01 0.996, Spearman 0.998, overlap 0.96. Not yet run on a GPU with this recipe (the
-recipe before measured a min 0.0011 lower on an H100 than on this CPU at 3,000 sentences)."""
+The floor, from the CPU measurement of the recipe (first block's FFN and last block's qkv / out in bf16, searched
+weight scales; benchmarks/fp8_fidelity.py, 1,000 sentences, 2026-12-06, 2-core CPU machine): fp8 against bf16 min
+cosine 0.99620, p01 0.99681, Spearman of pairwise similarities 0.99866, top-10 neighbour overlap 0.975 (the first
+pass, first block whole: 0.99625 / 0.99699 / 0.99839 / 0.973). The min's floor is issue 52's target, 0.995; the
+others sit under the CPU figures by about a third to a half of fp8's own distance (the GPU's bf16 reference is not
+the CPU's: cuBLASLt's tanh GELU, other accumulation orders; e4m3 ties fall either way): p01 0.996, Spearman 0.9982,
+overlap 0.965. Not yet run on a GPU with this recipe (the recipe before measured a min 0.0011 lower on an H100 than on this CPU at 3,000 sentences)."""
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ pytestmark = [
                        reason="fp8 GEMMs need compute capability 8.9+"),
 ]
 
-FLOOR = {"cos_min": 0.995, "cos_p01": 0.996, "spearman_pairwise": 0.998, "top10_overlap_mean": 0.96}
+FLOOR = {"cos_min": 0.995, "cos_p01": 0.996, "spearman_pairwise": 0.9982, "top10_overlap_mean": 0.965}
 STEP = 2.0 ** -3
 
 

@@ -18,8 +18,9 @@ too (slowly), which is how its fidelity is measured without a GPU (benchmarks/fp
 Families: `post_norm_forward` (BERT, XLM-RoBERTa, RoBERTa, CamemBERT, ELECTRA: BertModel's blocks),
 `pre_norm_forward` (Qwen3, pplx-embed's Qwen3), each through the `Fp8Blocks` mixin.
 The fidelity recipe (issue 52, docs/performance.md): weight channels' scales searched at load
-(`quantize_weight`), the first block in bf16 (`BF16_BLOCKS`, `layer_ops`).
-Knobs for measurements: ROSE_FP8_BF16_LAYERS (blocks kept in bf16); ROSE_FP8_FAST_ACCUM=1 makes
+(`quantize_weight`), the first block's FFN and the last block's attention GEMMs in bf16 (`BF16_GEMMS`,
+`layer_ops`).
+Knobs for measurements: ROSE_FP8_BF16_LAYERS (blocks or GEMMs kept in bf16); ROSE_FP8_FAST_ACCUM=1 makes
 `_scaled_mm` accumulate in its fast mode;
 ROSE_FP8_OPS (comma-separated of qkv, out, up, down) runs only those GEMMs in fp8, the others in bf16
 from the same kernels' bf16 outputs (what each GEMM costs in fidelity and gains in speed).
@@ -137,20 +138,43 @@ def fp8_ops() -> frozenset:
     return frozenset(env.split(",")) & OPS if env else OPS
 
 
-BF16_BLOCKS = (0,)  # the recipe's blocks kept in bf16 (negative: from the end); see `layer_ops`
+# The recipe's GEMMs kept in bf16 (issue 52, docs/performance.md): block index (negative: from the end) -> GEMMs.
+# Why these, measured one GEMM at a time on real all-MiniLM-L6-v2 (docs/performance.md): the first block's down
+# projection (its GELU input has one channel with 97% of the input's energy) costs the worst vector's cosine the
+# most, its up projection the ranking the most of that block; the last block's qkv costs the neighbour ranking
+# more than any other GEMM (its error moves the attention that feeds the output). Against the first block whole at
+# the same FLOPs (4 of a block's 12 units: qkv 3, out 1, up 4, down 4), at 3,000 sentences: min cosine equal,
+# p01, Spearman and top-10 overlap better. 1/6 of MiniLM's GEMM FLOPs stay bf16, 1/24 of bge-m3's.
+BF16_GEMMS = {0: frozenset({"up", "down"}), -1: frozenset({"qkv", "out"})}
+
+
+def _bf16_gemms(env: str) -> dict[int, frozenset]:
+    """ROSE_FP8_BF16_LAYERS' value as `BF16_GEMMS`: comma-separated entries, each a block index (the whole
+    block) or BLOCK:GEMM+GEMM (those GEMMs of it), e.g. "0,-1:qkv+out"; empty: none."""
+    out: dict[int, frozenset] = {}
+    for entry in filter(None, (v.strip() for v in env.split(","))):
+        block, colon, gemms = entry.partition(":")
+        names = frozenset(gemms.split("+")) if colon else OPS
+        if not names <= OPS or not block.strip().lstrip("-").isdigit():
+            raise ValueError(f"ROSE_FP8_BF16_LAYERS entry {entry!r}: want BLOCK or BLOCK:GEMM+GEMM, GEMMs of "
+                             f"{', '.join(sorted(OPS))}")
+        out[int(block)] = out.get(int(block), frozenset()) | names
+    return out
 
 
 def layer_ops(n: int) -> list[frozenset]:
-    """Per block of n, the GEMMs that run in fp8: `fp8_ops()`, but none in the blocks `BF16_BLOCKS` names
-    (or ROSE_FP8_BF16_LAYERS: comma-separated block indices, negative from the end, empty for none; a knob
-    for measurements). Why the first block: measured on real all-MiniLM-L6-v2 (docs/performance.md), it
-    is the one block whose fp8 costs the most of the worst vector's cosine; on a 24-block model it is
-    1/24 of the GEMMs' time."""
+    """Per block of n, the GEMMs that run in fp8: `fp8_ops()` less those `BF16_GEMMS` keeps in bf16 there (or
+    ROSE_FP8_BF16_LAYERS: `_bf16_gemms`' syntax, a knob for measurements; "" for none). Indices out of range
+    are ignored; on a 1-block model the first and last block are one (its GEMMs kept, joined). An empty set: the
+    block runs the bf16 engine's own."""
     env = os.environ.get("ROSE_FP8_BF16_LAYERS")
-    keep = BF16_BLOCKS if env is None else [int(v) for v in env.split(",") if v.strip()]
-    kept = {k % n for k in keep if -n <= k < n}
+    keep = BF16_GEMMS if env is None else _bf16_gemms(env)
+    kept: dict[int, frozenset] = {}
+    for k, names in keep.items():
+        if -n <= k < n:
+            kept[k % n] = kept.get(k % n, frozenset()) | names
     ops = fp8_ops()
-    return [frozenset() if i in kept else ops for i in range(n)]
+    return [ops - kept.get(i, frozenset()) for i in range(n)]
 
 
 class _Gemms:
@@ -236,23 +260,27 @@ def post_norm_forward(model, x: torch.Tensor, meta, attn, rows: torch.Tensor | N
         if not ops:  # a block kept in bf16 (`layer_ops`): the bf16 engine's own block
             x, xq = layer(x, meta, attn, rows if i == n - 1 else None), None
             continue
-        if xq is None:  # the embeddings' LayerNorm (or a bf16 block's) is not ours to fuse: one small pass
+        if xq is None and "qkv" in ops:  # the embeddings' LayerNorm (or a bf16 block's) is not ours to fuse
             xq, xs = quant_rows(x)
         sa, so, inter, out = layer.attention.self, layer.attention.output, layer.intermediate, layer.output
         gemm = _Gemms(w, model.fp8_linears(layer) if ops != OPS else None, ops)
         T, h = x.shape
         q, k, v = gemm("qkv", xq, xs, x).view(T, 3, sa.num_heads, sa.head_dim).unbind(1)
         a, x = keep_rows(rows if i == n - 1 else None, attn(q, k, v, meta).reshape(T, h), x)
-        aq, as_ = quant_rows(a)
+        # each fp8 input is written only where its GEMM runs in fp8 (`layer_ops` keeps some in bf16)
+        aq, as_ = quant_rows(a) if "out" in ops else (None, None)
         ln = so.LayerNorm
-        _, x, xq, xs = norm_quant(gemm("out", aq, as_, a), x, ln.weight, ln.bias, ln.eps)
+        _, x, xq, xs = norm_quant(gemm("out", aq, as_, a), x, ln.weight, ln.bias, ln.eps, quant="up" in ops)
         act = _bert_act(inter.act)
         u = gemm("up", xq, xs, x)
-        uq, us = quant_rows(u, act) if act else quant_rows(inter.act(u).contiguous())
-        f = inter.act(u) if "down" not in ops else None
+        uq = us = f = None
+        if "down" in ops:
+            uq, us = quant_rows(u, act) if act else quant_rows(inter.act(u).contiguous())
+        else:
+            f = inter.act(u)
         ln = out.LayerNorm
         _, x, xq, xs = norm_quant(gemm("down", uq, us, f), x, ln.weight, ln.bias, ln.eps,
-                                  quant=i < n - 1 and bool(every[i + 1]))
+                                  quant=i < n - 1 and "qkv" in every[i + 1])
     return x
 
 
