@@ -56,13 +56,14 @@ class Context:
     metrics: Metrics
 
     def options(self, base: request_options.Options | None = None, priority: str | None = None,
-                **fields) -> EmbedOptions:
-        """The request's EmbedOptions: the options of `base` (verified ones, `verify`) with `fields`, its
-        request id, its deadline (--request-timeout-s from now: every chunk and retry must be
-        answered by then) and its priority class (`request_priority`; `priority`: the body's field)."""
+                kind: type[EmbedOptions] = EmbedOptions, **fields) -> EmbedOptions:
+        """The request's EmbedOptions (or its subclass `kind`, e.g. ImageOptions): the options of `base`
+        (verified ones, `verify`) with `fields`, its request id, its deadline (--request-timeout-s from
+        now: every chunk and retry must be answered by then) and its priority class (`request_priority`;
+        `priority`: the body's field)."""
         if base is not None:
             fields = {**{name: getattr(base, name) for name in request_options.NAMES}, **fields}
-        return EmbedOptions(**fields, request_id=REQUEST_ID.get(),
+        return kind(**fields, request_id=REQUEST_ID.get(),
                             deadline=time.monotonic() + self.cfg.request_timeout_s,
                             priority=request_priority(priority))
 

@@ -5,10 +5,11 @@ pixels (`ivy.images`; a second Tulip request, `ImageOptions`); the rows come bac
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 
 import msgspec
@@ -51,7 +52,13 @@ class ImageOptions(EmbedOptions):
 
 def placeholders(n: int, tokens: int) -> list[np.ndarray]:
     """n zero-cost stand-ins of `tokens` entries each: what the balancer counts an image as."""
-    return [np.broadcast_to(np.zeros(1, np.int32), (tokens,))] * n
+    return [_placeholder(tokens)] * n
+
+
+@functools.lru_cache(maxsize=8)
+def _placeholder(tokens: int) -> np.ndarray:
+    """One image's stand-in (read-only: a broadcast view), made once per token count, not per request."""
+    return np.broadcast_to(np.zeros(1, np.int32), (tokens,))
 
 
 def image_preprocessor(model: ServedModel, info: tulip_pb2.InfoReply) -> Preprocessor:
@@ -88,8 +95,7 @@ async def embed_images(ctx: Context, model: ServedModel, info: tulip_pb2.InfoRep
 
     pixels, metas = await load_all(sources, labels, limits, prep, fetch)
     stamp("decode_images")
-    base = ctx.options(options, priority=priority) if priority is not None else ctx.options(options)
-    opts = ImageOptions(**{f.name: getattr(base, f.name) for f in fields(EmbedOptions)}, pixels=pixels)
+    opts = ctx.options(options, priority, ImageOptions, pixels=pixels)
     result = await tulip_call(model.balancer, placeholders(len(sources), prep.tokens), opts, stamp)
     stamp("grpc")
     tokens = len(sources) * prep.tokens
