@@ -199,6 +199,8 @@ class Engine:
         # CUDA graphs: the main runner, and the online lane's (`online_lane_tokens`)
         self.runner, self.lane = self._graph_runners(family) if self.device.type == "cuda" and cfg.graphs != "off" \
             else (None, None)
+        if cfg.online_lane_tokens and self.lane is None:
+            log.info("engine: no online lane: it needs CUDA graphs (device %s, graphs %s)", self.device, cfg.graphs)
         self.images = self._image_tower(family)  # CLIP / SigLIP: `step_images`
         log.info(
             "engine: %s (%s%s) on %s in %s, attention=%s, pooling=%s, dense=%s, normalize=%s, triton small steps=%s, "
