@@ -347,3 +347,37 @@ def test_fuzz_mutated_files_give_a_clean_error_or_pixels(model_dirs):
             outcomes["pixels"] += 1
     assert time.monotonic() - t0 < 5.0
     assert outcomes["pixels"] > 20 and outcomes[400] > 100, outcomes  # both kinds were reached
+
+
+def test_the_decode_pool_hand_off_settles_its_future_and_drops_work_not_started():
+    """ivy.images' pool hand-off (`_run` / `_settle`, in place of run_in_executor): the awaiting request gets the
+    worker's exception; a job still queued when its request is cancelled never runs; a future cancelled
+    meanwhile is left alone."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ivy import images
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(1)
+        gate, ran = threading.Event(), []
+        busy = loop.create_future()
+        pool.submit(images._run, loop, busy, gate.wait)
+        queued = loop.create_future()
+        job = pool.submit(images._run, loop, queued, ran.append, 1)
+        assert job.cancel()  # queued behind the busy worker: cancelled, it never runs
+        gone = loop.create_future()
+        pool.submit(images._run, loop, gone, ran.append, 2)
+        gone.cancel()  # its request went away while it waited: the worker's settle must not raise
+        gate.set()
+        await busy
+        bad = loop.create_future()
+        pool.submit(images._run, loop, bad, int, "not a number")
+        with pytest.raises(ValueError):
+            await bad
+        pool.shutdown(wait=True)
+        await asyncio.sleep(0)
+        return ran
+
+    assert asyncio.run(main()) == [2]  # the cancelled job never ran; the one whose request left still ran
