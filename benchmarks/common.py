@@ -323,3 +323,17 @@ def free_port() -> int:
         _GIVEN.add(port)
         return port
     raise RuntimeError(f"no free port in TRELLIS_FREE_PORTS={span}")
+
+
+def write_profile(prof, out: Path, name: str = "profile", lines: int = 30) -> None:
+    """A cProfile.Profile's stats under `out`: NAME.pstats, and the top `lines` by own and by cumulative time as
+    NAME-tottime.txt / NAME-cumulative.txt."""
+    import io
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(out / f"{name}.pstats"))
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(lines)
+        (out / f"{name}-{key}.txt").write_text(text.getvalue())

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import Recorder, free_port, model_tag, percentiles, pyplot, run_client
+from benchmarks.common import Recorder, free_port, model_tag, percentiles, pyplot, run_client, write_profile
 from tulip.stages import POINTS, RECEIPT
 
 
@@ -267,7 +267,7 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
             elif what == "stages":
                 if prof is not None:
                     prof.disable()
-                    _write_profile(prof, Path(args["profile"]))
+                    write_profile(prof, Path(args["profile"]), "hop-tulip", 40)
                 if kind == "tulip-stages":  # the summary, and each request's stamps and the collections for hop-tail
                     ready.put((loop.stages.summary(), list(loop.stages.ring), list(gc_log.events)))
                 else:
@@ -275,18 +275,6 @@ def _serve(kind: str, port: int, uds: str, args: dict, ready, cmd) -> None:
 
     uvloop.install()
     asyncio.run(main())
-
-
-def _write_profile(prof, out: Path) -> None:
-    import io
-    import pstats
-
-    out.mkdir(parents=True, exist_ok=True)
-    prof.dump_stats(str(out / "hop-tulip.pstats"))
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
-        (out / f"hop-tulip-{key}.txt").write_text(text.getvalue())
 
 
 def draw_stages(rows: list[dict], path: Path) -> bool:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import write_profile
+
 HERE = Path(__file__).resolve()
 TREE = HERE.parents[1]
 PARTS = ("client_send", "wire_first", "server_read", "assemble")
@@ -112,22 +114,10 @@ def serve(args) -> None:
             print(json.dumps({"stamps": stamps, "reads": got, "cpu": ru.ru_utime + ru.ru_stime}), flush=True)
         if prof is not None:
             prof.disable()
-            _write_profile(prof, Path(args.profile) / "tulip")
+            write_profile(prof, Path(args.profile) / "tulip")
 
     uvloop.install()
     asyncio.run(main())
-
-
-def _write_profile(prof, out: Path) -> None:
-    import io
-    import pstats
-
-    out.mkdir(parents=True, exist_ok=True)
-    prof.dump_stats(str(out / "profile.pstats"))
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
-        (out / f"{key}.txt").write_text(text.getvalue())
 
 
 # --- the client's process -----------------------------------------------------------------------------------------
@@ -230,7 +220,7 @@ def client(args) -> None:
                 print(json.dumps(rows), flush=True)
         if prof is not None:
             prof.disable()
-            _write_profile(prof, Path(args.profile) / "client")
+            write_profile(prof, Path(args.profile) / "client")
 
     uvloop.install()
     try:

@@ -29,6 +29,16 @@ class Timeline:
         self.launched: list[float] = []
         self.done_at: list[float] = []
 
+    def take(self, step_s: float = STEP_S) -> float:
+        """A step launched now: when it is done, `step_s` after the previous one (or now), recorded."""
+        now = time.monotonic()
+        with self.lock:
+            done = max(now, self.free_at) + step_s
+            self.free_at = done
+            self.launched.append(now)
+            self.done_at.append(done)
+        return done
+
 
 class FakeGpuEngine:
     def __init__(self, timeline: Timeline):
@@ -43,12 +53,7 @@ class FakeGpuEngine:
         self.image_size = 0  # text only
 
     def step(self, batch, extras=frozenset(), urgent=False):
-        now = time.monotonic()
-        with self.tl.lock:
-            done = max(now, self.tl.free_at) + STEP_S
-            self.tl.free_at = done
-            self.tl.launched.append(now)
-            self.tl.done_at.append(done)
+        done = self.tl.take()
         # Each row carries its sequence's first token id, so results can be checked.
         out = batch.input_ids[batch.cu_seqlens[:-1].long()].float().unsqueeze(1).repeat(1, 4)
         return LazyTensor(out, TimedEvent(done))

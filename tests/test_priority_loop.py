@@ -112,10 +112,7 @@ class TwoLanes(Recording):
         self.urgent.append(urgent)
         if not urgent:
             return super().step(batch, extras)
-        now = time.monotonic()
-        with self.lane.lock:
-            done = max(now, self.lane.free_at) + self.LANE_S
-            self.lane.free_at = done
+        done = self.lane.take(self.LANE_S)
         self.ids.append(set(batch.input_ids.tolist()))
         out = batch.input_ids[batch.cu_seqlens[:-1].long()].float().unsqueeze(1).repeat(1, 4)
         return LazyTensor(out, TimedEvent(done))
@@ -300,13 +297,7 @@ class WithImages(TwoLanes):
         self.image_size, self.image_tokens, self.image_batch = 2, 16, 8
 
     def step_images(self, pixels):
-        now = time.monotonic()
-        with self.tl.lock:
-            done = max(now, self.tl.free_at) + STEP_S
-            self.tl.free_at = done
-            self.tl.launched.append(now)
-            self.tl.done_at.append(done)
-        return LazyTensor(torch.zeros(pixels.shape[0], 4), TimedEvent(done))
+        return LazyTensor(torch.zeros(pixels.shape[0], 4), TimedEvent(self.tl.take()))
 
 
 def test_with_an_online_lane_text_goes_beside_image_steps_that_have_the_turn():
