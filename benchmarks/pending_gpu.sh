@@ -68,10 +68,12 @@ suite)
   cp /tmp/graphs_new.py rose/graphs.py
   echo "== the same, after"
   timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/test_gpu_images.py -k cublas 2>&1 | tail -2
-  for f in test_gpu test_gpu_images test_gpu_families test_gpu_decoders test_gpu_request_path test_kernels test_persistent; do
+  for f in test_gpu test_gpu_images test_gpu_families test_gpu_decoders test_gpu_request_path test_gpu_lane test_gpu_fp8 test_kernels test_persistent; do
     timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 150 "tests/$f.py" > "$OUT/$f.log" 2>&1
     echo "$f: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
-  done | tee "$OUT/suite.txt" ;;
+  done | tee "$OUT/suite.txt"
+  # a call brings back at most 8 files: the per-file logs as one (the failures' tracebacks are in it)
+  for f in "$OUT"/test_*.log; do echo "===== $(basename "$f")"; cat "$f"; done > "$OUT/suite_logs.txt" && rm -f "$OUT"/test_*.log ;;
 serve)
   echo "== issue 47: the never-reading peer"
   timeout 120 python3 -m benchmarks.attacks.h2 --model preset:bge-m3 --device cuda --only read_replies unread_replies \
