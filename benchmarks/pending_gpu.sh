@@ -69,11 +69,11 @@ suite)
   echo "== the same, after"
   timeout 120 python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/test_gpu_images.py -k cublas 2>&1 | tail -2
   for f in test_gpu test_gpu_images test_gpu_families test_gpu_decoders test_gpu_request_path test_gpu_lane test_gpu_fp8 test_kernels test_persistent; do
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 150 "tests/$f.py" > "$OUT/$f.log" 2>&1
-    echo "$f: $(tail -1 "$OUT/$f.log")"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
-  done | tee "$OUT/suite.txt"
-  # a call brings back at most 8 files: the per-file logs as one (the failures' tracebacks are in it)
-  for f in "$OUT"/test_*.log; do echo "===== $(basename "$f")"; cat "$f"; done > "$OUT/suite_logs.txt" && rm -f "$OUT"/test_*.log ;;
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 150 "tests/$f.py" > "/tmp/$f.log" 2>&1
+    echo "$f: $(tail -1 "/tmp/$f.log")"; grep -E "^(FAILED|ERROR)" "/tmp/$f.log" | head -5
+    # a call brings back at most 8 files: every file's log appended to one, as each ends (tracebacks in it)
+    { echo "===== $f"; cat "/tmp/$f.log"; } >> "$OUT/suite_logs.txt"
+  done | tee "$OUT/suite.txt" ;;
 serve)
   echo "== issue 47: the never-reading peer"
   timeout 120 python3 -m benchmarks.attacks.h2 --model preset:bge-m3 --device cuda --only read_replies unread_replies \
