@@ -329,8 +329,6 @@ class Engine:
         keep. ValueError: no image tower, or pixels of another dtype or shape."""
         if self.images is None:
             raise ValueError(f"{self.spec.model_type} has no image tower: it embeds text only")
-        if self.runner is not None:
-            self.runner.ops.use_stream()  # an eager image step on the main stream, not the online lane's
         return self.images.step(pixels)
 
     def _use_kernels(self) -> int:

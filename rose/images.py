@@ -151,6 +151,8 @@ class ImageTower:
             lazy = self.graphs.step(pixels)  # (staged by one copy, strided or not)
             if lazy is not None:
                 return lazy
+        if self.graphs is not None:
+            self.graphs.ops.use_stream()  # eager on the main stream, not the online lane's a text step left current
         n = pixels.shape[0]
         cu = self.cu_seqlens(n, "cpu")
         self.attention.prepare(None, cu.numpy(), n * self.tokens)

@@ -435,12 +435,7 @@ class EngineLoop:
             # Steps of one stream finish in launch order, and a result's page-locked memory is reused `ring`
             # launches later (rose.graphs): a step launched earlier that is done (one of this step's stream, or
             # not) is completed first, not left to a waiter thread while steps launched meanwhile reuse its slot.
-            older = []
-            for s in self._inflight:  # (in launch order)
-                if s is step:
-                    break
-                older.append(s)
-            for s in older:
+            for s in list(itertools.takewhile(lambda s: s is not step, self._inflight)):  # (in launch order)
                 if _ready(s):
                     self._complete(s)
         self._inflight.remove(step)

@@ -20,8 +20,8 @@ class GraphCollector:
     def collect(self):
         # the main runner's as tulip_graph_*, the online lane's (rose.engine.EngineConfig.online_lane_tokens, where
         # on) as tulip_graph_lane_*: its oversize counts online steps too big for the lane (run on the main stream)
-        for prefix, runner in (("tulip_graph", getattr(self.engine, "runner", None)),
-                               ("tulip_graph_lane", getattr(self.engine, "lane", None))):
+        for prefix, runner, whose in (("tulip_graph", getattr(self.engine, "runner", None), ""),
+                                      ("tulip_graph_lane", getattr(self.engine, "lane", None), " (the online lane)")):
             if runner is None:
                 continue
             s = runner.stats
@@ -29,8 +29,7 @@ class GraphCollector:
                                      ("captures", "graphs captured", s.captures), ("replays", "graph replays", s.replays),
                                      ("oversize", "steps too big for any graph", s.oversize),
                                      ("capture_ms", "total capture time, ms", s.capture_ms)):
-                g = GaugeMetricFamily(f"{prefix}_{name}", doc + (" (the online lane)" if runner is not self.engine.runner
-                                                                 else ""))
+                g = GaugeMetricFamily(f"{prefix}_{name}", doc + whose)
                 g.add_metric([], value)
                 yield g
 
