@@ -18,8 +18,15 @@ sys.path.insert(0, str(ROOT))
 # Ports for the servers tests start: one range per pytest-xdist worker, below the kernel's ephemeral range
 # (32768-60999 by default), so neither the other worker nor a client's outgoing connection (tests open
 # thousands) takes a port between its pick and the server's bind. Subprocesses (benchmarks.common) inherit it.
+# A worker sets its own range over what it inherited: the xdist controller imports this file too (as worker
+# 0) before it starts the workers, so with setdefault every worker kept 20000-23000 and two workers' servers
+# could take one port (an Ivy's port answered by another test's Tulip: 405s in tests/test_tei.py, 2026-12-06).
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-os.environ.setdefault("TRELLIS_FREE_PORTS", f"{20000 + 3000 * (_WORKER % 4)}-{23000 + 3000 * (_WORKER % 4)}")
+_RANGE = f"{20000 + 3000 * (_WORKER % 4)}-{23000 + 3000 * (_WORKER % 4)}"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["TRELLIS_FREE_PORTS"] = _RANGE
+else:
+    os.environ.setdefault("TRELLIS_FREE_PORTS", _RANGE)
 
 from benchmarks.common import free_port  # noqa: E402  (after TRELLIS_FREE_PORTS and sys.path)
 
